@@ -1,0 +1,275 @@
+/*
+ * flashtile.h - the whole public C API of flashtile.
+ *
+ * flashtile is a library of tiled (FlashAttention-style) attention kernels
+ * with N-d tensors to feed them. This header is usable from plain C, without
+ * Lua. Conventions:
+ *
+ *   - Every function that can fail returns an ft_status; FT_OK is 0. On
+ *     failure ft_last_error() gives a one-line message for the calling
+ *     thread, naming the function, the argument and the problem. Nothing in
+ *     the library aborts, exits or prints.
+ *   - Functions that make a tensor take `ft_tensor **out`; on success *out is
+ *     a new handle owned by the caller (free it with ft_tensor_free); on
+ *     failure *out is NULL and nothing was allocated.
+ *   - Dimensions and indices are 0-based here (the Lua layer is 1-based).
+ *     A negative dim counts from the end (-1 is the last).
+ *   - Shapes and strides are in elements, not bytes.
+ */
+#ifndef FLASHTILE_H
+#define FLASHTILE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define FT_API __declspec(dllexport)
+#else
+#define FT_API __attribute__((visibility("default")))
+#endif
+
+#define FT_VERSION "0.1.0"
+
+/* ---- status codes ------------------------------------------------------ */
+
+typedef enum ft_status {
+    FT_OK = 0,              /* success */
+    FT_ERR_ARGUMENT = 1,    /* a bad argument: wrong shape, dtype, index... */
+    FT_ERR_NOMEM = 2,       /* an allocation failed */
+    FT_ERR_IO = 3,          /* a file could not be read or written */
+    FT_ERR_UNSUPPORTED = 4, /* valid request this build cannot serve (yet) */
+    FT_ERR_DEVICE = 5,      /* a CUDA or cuBLAS call failed */
+    FT_ERR_INTERNAL = 6     /* a bug in flashtile */
+} ft_status;
+
+/* The message of the last failed call on this thread ("" if none), as
+ * "ft_view: shape {3, 5} has 15 elements, tensor has 16". The pointer stays
+ * valid until the next flashtile call on this thread. */
+FT_API const char *ft_last_error(void);
+/* The same failure in parts, for bindings that format their own errors:
+ * the problem alone ("shape {3, 5} has 15 elements, tensor has 16"), and
+ * the 1-based position of the offending input among the function's inputs
+ * (output pointers not counted; a pointer and its count are one input),
+ * or 0 when no single input is at fault. */
+FT_API const char *ft_last_error_detail(void);
+FT_API int ft_last_error_arg(void);
+
+/* ---- dtypes and devices ------------------------------------------------ */
+
+typedef enum ft_dtype {
+    FT_F64 = 0,
+    FT_F32 = 1,
+    FT_F16 = 2,
+    FT_BF16 = 3,
+    FT_I32 = 4,
+    FT_I64 = 5,
+    FT_NUM_DTYPES = 6
+} ft_dtype;
+
+/* Bytes per element; 0 for an invalid dtype. */
+FT_API size_t ft_dtype_size(ft_dtype dtype);
+/* Canonical short name ("f64", "f32", "f16", "bf16", "i32", "i64"). */
+FT_API const char *ft_dtype_name(ft_dtype dtype);
+/* Parses a short name or an alias ("double", "float", "half", "bfloat16",
+ * "int", "long", "float32"...). FT_ERR_ARGUMENT for an unknown name. */
+FT_API ft_status ft_dtype_parse(const char *name, ft_dtype *out);
+/* 1 for f64/f32/f16/bf16, 0 for integer dtypes. */
+FT_API int ft_dtype_is_float(ft_dtype dtype);
+
+typedef enum ft_device_type { FT_CPU = 0, FT_CUDA = 1 } ft_device_type;
+
+typedef struct ft_device {
+    ft_device_type type;
+    int index; /* CUDA ordinal; 0 for the CPU */
+} ft_device;
+
+/* Parses "cpu", "cuda" or "cuda:N". Unknown names are FT_ERR_ARGUMENT; a
+ * CUDA device in a build without CUDA is FT_ERR_UNSUPPORTED. */
+FT_API ft_status ft_device_parse(const char *name, ft_device *out);
+/* Writes "cpu" or "cuda:N" into buf (at least 16 bytes). Returns buf. */
+FT_API char *ft_device_name(ft_device device, char *buf, size_t size);
+FT_API int ft_device_equal(ft_device a, ft_device b);
+
+/* ---- tensors ----------------------------------------------------------- */
+
+#define FT_MAX_DIMS 8
+
+typedef struct ft_storage ft_storage; /* refcounted memory, shared by views */
+
+/* A strided view of a storage. The fields may be read freely; change them
+ * only through the functions below. `data` points at element [0, 0, ...]
+ * of this view (storage base plus the view's offset). */
+typedef struct ft_tensor {
+    ft_storage *storage;
+    void *data;
+    ft_dtype dtype;
+    ft_device device;
+    int ndim;                         /* 0 (a scalar) to FT_MAX_DIMS */
+    int64_t shape[FT_MAX_DIMS];
+    int64_t stride[FT_MAX_DIMS];      /* in elements, >= 0 */
+} ft_tensor;
+
+/* A new contiguous tensor with uninitialised contents. */
+FT_API ft_status ft_empty(ft_tensor **out, int ndim, const int64_t *shape,
+                          ft_dtype dtype, ft_device device);
+/* Releases the handle and its reference to the storage; NULL is a no-op.
+ * The memory goes when the last view of the storage is freed. */
+FT_API void ft_tensor_free(ft_tensor *t);
+
+FT_API int64_t ft_numel(const ft_tensor *t);
+FT_API int ft_is_contiguous(const ft_tensor *t);
+/* Bytes of the storage behind t (shared with every view of it). */
+FT_API size_t ft_storage_nbytes(const ft_tensor *t);
+/* 1 if a and b are views of the same storage. */
+FT_API int ft_same_storage(const ft_tensor *a, const ft_tensor *b);
+
+/* Views: the result shares t's storage. */
+
+/* A view with a new shape of the same element count; at most one entry
+ * may be -1 (inferred). Fails if t's strides cannot express it (use
+ * ft_reshape, which copies when it must). */
+FT_API ft_status ft_view(ft_tensor **out, const ft_tensor *t, int ndim,
+                         const int64_t *shape);
+/* ft_view when possible, else a contiguous copy with the new shape. */
+FT_API ft_status ft_reshape(ft_tensor **out, const ft_tensor *t, int ndim,
+                            const int64_t *shape);
+FT_API ft_status ft_transpose(ft_tensor **out, const ft_tensor *t, int dim0,
+                              int dim1);
+/* perm has t->ndim entries, a permutation of 0..ndim-1 (negatives allowed). */
+FT_API ft_status ft_permute(ft_tensor **out, const ft_tensor *t,
+                            const int *perm);
+/* Elements start..start+length-1 along dim. */
+FT_API ft_status ft_narrow(ft_tensor **out, const ft_tensor *t, int dim,
+                           int64_t start, int64_t length);
+/* The slice at index along dim; the result has one dimension fewer. */
+FT_API ft_status ft_select(ft_tensor **out, const ft_tensor *t, int dim,
+                           int64_t index);
+/* A new handle on t itself if t is contiguous, else a contiguous copy. */
+FT_API ft_status ft_contiguous(ft_tensor **out, const ft_tensor *t);
+/* Shares storage with t: a new handle with the same view. */
+FT_API ft_status ft_alias(ft_tensor **out, const ft_tensor *t);
+
+/* Copies: the result owns fresh storage. */
+
+/* A contiguous copy of t. */
+FT_API ft_status ft_clone(ft_tensor **out, const ft_tensor *t);
+/* A contiguous copy of t converted to dtype on device. */
+FT_API ft_status ft_to(ft_tensor **out, const ft_tensor *t, ft_dtype dtype,
+                       ft_device device);
+/* dst[...] = src[...], converting dtypes. Shapes must be equal. Floats to
+ * f16/bf16 round to nearest even; floats to integers truncate toward zero
+ * and saturate (NaN becomes 0). dst and src may be views of one storage
+ * only if they are the same view. */
+FT_API ft_status ft_copy(ft_tensor *dst, const ft_tensor *src);
+/* Sets every element to value (converted as ft_copy does). */
+FT_API ft_status ft_fill(ft_tensor *t, double value);
+
+/* One element, index has t->ndim entries. Integer dtypes may use the
+ * _int variants to keep all 64 bits. */
+FT_API ft_status ft_get(const ft_tensor *t, const int64_t *index,
+                        double *value);
+FT_API ft_status ft_set(ft_tensor *t, const int64_t *index, double value);
+FT_API ft_status ft_get_int(const ft_tensor *t, const int64_t *index,
+                            int64_t *value);
+FT_API ft_status ft_set_int(ft_tensor *t, const int64_t *index,
+                            int64_t value);
+
+/* Scalar conversions with round-to-nearest-even (the bit patterns of
+ * IEEE binary16 and bfloat16). */
+FT_API uint16_t ft_f64_to_f16(double x);
+FT_API double ft_f16_to_f64(uint16_t h);
+FT_API uint16_t ft_f64_to_bf16(double x);
+FT_API double ft_bf16_to_f64(uint16_t h);
+
+/* ---- random numbers ---------------------------------------------------- */
+
+/* Counter-based Philox 4x32-10: element i (in row-major order of t's shape)
+ * depends only on (seed, offset, i), on any device. Each call consumes
+ * ft_random_counters(numel) counters; pass offset += that to the next call
+ * to continue the stream. rand: uniform in [0, 1); randn: standard normal
+ * (Box-Muller). Floating dtypes only. */
+FT_API ft_status ft_rand(ft_tensor *t, uint64_t seed, uint64_t offset);
+FT_API ft_status ft_randn(ft_tensor *t, uint64_t seed, uint64_t offset);
+FT_API uint64_t ft_random_counters(int64_t numel);
+
+/* ---- elementwise, reductions, matmul ----------------------------------- */
+
+typedef enum ft_binop {
+    FT_ADD, FT_SUB, FT_MUL, FT_DIV, FT_POW, FT_MAXIMUM, FT_MINIMUM
+} ft_binop;
+
+typedef enum ft_unop {
+    FT_NEG, FT_EXP, FT_LOG, FT_ABS, FT_SQRT, FT_TANH, FT_SIGMOID, FT_RELU
+} ft_unop;
+
+typedef enum ft_reduce_op {
+    FT_SUM, FT_MEAN, FT_MAX, FT_MIN, FT_NORM /* 2-norm */
+} ft_reduce_op;
+
+/* Results are new contiguous tensors of a's dtype and device, computed in
+ * f64. Tensor-tensor ops need equal shapes, dtypes and devices. Integer
+ * tensors accept ADD, SUB, MUL, MAXIMUM, MINIMUM, NEG and ABS only. */
+FT_API ft_status ft_binary(ft_tensor **out, ft_binop op, const ft_tensor *a,
+                           const ft_tensor *b);
+/* a op s, or s op a when scalar_first is nonzero. */
+FT_API ft_status ft_binary_scalar(ft_tensor **out, ft_binop op,
+                                  const ft_tensor *a, double s,
+                                  int scalar_first);
+FT_API ft_status ft_unary(ft_tensor **out, ft_unop op, const ft_tensor *a);
+
+/* Reduction over every element, in f64. MEAN/NORM of integers are fine
+ * here. MAX/MIN of an empty tensor fail. */
+FT_API ft_status ft_reduce_all(ft_reduce_op op, const ft_tensor *a,
+                               double *result);
+/* Reduction along dim; the dim is kept with size 1 if keepdim, else
+ * removed. For MAX/MIN, indices (if not NULL) receives the i64 positions
+ * (0-based) of the first extreme element. Floating dtypes for MEAN/NORM. */
+FT_API ft_status ft_reduce_dim(ft_tensor **out, ft_tensor **indices,
+                               ft_reduce_op op, const ft_tensor *a, int dim,
+                               int keepdim);
+/* softmax along dim, computed in f64 with the max subtracted. Floats only. */
+FT_API ft_status ft_softmax(ft_tensor **out, const ft_tensor *a, int dim);
+
+/* Matrix product: a [m, k] x b [k, n] -> [m, n], or batched a [B, m, k] x
+ * b [B, k, n] -> [B, m, n]. Floating dtypes, equal on both sides; f16 and
+ * bf16 are computed in f32. CPU: CBLAS. */
+FT_API ft_status ft_matmul(ft_tensor **out, const ft_tensor *a,
+                           const ft_tensor *b);
+
+/* max |a - b| over all elements (shapes equal, dtypes may differ). NaN in
+ * either gives NaN. */
+FT_API ft_status ft_max_abs_diff(const ft_tensor *a, const ft_tensor *b,
+                                 double *result);
+/* 1 if |a - b| <= atol + rtol * |b| everywhere (NaN is never close). */
+FT_API ft_status ft_allclose(const ft_tensor *a, const ft_tensor *b,
+                             double rtol, double atol, int *result);
+
+/* ---- files ------------------------------------------------------------- */
+
+/* NumPy .npy (format 1.0/2.0), little-endian, dtypes f16/f32/f64/i32/i64.
+ * bf16 has no NumPy dtype and is rejected. Loading gives a CPU tensor. */
+FT_API ft_status ft_save_npy(const ft_tensor *t, const char *path);
+FT_API ft_status ft_load_npy(ft_tensor **out, const char *path);
+
+/* ---- memory ------------------------------------------------------------ */
+
+typedef struct ft_memory_stats {
+    int64_t in_use;   /* bytes of tensor storage alive now */
+    int64_t peak;     /* highest in_use since the last reset */
+    int64_t reserved; /* bytes held by the allocator (CUDA pool); = in_use
+                         on the CPU */
+} ft_memory_stats;
+
+FT_API ft_status ft_memory_stats_get(ft_device device, ft_memory_stats *out);
+/* Sets peak to the current in_use. */
+FT_API ft_status ft_reset_peak_memory(ft_device device);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHTILE_H */

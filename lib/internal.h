@@ -1,0 +1,130 @@
+/*
+ * internal.h - what the files of lib/ share and users of flashtile.h need
+ * not see: the storage record, error reporting, element access by dtype and
+ * a strided iterator.
+ */
+#ifndef FT_INTERNAL_H
+#define FT_INTERNAL_H
+
+#include "flashtile.h"
+
+#include <stdatomic.h>
+#include <stdbool.h>
+
+struct ft_storage {
+    atomic_long refcount;
+    void *data;
+    size_t nbytes;
+    ft_device device;
+};
+
+/* ---- errors (error.c) ---- */
+
+/* Records "func: detail" as this thread's last error, with the offending
+ * input's position (0 if none), and returns status. Use as
+ *   return ft_fail(FT_ERR_ARGUMENT, "ft_view", 2, "shape %s ...", ...); */
+ft_status ft_fail(ft_status status, const char *func, int arg,
+                  const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+#define FT_TRY(expr)                         \
+    do {                                     \
+        ft_status ft_try_s_ = (expr);        \
+        if (ft_try_s_ != FT_OK)              \
+            return ft_try_s_;                \
+    } while (0)
+
+/* Formats a shape as "{2, 3, 4}" into buf; returns buf. */
+char *ft_format_shape(char *buf, size_t size, int ndim, const int64_t *shape);
+
+/* Normalises a possibly negative dim against ndim into *out; fails with a
+ * message for func/arg when out of range. */
+ft_status ft_check_dim(const char *func, int arg, int dim, int ndim, int *out);
+
+/* Checks a tensor argument is non-NULL; the message names func and arg. */
+ft_status ft_check_tensor(const char *func, int arg, const ft_tensor *t);
+
+/* ---- memory (memory.c) ---- */
+
+/* Tensor storage with refcount 1, 64-byte aligned, counted in the stats. */
+ft_status ft_storage_new(ft_storage **out, size_t nbytes, ft_device device,
+                         const char *func);
+void ft_storage_retain(ft_storage *s);
+void ft_storage_release(ft_storage *s);
+
+/* ---- element access (dtype.c) ---- */
+
+/* The element at p (of type dtype) as a double, and back. Stores round
+ * to nearest even for f16/bf16 and truncate + saturate for integers. */
+double ft_load_f64(const void *p, ft_dtype dtype);
+void ft_store_f64(void *p, ft_dtype dtype, double v);
+
+/* ---- tensors (tensor.c) ---- */
+
+/* A new tensor handle viewing storage s (retained) at byte offset. */
+ft_status ft_tensor_wrap(ft_tensor **out, ft_storage *s, size_t byte_offset,
+                         ft_dtype dtype, int ndim, const int64_t *shape,
+                         const int64_t *stride, const char *func);
+/* ft_empty with a caller-chosen function name for error messages. */
+ft_status ft_empty_named(ft_tensor **out, int ndim, const int64_t *shape,
+                         ft_dtype dtype, ft_device device, const char *func);
+/* Fails unless t is on the CPU (device tensors come with the CUDA build). */
+ft_status ft_check_cpu(const char *func, int arg, const ft_tensor *t);
+/* Fails unless a and b have equal shapes. */
+ft_status ft_check_same_shape(const char *func, int arg, const ft_tensor *a,
+                              const ft_tensor *b);
+
+/* ---- strided iteration ----
+ * Walks up to FT_ITER_MAX operands of one shape in row-major order:
+ *
+ *   ft_iter it;
+ *   ft_iter_init(&it, a->ndim, a->shape, 2, (const int64_t *[]){a->stride, b->stride});
+ *   for (int64_t i = 0; i < n; i++, ft_iter_next(&it))
+ *       use(it.offset[0], it.offset[1]);   // element offsets
+ */
+#define FT_ITER_MAX 3
+
+typedef struct ft_iter {
+    int ndim, nops;
+    int64_t shape[FT_MAX_DIMS];
+    int64_t index[FT_MAX_DIMS];
+    int64_t stride[FT_ITER_MAX][FT_MAX_DIMS];
+    int64_t offset[FT_ITER_MAX];
+} ft_iter;
+
+static inline void ft_iter_init(ft_iter *it, int ndim, const int64_t *shape,
+                                int nops, const int64_t *const *strides)
+{
+    it->ndim = ndim;
+    it->nops = nops;
+    for (int d = 0; d < ndim; d++) {
+        it->shape[d] = shape[d];
+        it->index[d] = 0;
+        for (int k = 0; k < nops; k++)
+            it->stride[k][d] = strides[k][d];
+    }
+    for (int k = 0; k < nops; k++)
+        it->offset[k] = 0;
+}
+
+static inline void ft_iter_next(ft_iter *it)
+{
+    for (int d = it->ndim - 1; d >= 0; d--) {
+        if (++it->index[d] < it->shape[d]) {
+            for (int k = 0; k < it->nops; k++)
+                it->offset[k] += it->stride[k][d];
+            return;
+        }
+        it->index[d] = 0;
+        for (int k = 0; k < it->nops; k++)
+            it->offset[k] -= it->stride[k][d] * (it->shape[d] - 1);
+    }
+}
+
+/* Byte address of the element at element offset off of t. */
+static inline void *ft_elem_ptr(const ft_tensor *t, int64_t off)
+{
+    return (char *)t->data + off * (int64_t)ft_dtype_size(t->dtype);
+}
+
+#endif /* FT_INTERNAL_H */

@@ -1,0 +1,85 @@
+/*
+ * memory.c - tensor storage: allocation, reference counts and the CPU
+ * memory statistics (bytes in use and the peak since the last reset).
+ *
+ * The counters are per process, like the CUDA pool's: memory is a
+ * process-wide resource, and every Lua state of a host shares it.
+ */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define FT_ALIGNMENT 64 /* a cache line; also enough for any SIMD load */
+
+static atomic_llong cpu_in_use;
+static atomic_llong cpu_peak;
+
+static void count_alloc(long long nbytes)
+{
+    long long now = atomic_fetch_add(&cpu_in_use, nbytes) + nbytes;
+    long long peak = atomic_load(&cpu_peak);
+    while (now > peak && !atomic_compare_exchange_weak(&cpu_peak, &peak, now))
+        ;
+}
+
+ft_status ft_storage_new(ft_storage **out, size_t nbytes, ft_device device,
+                         const char *func)
+{
+    *out = NULL;
+    if (device.type != FT_CPU)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
+                       "flashtile was built without CUDA");
+    ft_storage *s = malloc(sizeof *s);
+    if (!s)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    /* aligned_alloc wants a multiple of the alignment, and never 0. */
+    size_t rounded = (nbytes + FT_ALIGNMENT - 1) / FT_ALIGNMENT * FT_ALIGNMENT;
+    if (rounded < nbytes) {
+        free(s);
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory (%zu bytes)", nbytes);
+    }
+    s->data = aligned_alloc(FT_ALIGNMENT, rounded ? rounded : FT_ALIGNMENT);
+    if (!s->data) {
+        free(s);
+        return ft_fail(FT_ERR_NOMEM, func, 0,
+                       "out of memory allocating %zu bytes on cpu", nbytes);
+    }
+    atomic_init(&s->refcount, 1);
+    s->nbytes = nbytes;
+    s->device = device;
+    count_alloc((long long)nbytes);
+    *out = s;
+    return FT_OK;
+}
+
+void ft_storage_retain(ft_storage *s) { atomic_fetch_add(&s->refcount, 1); }
+
+void ft_storage_release(ft_storage *s)
+{
+    if (!s || atomic_fetch_sub(&s->refcount, 1) != 1)
+        return;
+    atomic_fetch_sub(&cpu_in_use, (long long)s->nbytes);
+    free(s->data);
+    free(s);
+}
+
+ft_status ft_memory_stats_get(ft_device device, ft_memory_stats *out)
+{
+    if (device.type != FT_CPU)
+        return ft_fail(FT_ERR_UNSUPPORTED, "ft_memory_stats_get", 1,
+                       "flashtile was built without CUDA");
+    out->in_use = atomic_load(&cpu_in_use);
+    out->peak = atomic_load(&cpu_peak);
+    out->reserved = out->in_use;
+    return FT_OK;
+}
+
+ft_status ft_reset_peak_memory(ft_device device)
+{
+    if (device.type != FT_CPU)
+        return ft_fail(FT_ERR_UNSUPPORTED, "ft_reset_peak_memory", 1,
+                       "flashtile was built without CUDA");
+    atomic_store(&cpu_peak, atomic_load(&cpu_in_use));
+    return FT_OK;
+}

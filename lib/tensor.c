@@ -1,0 +1,560 @@
+/*
+ * tensor.c - tensor handles over refcounted storage: creation, views,
+ * copies with dtype conversion, fill, and single-element access.
+ *
+ * A handle (ft_tensor) is owned by one caller; the storage behind it is
+ * shared by every view and freed with the last one.
+ */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define SHAPE_TEXT 160 /* room for "{a, b, ...}" of FT_MAX_DIMS sizes */
+
+ft_status ft_check_cpu(const char *func, int arg, const ft_tensor *t)
+{
+    if (t->device.type != FT_CPU) {
+        char dev[16];
+        return ft_fail(FT_ERR_UNSUPPORTED, func, arg,
+                       "tensor on %s: this build has only the cpu",
+                       ft_device_name(t->device, dev, sizeof dev));
+    }
+    return FT_OK;
+}
+
+ft_status ft_check_same_shape(const char *func, int arg, const ft_tensor *a,
+                              const ft_tensor *b)
+{
+    int same = a->ndim == b->ndim;
+    for (int d = 0; same && d < a->ndim; d++)
+        same = a->shape[d] == b->shape[d];
+    if (!same) {
+        char sa[SHAPE_TEXT], sb[SHAPE_TEXT];
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "shapes differ (%s and %s)",
+                       ft_format_shape(sa, sizeof sa, a->ndim, a->shape),
+                       ft_format_shape(sb, sizeof sb, b->ndim, b->shape));
+    }
+    return FT_OK;
+}
+
+static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
+{
+    int64_t s = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        stride[d] = s;
+        s *= shape[d] > 0 ? shape[d] : 1;
+    }
+}
+
+/* Checks a shape and gives its element count, failing on negative sizes,
+ * too many dims, or a byte size that does not fit in size_t. */
+static ft_status check_shape(const char *func, int arg, int ndim,
+                             const int64_t *shape, ft_dtype dtype,
+                             int64_t *numel)
+{
+    if (ndim < 0 || ndim > FT_MAX_DIMS)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                       "%d dims requested, at most %d are supported", ndim,
+                       FT_MAX_DIMS);
+    if (ndim > 0 && !shape)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "shape expected, got NULL");
+    int64_t n = 1;
+    const int64_t limit = INT64_MAX / 8; /* bytes must fit for any dtype */
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0)
+            return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                           "size %lld of dim %d is negative",
+                           (long long)shape[d], d);
+        if (shape[d] > 0 && n > limit / shape[d])
+            return ft_fail(FT_ERR_NOMEM, func, arg, "shape is too large");
+        n *= shape[d];
+    }
+    if (!ft_dtype_size(dtype))
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "invalid dtype %d", (int)dtype);
+    *numel = n;
+    return FT_OK;
+}
+
+ft_status ft_tensor_wrap(ft_tensor **out, ft_storage *s, size_t byte_offset,
+                         ft_dtype dtype, int ndim, const int64_t *shape,
+                         const int64_t *stride, const char *func)
+{
+    ft_tensor *t = calloc(1, sizeof *t);
+    if (!t) {
+        *out = NULL;
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    }
+    ft_storage_retain(s);
+    t->storage = s;
+    t->data = (char *)s->data + byte_offset;
+    t->dtype = dtype;
+    t->device = s->device;
+    t->ndim = ndim;
+    for (int d = 0; d < ndim; d++) {
+        t->shape[d] = shape[d];
+        t->stride[d] = stride[d];
+    }
+    *out = t;
+    return FT_OK;
+}
+
+ft_status ft_empty_named(ft_tensor **out, int ndim, const int64_t *shape,
+                         ft_dtype dtype, ft_device device, const char *func)
+{
+    *out = NULL;
+    int64_t numel = 0;
+    FT_TRY(check_shape(func, 1, ndim, shape, dtype, &numel));
+    ft_storage *s;
+    FT_TRY(ft_storage_new(&s, (size_t)numel * ft_dtype_size(dtype), device, func));
+    int64_t stride[FT_MAX_DIMS];
+    contiguous_strides(ndim, shape, stride);
+    ft_status st = ft_tensor_wrap(out, s, 0, dtype, ndim, shape, stride, func);
+    ft_storage_release(s); /* the handle holds its own reference */
+    return st;
+}
+
+ft_status ft_empty(ft_tensor **out, int ndim, const int64_t *shape,
+                   ft_dtype dtype, ft_device device)
+{
+    return ft_empty_named(out, ndim, shape, dtype, device, "ft_empty");
+}
+
+void ft_tensor_free(ft_tensor *t)
+{
+    if (!t)
+        return;
+    ft_storage_release(t->storage);
+    free(t);
+}
+
+int64_t ft_numel(const ft_tensor *t)
+{
+    int64_t n = 1;
+    for (int d = 0; d < t->ndim; d++)
+        n *= t->shape[d];
+    return n;
+}
+
+int ft_is_contiguous(const ft_tensor *t)
+{
+    int64_t expected = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        if (t->shape[d] == 0)
+            return 1;
+        if (t->shape[d] != 1 && t->stride[d] != expected)
+            return 0;
+        expected *= t->shape[d];
+    }
+    return 1;
+}
+
+size_t ft_storage_nbytes(const ft_tensor *t) { return t->storage->nbytes; }
+
+int ft_same_storage(const ft_tensor *a, const ft_tensor *b)
+{
+    return a->storage == b->storage;
+}
+
+/* A new handle on t's storage with the given geometry. */
+static ft_status make_view(ft_tensor **out, const ft_tensor *t, void *data,
+                           int ndim, const int64_t *shape,
+                           const int64_t *stride, const char *func)
+{
+    size_t offset = (size_t)((char *)data - (char *)t->storage->data);
+    return ft_tensor_wrap(out, t->storage, offset, t->dtype, ndim, shape,
+                          stride, func);
+}
+
+ft_status ft_alias(ft_tensor **out, const ft_tensor *t)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_alias", 1, t));
+    return make_view(out, t, t->data, t->ndim, t->shape, t->stride, "ft_alias");
+}
+
+/* Resolves a -1 entry of a requested shape against numel. */
+static ft_status infer_shape(const char *func, const ft_tensor *t, int ndim,
+                             const int64_t *req, int64_t *shape)
+{
+    char sr[SHAPE_TEXT], st[SHAPE_TEXT];
+    if (ndim < 0 || ndim > FT_MAX_DIMS)
+        return ft_fail(FT_ERR_ARGUMENT, func, 2,
+                       "%d dims requested, at most %d are supported", ndim,
+                       FT_MAX_DIMS);
+    int infer = -1;
+    int64_t known = 1;
+    for (int d = 0; d < ndim; d++) {
+        shape[d] = req[d];
+        if (req[d] == -1) {
+            if (infer >= 0)
+                return ft_fail(FT_ERR_ARGUMENT, func, 2,
+                               "only one size may be -1 in %s",
+                               ft_format_shape(sr, sizeof sr, ndim, req));
+            infer = d;
+        } else if (req[d] < 0) {
+            return ft_fail(FT_ERR_ARGUMENT, func, 2, "negative size in %s",
+                           ft_format_shape(sr, sizeof sr, ndim, req));
+        } else {
+            known *= req[d];
+        }
+    }
+    int64_t numel = ft_numel(t);
+    if (infer >= 0) {
+        if (known == 0 || numel % known != 0)
+            return ft_fail(FT_ERR_ARGUMENT, func, 2,
+                           "shape %s cannot hold %lld elements",
+                           ft_format_shape(sr, sizeof sr, ndim, req),
+                           (long long)numel);
+        shape[infer] = numel / known;
+        known = numel;
+    }
+    if (known != numel)
+        return ft_fail(FT_ERR_ARGUMENT, func, 2,
+                       "shape %s has %lld elements, tensor %s has %lld",
+                       ft_format_shape(sr, sizeof sr, ndim, req),
+                       (long long)known,
+                       ft_format_shape(st, sizeof st, t->ndim, t->shape),
+                       (long long)numel);
+    return FT_OK;
+}
+
+/* Strides for viewing t with shape, if t's strides allow it without a
+ * copy: each run of dims of t that is contiguous within itself may be
+ * split or merged freely, runs may not be merged with each other. */
+static int view_strides(const ft_tensor *t, int ndim, const int64_t *shape,
+                        int64_t *stride)
+{
+    if (ft_numel(t) <= 1 || t->ndim == 0) {
+        contiguous_strides(ndim, shape, stride);
+        return 1;
+    }
+    int vd = ndim - 1;
+    int64_t chunk_stride = t->stride[t->ndim - 1];
+    int64_t t_numel = 1, v_numel = 1;
+    for (int td = t->ndim - 1; td >= 0; td--) {
+        t_numel *= t->shape[td];
+        int chunk_ends = td == 0 || (t->shape[td - 1] != 1 &&
+                                     t->stride[td - 1] != t_numel * chunk_stride);
+        if (!chunk_ends)
+            continue;
+        while (vd >= 0 && (v_numel < t_numel || shape[vd] == 1)) {
+            stride[vd] = v_numel * chunk_stride;
+            v_numel *= shape[vd];
+            vd--;
+        }
+        if (v_numel != t_numel)
+            return 0;
+        if (td > 0) {
+            chunk_stride = t->stride[td - 1];
+            t_numel = v_numel = 1;
+        }
+    }
+    return vd == -1;
+}
+
+static ft_status view_named(ft_tensor **out, const ft_tensor *t, int ndim,
+                            const int64_t *req, const char *func, int *no_view)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor(func, 1, t));
+    int64_t shape[FT_MAX_DIMS], stride[FT_MAX_DIMS];
+    FT_TRY(infer_shape(func, t, ndim, req, shape));
+    if (ft_numel(t) == 0) {
+        contiguous_strides(ndim, shape, stride);
+    } else if (!view_strides(t, ndim, shape, stride)) {
+        char sr[SHAPE_TEXT];
+        *no_view = 1;
+        return ft_fail(FT_ERR_ARGUMENT, func, 2,
+                       "tensor's strides cannot be viewed as %s without a "
+                       "copy (use reshape or contiguous)",
+                       ft_format_shape(sr, sizeof sr, ndim, shape));
+    }
+    return make_view(out, t, t->data, ndim, shape, stride, func);
+}
+
+ft_status ft_view(ft_tensor **out, const ft_tensor *t, int ndim,
+                  const int64_t *shape)
+{
+    int no_view = 0;
+    return view_named(out, t, ndim, shape, "ft_view", &no_view);
+}
+
+ft_status ft_reshape(ft_tensor **out, const ft_tensor *t, int ndim,
+                     const int64_t *shape)
+{
+    int no_view = 0;
+    ft_status st = view_named(out, t, ndim, shape, "ft_reshape", &no_view);
+    if (st == FT_OK || !no_view)
+        return st;
+    ft_tensor *c;
+    FT_TRY(ft_clone(&c, t));
+    st = view_named(out, c, ndim, shape, "ft_reshape", &no_view);
+    ft_tensor_free(c);
+    return st;
+}
+
+ft_status ft_transpose(ft_tensor **out, const ft_tensor *t, int dim0, int dim1)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_transpose", 1, t));
+    int d0, d1;
+    FT_TRY(ft_check_dim("ft_transpose", 2, dim0, t->ndim, &d0));
+    FT_TRY(ft_check_dim("ft_transpose", 3, dim1, t->ndim, &d1));
+    int64_t shape[FT_MAX_DIMS], stride[FT_MAX_DIMS];
+    memcpy(shape, t->shape, sizeof shape);
+    memcpy(stride, t->stride, sizeof stride);
+    shape[d0] = t->shape[d1], shape[d1] = t->shape[d0];
+    stride[d0] = t->stride[d1], stride[d1] = t->stride[d0];
+    return make_view(out, t, t->data, t->ndim, shape, stride, "ft_transpose");
+}
+
+ft_status ft_permute(ft_tensor **out, const ft_tensor *t, const int *perm)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_permute", 1, t));
+    if (t->ndim > 0 && !perm)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_permute", 2, "permutation expected");
+    int64_t shape[FT_MAX_DIMS], stride[FT_MAX_DIMS];
+    int seen[FT_MAX_DIMS] = {0};
+    for (int d = 0; d < t->ndim; d++) {
+        int src;
+        FT_TRY(ft_check_dim("ft_permute", 2, perm[d], t->ndim, &src));
+        if (seen[src]++)
+            return ft_fail(FT_ERR_ARGUMENT, "ft_permute", 2,
+                           "dim %d appears twice in the permutation", perm[d]);
+        shape[d] = t->shape[src];
+        stride[d] = t->stride[src];
+    }
+    return make_view(out, t, t->data, t->ndim, shape, stride, "ft_permute");
+}
+
+ft_status ft_narrow(ft_tensor **out, const ft_tensor *t, int dim,
+                    int64_t start, int64_t length)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_narrow", 1, t));
+    int d;
+    FT_TRY(ft_check_dim("ft_narrow", 2, dim, t->ndim, &d));
+    if (start < 0 || start > t->shape[d])
+        return ft_fail(FT_ERR_ARGUMENT, "ft_narrow", 3,
+                       "start %lld out of range for dim %d of size %lld",
+                       (long long)start, dim, (long long)t->shape[d]);
+    if (length < 0 || length > t->shape[d] - start)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_narrow", 4,
+                       "length %lld from start %lld exceeds dim %d of size %lld",
+                       (long long)length, (long long)start, dim,
+                       (long long)t->shape[d]);
+    int64_t shape[FT_MAX_DIMS];
+    memcpy(shape, t->shape, sizeof shape);
+    shape[d] = length;
+    return make_view(out, t, ft_elem_ptr(t, start * t->stride[d]), t->ndim,
+                     shape, t->stride, "ft_narrow");
+}
+
+ft_status ft_select(ft_tensor **out, const ft_tensor *t, int dim,
+                    int64_t index)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_select", 1, t));
+    int d;
+    FT_TRY(ft_check_dim("ft_select", 2, dim, t->ndim, &d));
+    if (index < 0 || index >= t->shape[d])
+        return ft_fail(FT_ERR_ARGUMENT, "ft_select", 3,
+                       "index %lld out of range for dim %d of size %lld",
+                       (long long)index, dim, (long long)t->shape[d]);
+    int64_t shape[FT_MAX_DIMS], stride[FT_MAX_DIMS];
+    int n = 0;
+    for (int k = 0; k < t->ndim; k++)
+        if (k != d) {
+            shape[n] = t->shape[k];
+            stride[n++] = t->stride[k];
+        }
+    return make_view(out, t, ft_elem_ptr(t, index * t->stride[d]), n, shape,
+                     stride, "ft_select");
+}
+
+/* ---- copies ---- */
+
+static int same_view(const ft_tensor *a, const ft_tensor *b)
+{
+    if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim)
+        return 0;
+    for (int d = 0; d < a->ndim; d++)
+        if (a->shape[d] != b->shape[d] || a->stride[d] != b->stride[d])
+            return 0;
+    return 1;
+}
+
+static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
+{
+    int64_t n = ft_numel(dst);
+    size_t es = ft_dtype_size(dst->dtype);
+    if (dst->dtype == src->dtype && ft_is_contiguous(dst) &&
+        ft_is_contiguous(src)) {
+        memcpy(dst->data, src->data, (size_t)n * es);
+        return;
+    }
+    ft_iter it;
+    ft_iter_init(&it, dst->ndim, dst->shape, 2,
+                 (const int64_t *[]){dst->stride, src->stride});
+    int ints = !ft_dtype_is_float(dst->dtype) && !ft_dtype_is_float(src->dtype);
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
+        void *pd = ft_elem_ptr(dst, it.offset[0]);
+        const void *ps = ft_elem_ptr(src, it.offset[1]);
+        if (dst->dtype == src->dtype) {
+            memcpy(pd, ps, es);
+        } else if (ints) { /* i32 <-> i64 without the double's 53 bits */
+            int64_t v = src->dtype == FT_I64 ? *(const int64_t *)ps
+                                             : *(const int32_t *)ps;
+            if (dst->dtype == FT_I64)
+                *(int64_t *)pd = v;
+            else
+                *(int32_t *)pd = (int32_t)(v > INT32_MAX ? INT32_MAX
+                                           : v < INT32_MIN ? INT32_MIN : v);
+        } else {
+            ft_store_f64(pd, dst->dtype, ft_load_f64(ps, src->dtype));
+        }
+    }
+}
+
+ft_status ft_copy(ft_tensor *dst, const ft_tensor *src)
+{
+    FT_TRY(ft_check_tensor("ft_copy", 1, dst));
+    FT_TRY(ft_check_tensor("ft_copy", 2, src));
+    FT_TRY(ft_check_cpu("ft_copy", 1, dst));
+    FT_TRY(ft_check_cpu("ft_copy", 2, src));
+    FT_TRY(ft_check_same_shape("ft_copy", 2, dst, src));
+    if (same_view(dst, src))
+        return FT_OK;
+    if (ft_same_storage(dst, src)) {
+        /* Overlapping views: read everything before writing anything. */
+        ft_tensor *tmp;
+        FT_TRY(ft_clone(&tmp, src));
+        copy_cpu(dst, tmp);
+        ft_tensor_free(tmp);
+        return FT_OK;
+    }
+    copy_cpu(dst, src);
+    return FT_OK;
+}
+
+ft_status ft_to(ft_tensor **out, const ft_tensor *t, ft_dtype dtype,
+                ft_device device)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_to", 1, t));
+    if (!ft_dtype_size(dtype))
+        return ft_fail(FT_ERR_ARGUMENT, "ft_to", 2, "invalid dtype %d", (int)dtype);
+    ft_tensor *r;
+    FT_TRY(ft_empty_named(&r, t->ndim, t->shape, dtype, device, "ft_to"));
+    ft_status st = ft_copy(r, t);
+    if (st != FT_OK) {
+        ft_tensor_free(r);
+        return st;
+    }
+    *out = r;
+    return FT_OK;
+}
+
+ft_status ft_clone(ft_tensor **out, const ft_tensor *t)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_clone", 1, t));
+    return ft_to(out, t, t->dtype, t->device);
+}
+
+ft_status ft_contiguous(ft_tensor **out, const ft_tensor *t)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_contiguous", 1, t));
+    if (ft_is_contiguous(t))
+        return ft_alias(out, t);
+    return ft_clone(out, t);
+}
+
+ft_status ft_fill(ft_tensor *t, double value)
+{
+    FT_TRY(ft_check_tensor("ft_fill", 1, t));
+    FT_TRY(ft_check_cpu("ft_fill", 1, t));
+    int64_t n = ft_numel(t);
+    if (n == 0)
+        return FT_OK;
+    /* Convert once, then replicate the bytes. */
+    unsigned char bytes[8];
+    size_t es = ft_dtype_size(t->dtype);
+    ft_store_f64(bytes, t->dtype, value);
+    ft_iter it;
+    ft_iter_init(&it, t->ndim, t->shape, 1, (const int64_t *[]){t->stride});
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it))
+        memcpy(ft_elem_ptr(t, it.offset[0]), bytes, es);
+    return FT_OK;
+}
+
+/* ---- single elements ---- */
+
+static ft_status element_offset(const char *func, const ft_tensor *t,
+                                const int64_t *index, int64_t *off)
+{
+    FT_TRY(ft_check_tensor(func, 1, t));
+    FT_TRY(ft_check_cpu(func, 1, t));
+    if (t->ndim > 0 && !index)
+        return ft_fail(FT_ERR_ARGUMENT, func, 2, "index expected");
+    int64_t o = 0;
+    for (int d = 0; d < t->ndim; d++) {
+        if (index[d] < 0 || index[d] >= t->shape[d])
+            return ft_fail(FT_ERR_ARGUMENT, func, 2,
+                           "index %lld out of range for dim %d of size %lld",
+                           (long long)index[d], d, (long long)t->shape[d]);
+        o += index[d] * t->stride[d];
+    }
+    *off = o;
+    return FT_OK;
+}
+
+ft_status ft_get(const ft_tensor *t, const int64_t *index, double *value)
+{
+    int64_t off;
+    FT_TRY(element_offset("ft_get", t, index, &off));
+    *value = ft_load_f64(ft_elem_ptr(t, off), t->dtype);
+    return FT_OK;
+}
+
+ft_status ft_set(ft_tensor *t, const int64_t *index, double value)
+{
+    int64_t off;
+    FT_TRY(element_offset("ft_set", t, index, &off));
+    ft_store_f64(ft_elem_ptr(t, off), t->dtype, value);
+    return FT_OK;
+}
+
+ft_status ft_get_int(const ft_tensor *t, const int64_t *index, int64_t *value)
+{
+    int64_t off;
+    FT_TRY(element_offset("ft_get_int", t, index, &off));
+    const void *p = ft_elem_ptr(t, off);
+    switch (t->dtype) {
+    case FT_I64: *value = *(const int64_t *)p; break;
+    case FT_I32: *value = *(const int32_t *)p; break;
+    default:
+        return ft_fail(FT_ERR_ARGUMENT, "ft_get_int", 1,
+                       "needs an integer tensor, got %s", ft_dtype_name(t->dtype));
+    }
+    return FT_OK;
+}
+
+ft_status ft_set_int(ft_tensor *t, const int64_t *index, int64_t value)
+{
+    int64_t off;
+    FT_TRY(element_offset("ft_set_int", t, index, &off));
+    void *p = ft_elem_ptr(t, off);
+    switch (t->dtype) {
+    case FT_I64: *(int64_t *)p = value; break;
+    case FT_I32:
+        *(int32_t *)p = (int32_t)(value > INT32_MAX ? INT32_MAX
+                                  : value < INT32_MIN ? INT32_MIN : value);
+        break;
+    default: ft_store_f64(p, t->dtype, (double)value); break;
+    }
+    return FT_OK;
+}

@@ -1,0 +1,1073 @@
+/*
+ * lflashtile.c - the Lua binding of flashtile: tensor userdata and thin
+ * wrappers around lib/flashtile.h. It converts Lua values into C arguments
+ * (1-based dims and indices into 0-based ones) and failed ft_status codes
+ * into Lua errors, nothing more.
+ *
+ * Rules that keep a REPL session alive:
+ *   - a tensor userdata is created empty (t == NULL) with its metatable set
+ *     before any C resource is acquired, so an error at any later point
+ *     leaves only a userdata for the collector, never a leak;
+ *   - errors are raised only here, with "%s" formats, after every C call
+ *     has returned;
+ *   - module state (the random generator) lives in an upvalue shared by the
+ *     module's functions, so each lua_State has its own and luaopen may run
+ *     any number of times.
+ */
+#include "flashtile.h"
+
+#include <lauxlib.h>
+#include <lua.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TENSOR_MT "flashtile.Tensor"
+#define DEFAULT_DTYPE FT_F32
+#define DEFAULT_SEED 0x5eedULL
+
+/* ---- the few calls that differ between Lua 5.1/LuaJIT and 5.4 ---- */
+
+static void *compat_newudata(lua_State *L, size_t size)
+{
+    return lua_newuserdatauv(L, size, 0);
+}
+
+static int compat_isinteger(lua_State *L, int idx) { return lua_isinteger(L, idx); }
+
+/* ---- module state ---- */
+
+typedef struct generator {
+    uint64_t seed;
+    uint64_t offset; /* Philox counters used so far */
+} generator;
+
+static generator *get_generator(lua_State *L)
+{
+    return (generator *)lua_touserdata(L, lua_upvalueindex(1));
+}
+
+/* ---- errors ---- */
+
+/* The Lua name of the running function, for messages without an
+ * argument position. */
+static const char *current_name(lua_State *L)
+{
+    lua_Debug ar;
+    if (lua_getstack(L, 0, &ar) && lua_getinfo(L, "n", &ar) && ar.name)
+        return ar.name;
+    return "?";
+}
+
+/* Raises the last flashtile error. arg_offset maps the C function's input
+ * position to the Lua argument position (lua = c + arg_offset); positions
+ * that fall outside the Lua call give a message without one. */
+static int raise_ft(lua_State *L, int arg_offset)
+{
+    int arg = ft_last_error_arg();
+    if (arg > 0 && arg + arg_offset >= 1 && arg + arg_offset <= lua_gettop(L))
+        return luaL_argerror(L, arg + arg_offset, ft_last_error_detail());
+    return luaL_error(L, "%s: %s", current_name(L), ft_last_error_detail());
+}
+
+/* Calls expr; on out-of-memory runs a full collection (the collector does
+ * not see tensor memory) and calls it once more. expr must have no effect
+ * when it fails, which every ft_ function promises. */
+#define CALL(L, expr)                                                        \
+    do {                                                                     \
+        ft_status call_st_ = (expr);                                         \
+        if (call_st_ == FT_ERR_NOMEM) {                                      \
+            lua_gc((L), LUA_GCCOLLECT, 0);                                   \
+            call_st_ = (expr);                                               \
+        }                                                                    \
+        if (call_st_ != FT_OK)                                               \
+            raise_ft((L), call_offset_);                                     \
+    } while (0)
+
+/* ---- tensor userdata ---- */
+
+typedef struct ud_tensor {
+    ft_tensor *t;
+} ud_tensor;
+
+/* Pushes an empty tensor userdata and returns the slot to fill. */
+static ft_tensor **push_slot(lua_State *L)
+{
+    ud_tensor *u = compat_newudata(L, sizeof *u);
+    u->t = NULL;
+    luaL_setmetatable(L, TENSOR_MT);
+    return &u->t;
+}
+
+static ft_tensor *check_tensor(lua_State *L, int idx)
+{
+    ud_tensor *u = luaL_checkudata(L, idx, TENSOR_MT);
+    if (!u->t)
+        luaL_argerror(L, idx, "tensor has been freed");
+    return u->t;
+}
+
+static ft_tensor *test_tensor(lua_State *L, int idx)
+{
+    ud_tensor *u = luaL_testudata(L, idx, TENSOR_MT);
+    return u ? u->t : NULL;
+}
+
+/* ---- argument helpers ---- */
+
+static int64_t check_size(lua_State *L, int idx, const char *what)
+{
+    if (!compat_isinteger(L, idx)) {
+        if (lua_type(L, idx) == LUA_TNUMBER)
+            luaL_argerror(L, idx, lua_pushfstring(L, "%s must be an integer, got %s",
+                                                  what, lua_tostring(L, idx)));
+        luaL_typeerror(L, idx, "integer");
+    }
+    return (int64_t)lua_tointeger(L, idx);
+}
+
+/* A shape given either as a table {2, 3} at idx, or as integers from idx
+ * on (stopping at the first non-number). Returns ndim; *next is the index
+ * of the first argument after the shape. */
+static int check_shape(lua_State *L, int idx, int64_t *shape, int *next)
+{
+    int ndim = 0;
+    if (lua_istable(L, idx) && !test_tensor(L, idx)) {
+        lua_Integer n = luaL_len(L, idx);
+        if (n > FT_MAX_DIMS)
+            luaL_argerror(L, idx, lua_pushfstring(L, "shape has %d dims, at most %d are supported",
+                                                  (int)n, FT_MAX_DIMS));
+        for (lua_Integer i = 1; i <= n; i++) {
+            lua_geti(L, idx, i);
+            if (!compat_isinteger(L, -1))
+                luaL_argerror(L, idx, lua_pushfstring(L, "size %d of the shape is not an integer (got %s)",
+                                                      (int)i, luaL_typename(L, -1)));
+            lua_Integer v = lua_tointeger(L, -1);
+            lua_pop(L, 1);
+            shape[ndim++] = (int64_t)v;
+        }
+        *next = idx + 1;
+        return ndim;
+    }
+    int i = idx;
+    while (lua_type(L, i) == LUA_TNUMBER) {
+        if (ndim == FT_MAX_DIMS)
+            luaL_argerror(L, i, lua_pushfstring(L, "at most %d dims are supported", FT_MAX_DIMS));
+        shape[ndim++] = check_size(L, i, "size");
+        i++;
+    }
+    if (i == idx && !lua_isnoneornil(L, idx) && !lua_istable(L, idx))
+        luaL_typeerror(L, idx, "shape (a table of sizes)");
+    *next = i;
+    return ndim;
+}
+
+/* A 1-based (or negative, from the end) dim at idx, as a 0-based one. */
+static int check_dim(lua_State *L, int idx, int ndim)
+{
+    lua_Integer d = check_size(L, idx, "dim");
+    if (d >= 1 && d <= ndim)
+        return (int)(d - 1);
+    if (d < 0 && d >= -ndim)
+        return (int)(ndim + d);
+    if (ndim == 0)
+        return luaL_argerror(L, idx, lua_pushfstring(L, "dim %d out of range: the tensor is 0-d",
+                                                     (int)d));
+    return luaL_argerror(L, idx, lua_pushfstring(L, "dim %d out of range for a %d-d tensor (1..%d or -%d..-1)",
+                                                 (int)d, ndim, ndim, ndim));
+}
+
+static int opt_dim(lua_State *L, int idx, int ndim, int def)
+{
+    return lua_isnoneornil(L, idx) ? def : check_dim(L, idx, ndim);
+}
+
+/* A 1-based index into a dim of the given size, as a 0-based one. */
+static int64_t check_index(lua_State *L, int idx, int64_t size, int dim)
+{
+    int64_t i = check_size(L, idx, "index");
+    if (i < 1 || i > size)
+        luaL_argerror(L, idx, lua_pushfstring(L, "index %I out of range for dim %d of size %I",
+                                              (lua_Integer)i, dim + 1, (lua_Integer)size));
+    return i - 1;
+}
+
+static ft_device check_device(lua_State *L, int idx)
+{
+    ft_device d;
+    if (ft_device_parse(luaL_checkstring(L, idx), &d) != FT_OK)
+        luaL_argerror(L, idx, ft_last_error_detail());
+    return d;
+}
+
+typedef struct options {
+    ft_dtype dtype;
+    ft_device device;
+    int has_seed;
+    uint64_t seed;
+} options;
+
+/* Reads {dtype=, device=, seed=} at idx (absent or nil: defaults). A
+ * misspelt key is an error, so that {dtpye="f64"} does not pass silently. */
+static options check_options(lua_State *L, int idx, ft_dtype default_dtype)
+{
+    options o = {default_dtype, {FT_CPU, 0}, 0, 0};
+    if (lua_isnoneornil(L, idx))
+        return o;
+    luaL_checktype(L, idx, LUA_TTABLE);
+    idx = lua_absindex(L, idx);
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        const char *key = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+        if (!key || (strcmp(key, "dtype") && strcmp(key, "device") && strcmp(key, "seed")))
+            luaL_argerror(L, idx, lua_pushfstring(L, "unknown option '%s' (expected dtype, device or seed)",
+                                                  key ? key : luaL_typename(L, -2)));
+        lua_pop(L, 1);
+    }
+    if (lua_getfield(L, idx, "dtype") != LUA_TNIL) {
+        if (ft_dtype_parse(lua_tostring(L, -1) ? lua_tostring(L, -1) : "?", &o.dtype) != FT_OK)
+            luaL_argerror(L, idx, ft_last_error_detail());
+    }
+    if (lua_getfield(L, idx, "device") != LUA_TNIL) {
+        if (ft_device_parse(lua_tostring(L, -1) ? lua_tostring(L, -1) : "?", &o.device) != FT_OK)
+            luaL_argerror(L, idx, ft_last_error_detail());
+    }
+    if (lua_getfield(L, idx, "seed") != LUA_TNIL) {
+        if (!compat_isinteger(L, -1))
+            luaL_argerror(L, idx, "option 'seed' must be an integer");
+        o.has_seed = 1;
+        o.seed = (uint64_t)lua_tointeger(L, -1);
+    }
+    lua_pop(L, 3);
+    return o;
+}
+
+static void push_number(lua_State *L, const ft_tensor *t, double v)
+{
+    if (!ft_dtype_is_float(t->dtype))
+        lua_pushinteger(L, (lua_Integer)v);
+    else
+        lua_pushnumber(L, v);
+}
+
+/* Pushes element at the 0-based index (integers keep their 64 bits). */
+static void push_element(lua_State *L, const ft_tensor *t, const int64_t *index)
+{
+    if (ft_dtype_is_float(t->dtype)) {
+        double v = 0;
+        ft_get(t, index, &v);
+        lua_pushnumber(L, v);
+    } else {
+        int64_t v = 0;
+        ft_get_int(t, index, &v);
+        lua_pushinteger(L, (lua_Integer)v);
+    }
+}
+
+/* Stores the Lua number at idx into element index. */
+static void store_element(lua_State *L, ft_tensor *t, const int64_t *index, int idx)
+{
+    if (compat_isinteger(L, idx) && !ft_dtype_is_float(t->dtype))
+        ft_set_int(t, index, (int64_t)lua_tointeger(L, idx));
+    else
+        ft_set(t, index, lua_tonumber(L, idx));
+}
+
+static double check_value(lua_State *L, int idx)
+{
+    if (lua_type(L, idx) != LUA_TNUMBER)
+        luaL_typeerror(L, idx, "number");
+    return lua_tonumber(L, idx);
+}
+
+/* ---- creation ---- */
+
+static ft_tensor *new_tensor(lua_State *L, int ndim, const int64_t *shape, options o,
+                             int shape_arg)
+{
+    int call_offset_ = shape_arg - 1;
+    ft_tensor **slot = push_slot(L);
+    CALL(L, ft_empty(slot, ndim, shape, o.dtype, o.device));
+    return *slot;
+}
+
+static int l_empty(lua_State *L)
+{
+    int64_t shape[FT_MAX_DIMS];
+    int next;
+    int ndim = check_shape(L, 1, shape, &next);
+    options o = check_options(L, next, DEFAULT_DTYPE);
+    new_tensor(L, ndim, shape, o, 1);
+    return 1;
+}
+
+static int fill_new(lua_State *L, double value)
+{
+    int64_t shape[FT_MAX_DIMS];
+    int next;
+    int ndim = check_shape(L, 1, shape, &next);
+    options o = check_options(L, next, DEFAULT_DTYPE);
+    ft_tensor *t = new_tensor(L, ndim, shape, o, 1);
+    int call_offset_ = 0;
+    CALL(L, ft_fill(t, value));
+    return 1;
+}
+
+static int l_zeros(lua_State *L) { return fill_new(L, 0.0); }
+static int l_ones(lua_State *L) { return fill_new(L, 1.0); }
+
+static int l_full(lua_State *L)
+{
+    int64_t shape[FT_MAX_DIMS];
+    int next;
+    int ndim = check_shape(L, 1, shape, &next);
+    double value = check_value(L, next);
+    options o = check_options(L, next + 1, DEFAULT_DTYPE);
+    ft_tensor *t = new_tensor(L, ndim, shape, o, 1);
+    int call_offset_ = 0;
+    CALL(L, ft_fill(t, value));
+    return 1;
+}
+
+static int random_new(lua_State *L, int normal)
+{
+    int64_t shape[FT_MAX_DIMS];
+    int next;
+    int ndim = check_shape(L, 1, shape, &next);
+    options o = check_options(L, next, DEFAULT_DTYPE);
+    if (!ft_dtype_is_float(o.dtype))
+        luaL_argerror(L, next, lua_pushfstring(L, "needs a floating-point dtype, got %s",
+                                               ft_dtype_name(o.dtype)));
+    ft_tensor *t = new_tensor(L, ndim, shape, o, 1);
+    generator *g = get_generator(L);
+    uint64_t seed = o.has_seed ? o.seed : g->seed;
+    uint64_t offset = o.has_seed ? 0 : g->offset;
+    int call_offset_ = 0;
+    CALL(L, normal ? ft_randn(t, seed, offset) : ft_rand(t, seed, offset));
+    if (!o.has_seed)
+        g->offset += ft_random_counters(ft_numel(t));
+    return 1;
+}
+
+static int l_rand(lua_State *L) { return random_new(L, 0); }
+static int l_randn(lua_State *L) { return random_new(L, 1); }
+
+static int l_manual_seed(lua_State *L)
+{
+    generator *g = get_generator(L);
+    g->seed = (uint64_t)luaL_checkinteger(L, 1);
+    g->offset = 0;
+    return 0;
+}
+
+/* ft.arange(stop), ft.arange(start, stop[, step]) [, opts]: start,
+ * start + step, ... up to but excluding stop. */
+static int l_arange(lua_State *L)
+{
+    int nnum = 0;
+    while (nnum < 3 && lua_type(L, nnum + 1) == LUA_TNUMBER)
+        nnum++;
+    if (nnum == 0)
+        luaL_typeerror(L, 1, "number");
+    double start = 0, stop, step = 1;
+    if (nnum == 1) {
+        stop = lua_tonumber(L, 1);
+    } else {
+        start = lua_tonumber(L, 1);
+        stop = lua_tonumber(L, 2);
+        if (nnum == 3)
+            step = lua_tonumber(L, 3);
+    }
+    if (step == 0 || !isfinite(step) || !isfinite(start) || !isfinite(stop))
+        luaL_argerror(L, nnum, "step must be finite and nonzero, bounds finite");
+    options o = check_options(L, nnum + 1, DEFAULT_DTYPE);
+    double count = ceil((stop - start) / step);
+    if (count < 0)
+        count = 0;
+    if (count > 1e15)
+        luaL_argerror(L, 1, "too many elements");
+    int64_t n = (int64_t)count;
+    ft_tensor *t = new_tensor(L, 1, &n, o, 0);
+    for (int64_t i = 0; i < n; i++) {
+        double v = start + (double)i * step;
+        ft_set(t, &i, v);
+    }
+    return 1;
+}
+
+/* ft.tensor(nested_table or number, opts). */
+static void nested_shape(lua_State *L, int idx, int64_t *shape, int *ndim)
+{
+    *ndim = 0;
+    lua_pushvalue(L, idx);
+    while (lua_type(L, -1) == LUA_TTABLE) {
+        if (*ndim == FT_MAX_DIMS)
+            luaL_argerror(L, 1, lua_pushfstring(L, "nested deeper than %d levels", FT_MAX_DIMS));
+        lua_Integer n = luaL_len(L, -1);
+        shape[(*ndim)++] = n;
+        if (n == 0)
+            break;
+        lua_geti(L, -1, 1);
+        lua_remove(L, -2);
+    }
+    lua_pop(L, 1);
+}
+
+/* Fills t from the table at idx (depth d of the shape); index holds the
+ * position built so far. Checks that the table is not ragged. */
+static void nested_fill(lua_State *L, int idx, ft_tensor *t, int d, int64_t *index)
+{
+    if (d == t->ndim) {
+        if (lua_type(L, idx) != LUA_TNUMBER) {
+            char where[96] = "";
+            size_t n = 0;
+            for (int k = 0; k < d && n < sizeof where; k++)
+                n += (size_t)snprintf(where + n, sizeof where - n, "[%lld]",
+                                      (long long)index[k] + 1);
+            luaL_argerror(L, 1, lua_pushfstring(L, "element %s is a %s, not a number",
+                                                where, luaL_typename(L, idx)));
+        }
+        store_element(L, t, index, idx);
+        return;
+    }
+    if (lua_type(L, idx) != LUA_TTABLE || luaL_len(L, idx) != t->shape[d])
+        luaL_argerror(L, 1, lua_pushfstring(L, "ragged nested table: expected %I elements at depth %d",
+                                            (lua_Integer)t->shape[d], d + 1));
+    for (int64_t i = 0; i < t->shape[d]; i++) {
+        index[d] = i;
+        lua_geti(L, idx, (lua_Integer)i + 1);
+        nested_fill(L, lua_gettop(L), t, d + 1, index);
+        lua_pop(L, 1);
+    }
+}
+
+static int l_tensor(lua_State *L)
+{
+    int t1 = lua_type(L, 1);
+    if (t1 != LUA_TTABLE && t1 != LUA_TNUMBER)
+        luaL_typeerror(L, 1, "nested table of numbers or number");
+    options o = check_options(L, 2, DEFAULT_DTYPE);
+    int64_t shape[FT_MAX_DIMS];
+    int ndim;
+    nested_shape(L, 1, shape, &ndim);
+    ft_tensor *t = new_tensor(L, ndim, shape, o, 0);
+    int64_t index[FT_MAX_DIMS] = {0};
+    nested_fill(L, 1, t, 0, index);
+    return 1;
+}
+
+/* ---- properties ---- */
+
+static void push_shape(lua_State *L, const ft_tensor *t, const int64_t *v)
+{
+    lua_createtable(L, t->ndim, 0);
+    for (int d = 0; d < t->ndim; d++) {
+        lua_pushinteger(L, (lua_Integer)v[d]);
+        lua_seti(L, -2, d + 1);
+    }
+}
+
+static int t_dim(lua_State *L)
+{
+    lua_pushinteger(L, check_tensor(L, 1)->ndim);
+    return 1;
+}
+
+static int t_numel(lua_State *L)
+{
+    lua_pushinteger(L, (lua_Integer)ft_numel(check_tensor(L, 1)));
+    return 1;
+}
+
+static int t_size(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    if (lua_isnoneornil(L, 2))
+        push_shape(L, t, t->shape);
+    else
+        lua_pushinteger(L, (lua_Integer)t->shape[check_dim(L, 2, t->ndim)]);
+    return 1;
+}
+
+static int t_stride(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    if (lua_isnoneornil(L, 2))
+        push_shape(L, t, t->stride);
+    else
+        lua_pushinteger(L, (lua_Integer)t->stride[check_dim(L, 2, t->ndim)]);
+    return 1;
+}
+
+static int t_is_contiguous(lua_State *L)
+{
+    lua_pushboolean(L, ft_is_contiguous(check_tensor(L, 1)));
+    return 1;
+}
+
+static int t_is_same_storage(lua_State *L)
+{
+    lua_pushboolean(L, ft_same_storage(check_tensor(L, 1), check_tensor(L, 2)));
+    return 1;
+}
+
+static int t_len(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    if (t->ndim == 0)
+        return luaL_error(L, "%s", "a 0-d tensor has no length (use t:item())");
+    lua_pushinteger(L, (lua_Integer)t->shape[0]);
+    return 1;
+}
+
+/* ---- views and copies ---- */
+
+static int t_view_or_reshape(lua_State *L, int reshape)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int64_t shape[FT_MAX_DIMS];
+    int next;
+    int ndim = check_shape(L, 2, shape, &next);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, reshape ? ft_reshape(slot, t, ndim, shape) : ft_view(slot, t, ndim, shape));
+    return 1;
+}
+
+static int t_view(lua_State *L) { return t_view_or_reshape(L, 0); }
+static int t_reshape(lua_State *L) { return t_view_or_reshape(L, 1); }
+
+static int t_transpose(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int d0 = opt_dim(L, 2, t->ndim, 0), d1 = opt_dim(L, 3, t->ndim, 1);
+    if (t->ndim < 2 && lua_isnoneornil(L, 2))
+        luaL_argerror(L, 1, "transpose without dims needs a tensor of 2 or more dims");
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_transpose(slot, t, d0, d1));
+    return 1;
+}
+
+static int t_permute(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int perm[FT_MAX_DIMS];
+    int from_table = lua_istable(L, 2);
+    int n = from_table ? (int)luaL_len(L, 2) : lua_gettop(L) - 1;
+    if (n != t->ndim)
+        luaL_argerror(L, 2, lua_pushfstring(L, "permutation has %d dims, tensor has %d", n, t->ndim));
+    for (int d = 0; d < n; d++) {
+        if (from_table) {
+            lua_geti(L, 2, d + 1);
+            perm[d] = check_dim(L, lua_gettop(L), t->ndim);
+            lua_pop(L, 1);
+        } else {
+            perm[d] = check_dim(L, d + 2, t->ndim);
+        }
+    }
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_permute(slot, t, perm));
+    return 1;
+}
+
+static int t_narrow(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int d = check_dim(L, 2, t->ndim);
+    int64_t start = check_size(L, 3, "start");
+    int64_t length = check_size(L, 4, "length");
+    if (start < 1 || start > t->shape[d] + 1)
+        luaL_argerror(L, 3, lua_pushfstring(L, "start %I out of range for dim %d of size %I",
+                                            (lua_Integer)start, d + 1, (lua_Integer)t->shape[d]));
+    if (length < 0 || length > t->shape[d] - (start - 1))
+        luaL_argerror(L, 4, lua_pushfstring(L, "length %I from start %I exceeds dim %d of size %I",
+                                            (lua_Integer)length, (lua_Integer)start, d + 1,
+                                            (lua_Integer)t->shape[d]));
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_narrow(slot, t, d, start - 1, length));
+    return 1;
+}
+
+static int t_select(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int d = check_dim(L, 2, t->ndim);
+    int64_t index = check_index(L, 3, t->shape[d], d);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_select(slot, t, d, index));
+    return 1;
+}
+
+static int t_contiguous(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    if (ft_is_contiguous(t)) { /* the same object, as torch does */
+        lua_settop(L, 1);
+        return 1;
+    }
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_contiguous(slot, t));
+    return 1;
+}
+
+static int t_clone(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_clone(slot, t));
+    return 1;
+}
+
+/* t:to("f64"), t:to("cpu"), t:to{dtype=, device=}. Returns t itself when
+ * nothing changes, as torch does. */
+static int t_to(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    ft_dtype dtype = t->dtype;
+    ft_device device = t->device;
+    if (lua_istable(L, 2)) {
+        options o = check_options(L, 2, t->dtype);
+        lua_getfield(L, 2, "device");
+        if (!lua_isnil(L, -1))
+            device = o.device;
+        lua_pop(L, 1);
+        dtype = o.dtype;
+    } else {
+        const char *name = luaL_checkstring(L, 2);
+        if (ft_dtype_parse(name, &dtype) != FT_OK &&
+            ft_device_parse(name, &device) != FT_OK) {
+            if (strncmp(name, "cuda", 4) == 0) /* a device, not in this build */
+                luaL_argerror(L, 2, ft_last_error_detail());
+            luaL_argerror(L, 2, lua_pushfstring(L, "unknown dtype or device '%s' (dtypes: f64, f32, f16, bf16, i32, i64; devices: cpu, cuda, cuda:N)", name));
+        }
+    }
+    if (dtype == t->dtype && ft_device_equal(device, t->device)) {
+        lua_settop(L, 1);
+        return 1;
+    }
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_to(slot, t, dtype, device));
+    return 1;
+}
+
+static int t_copy(lua_State *L)
+{
+    ft_tensor *dst = check_tensor(L, 1);
+    ft_tensor *src = check_tensor(L, 2);
+    int call_offset_ = 0;
+    CALL(L, ft_copy(dst, src));
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int t_fill(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    double v = check_value(L, 2);
+    int call_offset_ = 0;
+    CALL(L, ft_fill(t, v));
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* ---- elements ---- */
+
+static void check_indices(lua_State *L, const ft_tensor *t, int first, int64_t *index)
+{
+    int given = lua_gettop(L) - first + 1;
+    if (given < t->ndim)
+        luaL_argerror(L, first + (given > 0 ? given : 0),
+                      lua_pushfstring(L, "expected %d indices for a %d-d tensor, got %d",
+                                      t->ndim, t->ndim, given));
+    for (int d = 0; d < t->ndim; d++)
+        index[d] = check_index(L, first + d, t->shape[d], d);
+}
+
+static int t_get(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int64_t index[FT_MAX_DIMS];
+    if (lua_gettop(L) - 1 > t->ndim)
+        luaL_argerror(L, t->ndim + 2, lua_pushfstring(L, "expected %d indices for a %d-d tensor, got %d",
+                                                     t->ndim, t->ndim, lua_gettop(L) - 1));
+    check_indices(L, t, 2, index);
+    push_element(L, t, index);
+    return 1;
+}
+
+/* t:set(i, j, ..., value) -> t */
+static int t_set(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int top = lua_gettop(L);
+    if (top != t->ndim + 2)
+        return luaL_error(L, "set: expected %d indices and a value for a %d-d tensor, got %d arguments",
+                          t->ndim, t->ndim, top - 1);
+    check_value(L, top);
+    int64_t index[FT_MAX_DIMS];
+    for (int d = 0; d < t->ndim; d++)
+        index[d] = check_index(L, 2 + d, t->shape[d], d);
+    store_element(L, t, index, top);
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int t_item(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    if (ft_numel(t) != 1)
+        luaL_argerror(L, 1, lua_pushfstring(L, "item needs a tensor with one element, this one has %I",
+                                            (lua_Integer)ft_numel(t)));
+    int64_t index[FT_MAX_DIMS] = {0};
+    push_element(L, t, index);
+    return 1;
+}
+
+static void totable_rec(lua_State *L, const ft_tensor *t, int d, int64_t *index)
+{
+    if (d == t->ndim) {
+        push_element(L, t, index);
+        return;
+    }
+    luaL_checkstack(L, 2, "tensor too deep");
+    lua_createtable(L, (int)(t->shape[d] < 1 << 20 ? t->shape[d] : 0), 0);
+    for (int64_t i = 0; i < t->shape[d]; i++) {
+        index[d] = i;
+        totable_rec(L, t, d + 1, index);
+        lua_seti(L, -2, (lua_Integer)i + 1);
+    }
+}
+
+static int t_totable(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int64_t index[FT_MAX_DIMS] = {0};
+    totable_rec(L, t, 0, index);
+    return 1;
+}
+
+/* ---- arithmetic ---- */
+
+static int binary(lua_State *L, ft_binop op)
+{
+    ft_tensor *a = test_tensor(L, 1), *b = test_tensor(L, 2);
+    ft_tensor **slot;
+    int call_offset_ = -1; /* C: op=1, a=2, b=3 */
+    if (a && b) {
+        slot = push_slot(L);
+        CALL(L, ft_binary(slot, op, a, b));
+    } else if (a) {
+        double s = check_value(L, 2);
+        slot = push_slot(L);
+        CALL(L, ft_binary_scalar(slot, op, a, s, 0));
+    } else if (b) {
+        double s = check_value(L, 1);
+        call_offset_ = 0; /* the tensor is Lua arg 2 = C input 2 */
+        slot = push_slot(L);
+        CALL(L, ft_binary_scalar(slot, op, b, s, 1));
+    } else {
+        check_tensor(L, 1); /* raises: freed tensor or wrong type */
+        check_tensor(L, 2);
+    }
+    return 1;
+}
+
+static int t_add(lua_State *L) { return binary(L, FT_ADD); }
+static int t_sub(lua_State *L) { return binary(L, FT_SUB); }
+static int t_mul(lua_State *L) { return binary(L, FT_MUL); }
+static int t_div(lua_State *L) { return binary(L, FT_DIV); }
+static int t_pow(lua_State *L) { return binary(L, FT_POW); }
+static int t_maximum(lua_State *L) { return binary(L, FT_MAXIMUM); }
+static int t_minimum(lua_State *L) { return binary(L, FT_MINIMUM); }
+
+static int unary(lua_State *L, ft_unop op)
+{
+    ft_tensor *a = check_tensor(L, 1);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = -1; /* C: op=1, a=2 */
+    CALL(L, ft_unary(slot, op, a));
+    return 1;
+}
+
+static int t_neg(lua_State *L) { return unary(L, FT_NEG); }
+static int t_exp(lua_State *L) { return unary(L, FT_EXP); }
+static int t_log(lua_State *L) { return unary(L, FT_LOG); }
+static int t_abs(lua_State *L) { return unary(L, FT_ABS); }
+static int t_sqrt(lua_State *L) { return unary(L, FT_SQRT); }
+static int t_tanh(lua_State *L) { return unary(L, FT_TANH); }
+static int t_sigmoid(lua_State *L) { return unary(L, FT_SIGMOID); }
+static int t_relu(lua_State *L) { return unary(L, FT_RELU); }
+
+/* t:sum() -> number; t:sum(dim[, keepdim]) -> tensor (for max and min
+ * also the 1-based positions, an i64 tensor). */
+static int reduce(lua_State *L, ft_reduce_op op)
+{
+    ft_tensor *a = check_tensor(L, 1);
+    int call_offset_ = -1; /* C: op=1, a=2, dim=3 */
+    if (lua_isnoneornil(L, 2)) {
+        double r = 0;
+        CALL(L, ft_reduce_all(op, a, &r));
+        if ((op == FT_SUM || op == FT_MAX || op == FT_MIN) && !ft_dtype_is_float(a->dtype))
+            push_number(L, a, r);
+        else
+            lua_pushnumber(L, r);
+        return 1;
+    }
+    int dim = check_dim(L, 2, a->ndim);
+    int keepdim = lua_toboolean(L, 3);
+    int with_index = op == FT_MAX || op == FT_MIN;
+    ft_tensor **values = push_slot(L);
+    ft_tensor **positions = with_index ? push_slot(L) : NULL;
+    CALL(L, ft_reduce_dim(values, positions, op, a, dim, keepdim));
+    if (!with_index)
+        return 1;
+    /* 0-based positions from C, 1-based for Lua. */
+    ft_tensor *zero_based = *positions;
+    ft_tensor **one_based = push_slot(L);
+    CALL(L, ft_binary_scalar(one_based, FT_ADD, zero_based, 1.0, 0));
+    lua_remove(L, -2);
+    return 2;
+}
+
+static int t_sum(lua_State *L) { return reduce(L, FT_SUM); }
+static int t_mean(lua_State *L) { return reduce(L, FT_MEAN); }
+static int t_max(lua_State *L) { return reduce(L, FT_MAX); }
+static int t_min(lua_State *L) { return reduce(L, FT_MIN); }
+static int t_norm(lua_State *L) { return reduce(L, FT_NORM); }
+
+static int t_softmax(lua_State *L)
+{
+    ft_tensor *a = check_tensor(L, 1);
+    if (a->ndim == 0)
+        luaL_argerror(L, 1, "softmax needs a tensor with at least one dim");
+    int dim = opt_dim(L, 2, a->ndim, a->ndim - 1);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_softmax(slot, a, dim));
+    return 1;
+}
+
+static int l_matmul(lua_State *L)
+{
+    ft_tensor *a = check_tensor(L, 1), *b = check_tensor(L, 2);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_matmul(slot, a, b));
+    return 1;
+}
+
+static int l_max_abs_diff(lua_State *L)
+{
+    ft_tensor *a = check_tensor(L, 1), *b = check_tensor(L, 2);
+    double r = 0;
+    int call_offset_ = 0;
+    CALL(L, ft_max_abs_diff(a, b, &r));
+    lua_pushnumber(L, r);
+    return 1;
+}
+
+static int l_allclose(lua_State *L)
+{
+    ft_tensor *a = check_tensor(L, 1), *b = check_tensor(L, 2);
+    double rtol = luaL_optnumber(L, 3, 1e-5), atol = luaL_optnumber(L, 4, 1e-8);
+    if (!(rtol >= 0))
+        luaL_argerror(L, 3, "rtol must be >= 0");
+    if (!(atol >= 0))
+        luaL_argerror(L, 4, "atol must be >= 0");
+    int r = 0;
+    int call_offset_ = 0;
+    CALL(L, ft_allclose(a, b, rtol, atol, &r));
+    lua_pushboolean(L, r);
+    return 1;
+}
+
+/* ---- files ---- */
+
+static int t_save(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    const char *path = luaL_checkstring(L, 2);
+    int call_offset_ = 0;
+    CALL(L, ft_save_npy(t, path));
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int l_load(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_load_npy(slot, path));
+    return 1;
+}
+
+/* ---- memory ---- */
+
+static ft_device opt_device(lua_State *L, int idx)
+{
+    if (lua_isnoneornil(L, idx))
+        return (ft_device){FT_CPU, 0};
+    return check_device(L, idx);
+}
+
+static int l_memory_stats(lua_State *L)
+{
+    ft_device dev = opt_device(L, 1);
+    ft_memory_stats s;
+    int call_offset_ = 0;
+    CALL(L, ft_memory_stats_get(dev, &s));
+    lua_createtable(L, 0, 3);
+    lua_pushinteger(L, (lua_Integer)s.in_use);
+    lua_setfield(L, -2, "in_use");
+    lua_pushinteger(L, (lua_Integer)s.peak);
+    lua_setfield(L, -2, "peak");
+    if (dev.type != FT_CPU) {
+        lua_pushinteger(L, (lua_Integer)s.reserved);
+        lua_setfield(L, -2, "reserved");
+    }
+    return 1;
+}
+
+static int l_reset_peak_memory(lua_State *L)
+{
+    ft_device dev = opt_device(L, 1);
+    int call_offset_ = 0;
+    CALL(L, ft_reset_peak_memory(dev));
+    return 0;
+}
+
+static int l_is_tensor(lua_State *L)
+{
+    lua_pushboolean(L, luaL_testudata(L, 1, TENSOR_MT) != NULL);
+    return 1;
+}
+
+/* ---- lifetime ---- */
+
+/* __gc, __close and t:free(): the memory goes now (or with the last view
+ * of the storage); later use of t is an error, never a crash. */
+static int t_free(lua_State *L)
+{
+    ud_tensor *u = luaL_checkudata(L, 1, TENSOR_MT);
+    ft_tensor_free(u->t);
+    u->t = NULL;
+    return 0;
+}
+
+/* t.shape, t.dtype, t.device, then the methods. */
+static int t_index(lua_State *L)
+{
+    ud_tensor *u = luaL_checkudata(L, 1, TENSOR_MT);
+    if (lua_type(L, 2) == LUA_TSTRING) {
+        const char *key = lua_tostring(L, 2);
+        if (u->t && strcmp(key, "shape") == 0) {
+            push_shape(L, u->t, u->t->shape);
+            return 1;
+        }
+        if (u->t && strcmp(key, "dtype") == 0) {
+            lua_pushstring(L, ft_dtype_name(u->t->dtype));
+            return 1;
+        }
+        if (u->t && strcmp(key, "device") == 0) {
+            char buf[16];
+            lua_pushstring(L, ft_device_name(u->t->device, buf, sizeof buf));
+            return 1;
+        }
+    }
+    lua_pushvalue(L, 2);
+    lua_rawget(L, lua_upvalueindex(1));
+    return 1;
+}
+
+static int t_newindex(lua_State *L)
+{
+    return luaL_error(L, "%s", "tensor fields are read-only (use t:set(...) or t:copy(src))");
+}
+
+static int t_rawstring(lua_State *L)
+{
+    ud_tensor *u = luaL_checkudata(L, 1, TENSOR_MT);
+    if (!u->t) {
+        lua_pushliteral(L, "flashtile.Tensor (freed)");
+        return 1;
+    }
+    char shape[160] = "{";
+    size_t n = 1;
+    for (int d = 0; d < u->t->ndim && n < sizeof shape; d++)
+        n += (size_t)snprintf(shape + n, sizeof shape - n, "%s%lld", d ? ", " : "",
+                              (long long)u->t->shape[d]);
+    char dev[16];
+    lua_pushfstring(L, "flashtile.Tensor %s %s %s}", ft_dtype_name(u->t->dtype),
+                    ft_device_name(u->t->device, dev, sizeof dev), shape);
+    return 1;
+}
+
+static const luaL_Reg tensor_methods[] = {
+    {"dim", t_dim},         {"numel", t_numel},       {"size", t_size},
+    {"stride", t_stride},   {"is_contiguous", t_is_contiguous},
+    {"is_same_storage", t_is_same_storage},
+    {"to", t_to},           {"view", t_view},         {"reshape", t_reshape},
+    {"transpose", t_transpose}, {"permute", t_permute}, {"narrow", t_narrow},
+    {"select", t_select},   {"contiguous", t_contiguous}, {"clone", t_clone},
+    {"copy", t_copy},       {"fill", t_fill},         {"get", t_get},
+    {"set", t_set},         {"item", t_item},         {"totable", t_totable},
+    {"add", t_add},         {"sub", t_sub},           {"mul", t_mul},
+    {"div", t_div},         {"pow", t_pow},           {"maximum", t_maximum},
+    {"minimum", t_minimum}, {"neg", t_neg},           {"exp", t_exp},
+    {"log", t_log},         {"abs", t_abs},           {"sqrt", t_sqrt},
+    {"tanh", t_tanh},       {"sigmoid", t_sigmoid},   {"relu", t_relu},
+    {"sum", t_sum},         {"mean", t_mean},         {"max", t_max},
+    {"min", t_min},         {"norm", t_norm},         {"softmax", t_softmax},
+    {"save", t_save},       {"free", t_free},         {"rawstring", t_rawstring},
+    {NULL, NULL}};
+
+static const luaL_Reg tensor_metamethods[] = {
+    {"__add", t_add},   {"__sub", t_sub},   {"__mul", t_mul},
+    {"__div", t_div},   {"__pow", t_pow},   {"__unm", t_neg},
+    {"__len", t_len},   {"__gc", t_free},   {"__close", t_free},
+    {"__newindex", t_newindex}, {"__tostring", t_rawstring},
+    {NULL, NULL}};
+
+static const luaL_Reg module_functions[] = {
+    {"tensor", l_tensor},       {"empty", l_empty},   {"zeros", l_zeros},
+    {"ones", l_ones},           {"full", l_full},     {"rand", l_rand},
+    {"randn", l_randn},         {"arange", l_arange}, {"manual_seed", l_manual_seed},
+    {"matmul", l_matmul},       {"max_abs_diff", l_max_abs_diff},
+    {"allclose", l_allclose},   {"load", l_load},     {"memory_stats", l_memory_stats},
+    {"reset_peak_memory", l_reset_peak_memory},       {"is_tensor", l_is_tensor},
+    {NULL, NULL}};
+
+FT_API int luaopen_flashtile_core(lua_State *L)
+{
+    /* The metatable lives in this state's registry. */
+    luaL_newmetatable(L, TENSOR_MT);
+    luaL_setfuncs(L, tensor_metamethods, 0);
+    lua_newtable(L); /* methods, the upvalue of __index */
+    luaL_setfuncs(L, tensor_methods, 0);
+    lua_pushvalue(L, -1);
+    lua_pushcclosure(L, t_index, 1);
+    lua_setfield(L, -3, "__index");
+    /* stack: metatable, methods */
+
+    lua_newtable(L); /* the module */
+    generator *g = compat_newudata(L, sizeof *g);
+    g->seed = DEFAULT_SEED;
+    g->offset = 0;
+    luaL_setfuncs(L, module_functions, 1);
+    lua_pushvalue(L, -2);
+    lua_setfield(L, -2, "Tensor_methods");
+    lua_pushvalue(L, -3);
+    lua_setfield(L, -2, "Tensor");
+    lua_pushliteral(L, FT_VERSION);
+    lua_setfield(L, -2, "version");
+    return 1;
+}
