@@ -1,0 +1,694 @@
+/*
+ * ops.c - elementwise ops, reductions, softmax, matmul and comparisons.
+ *
+ * Every op validates its inputs, allocates its result with ft_empty_named
+ * and then calls a static *_cpu function that does the loop, so that a CUDA
+ * branch can be added beside each one later. Elements are read and written
+ * through ft_load_f64/ft_store_f64 and the math is done in double; inputs
+ * may be any strided view (stride 0, empty, 0-d), walked with ft_iter.
+ */
+#include "internal.h"
+
+#include <cblas.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Room for "{d0, d1, ...}" with FT_MAX_DIMS 20-digit dims. */
+#define SHAPE_BUF 256
+/* The largest m, n, k or leading dimension CBLAS accepts (it takes int). */
+#define BLAS_DIM_MAX ((int64_t)INT_MAX)
+
+static const char *const BINOP_NAMES[] = {"add", "sub", "mul", "div",
+                                          "pow", "maximum", "minimum"};
+static const char *const UNOP_NAMES[] = {"neg", "exp", "log", "abs",
+                                         "sqrt", "tanh", "sigmoid", "relu"};
+static const char *const REDUCE_NAMES[] = {"sum", "mean", "max", "min",
+                                           "norm"};
+#define NUM_BINOPS ((int)(sizeof BINOP_NAMES / sizeof *BINOP_NAMES))
+#define NUM_UNOPS ((int)(sizeof UNOP_NAMES / sizeof *UNOP_NAMES))
+#define NUM_REDUCE_OPS ((int)(sizeof REDUCE_NAMES / sizeof *REDUCE_NAMES))
+
+/* ---- shared checks ---------------------------------------------------- */
+
+static ft_status check_out(const char *func, const void *out)
+{
+    if (out == NULL)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
+    return FT_OK;
+}
+
+/* A non-NULL CPU tensor at input position arg. */
+static ft_status check_input(const char *func, int arg, const ft_tensor *t)
+{
+    FT_TRY(ft_check_tensor(func, arg, t));
+    return ft_check_cpu(func, arg, t);
+}
+
+static ft_status check_same_dtype(const char *func, int arg,
+                                  const ft_tensor *a, const ft_tensor *b)
+{
+    if (a->dtype != b->dtype)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "dtypes differ (%s and %s)",
+                       ft_dtype_name(a->dtype), ft_dtype_name(b->dtype));
+    return FT_OK;
+}
+
+/* ---- elementwise ------------------------------------------------------ */
+
+static int binop_int_ok(ft_binop op)
+{
+    return op == FT_ADD || op == FT_SUB || op == FT_MUL || op == FT_MAXIMUM ||
+           op == FT_MINIMUM;
+}
+
+static ft_status check_binop(const char *func, ft_binop op, int arg,
+                             const ft_tensor *a)
+{
+    if ((int)op < 0 || (int)op >= NUM_BINOPS)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "unknown binary op %d",
+                       (int)op);
+    if (!ft_dtype_is_float(a->dtype) && !binop_int_ok(op))
+        return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                       "%s needs floating-point tensors, got %s",
+                       BINOP_NAMES[op], ft_dtype_name(a->dtype));
+    return FT_OK;
+}
+
+static double apply_binop(ft_binop op, double x, double y)
+{
+    switch (op) {
+    case FT_ADD: return x + y;
+    case FT_SUB: return x - y;
+    case FT_MUL: return x * y;
+    case FT_DIV: return x / y;
+    case FT_POW: return pow(x, y);
+    /* maximum/minimum propagate NaN, as torch.maximum does (fmax would not). */
+    case FT_MAXIMUM: return isnan(x) || isnan(y) ? x + y : (x > y ? x : y);
+    case FT_MINIMUM: return isnan(x) || isnan(y) ? x + y : (x < y ? x : y);
+    }
+    return NAN;
+}
+
+static double apply_unop(ft_unop op, double x)
+{
+    switch (op) {
+    case FT_NEG: return -x;
+    case FT_EXP: return exp(x);
+    case FT_LOG: return log(x);
+    case FT_ABS: return fabs(x);
+    case FT_SQRT: return sqrt(x);
+    case FT_TANH: return tanh(x);
+    /* exp(-x) overflows to inf for very negative x, giving 0: no NaN. */
+    case FT_SIGMOID: return 1.0 / (1.0 + exp(-x));
+    case FT_RELU: return x > 0.0 || isnan(x) ? x : 0.0;
+    }
+    return NAN;
+}
+
+/* out = a op b, or a op s (b NULL), or s op a (b NULL, scalar_first). */
+static void binary_cpu(ft_tensor *out, ft_binop op, const ft_tensor *a,
+                       const ft_tensor *b, double s, int scalar_first)
+{
+    const ft_tensor *second = b ? b : a; /* an unused stride row if scalar */
+    ft_iter it;
+    ft_iter_init(&it, a->ndim, a->shape, 3,
+                 (const int64_t *[]){a->stride, second->stride, out->stride});
+    int64_t n = ft_numel(a);
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
+        double x = ft_load_f64(ft_elem_ptr(a, it.offset[0]), a->dtype);
+        double y = b ? ft_load_f64(ft_elem_ptr(b, it.offset[1]), b->dtype) : s;
+        double r = scalar_first ? apply_binop(op, y, x) : apply_binop(op, x, y);
+        ft_store_f64(ft_elem_ptr(out, it.offset[2]), out->dtype, r);
+    }
+}
+
+static void unary_cpu(ft_tensor *out, ft_unop op, const ft_tensor *a)
+{
+    ft_iter it;
+    ft_iter_init(&it, a->ndim, a->shape, 2,
+                 (const int64_t *[]){a->stride, out->stride});
+    int64_t n = ft_numel(a);
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
+        double x = ft_load_f64(ft_elem_ptr(a, it.offset[0]), a->dtype);
+        ft_store_f64(ft_elem_ptr(out, it.offset[1]), out->dtype,
+                     apply_unop(op, x));
+    }
+}
+
+ft_status ft_binary(ft_tensor **out, ft_binop op, const ft_tensor *a,
+                    const ft_tensor *b)
+{
+    static const char *const F = "ft_binary";
+    FT_TRY(check_out(F, out));
+    *out = NULL;
+    FT_TRY(check_input(F, 2, a));
+    FT_TRY(check_input(F, 3, b));
+    FT_TRY(check_same_dtype(F, 3, a, b));
+    FT_TRY(ft_check_same_shape(F, 3, a, b));
+    FT_TRY(check_binop(F, op, 2, a));
+    FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+    binary_cpu(*out, op, a, b, 0.0, 0);
+    return FT_OK;
+}
+
+ft_status ft_binary_scalar(ft_tensor **out, ft_binop op, const ft_tensor *a,
+                           double s, int scalar_first)
+{
+    static const char *const F = "ft_binary_scalar";
+    FT_TRY(check_out(F, out));
+    *out = NULL;
+    FT_TRY(check_input(F, 2, a));
+    FT_TRY(check_binop(F, op, 2, a));
+    FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+    binary_cpu(*out, op, a, NULL, s, scalar_first);
+    return FT_OK;
+}
+
+ft_status ft_unary(ft_tensor **out, ft_unop op, const ft_tensor *a)
+{
+    static const char *const F = "ft_unary";
+    FT_TRY(check_out(F, out));
+    *out = NULL;
+    if ((int)op < 0 || (int)op >= NUM_UNOPS)
+        return ft_fail(FT_ERR_ARGUMENT, F, 1, "unknown unary op %d", (int)op);
+    FT_TRY(check_input(F, 2, a));
+    if (!ft_dtype_is_float(a->dtype) && op != FT_NEG && op != FT_ABS)
+        return ft_fail(FT_ERR_ARGUMENT, F, 2,
+                       "%s needs a floating-point tensor, got %s",
+                       UNOP_NAMES[op], ft_dtype_name(a->dtype));
+    FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+    unary_cpu(*out, op, a);
+    return FT_OK;
+}
+
+/* ---- reductions ------------------------------------------------------- */
+
+/* Neumaier's compensated sum: the error of each addition is kept in comp,
+ * so 1e6 f32-sized terms sum to about double precision. */
+typedef struct {
+    double sum, comp;
+} ksum;
+
+static void ksum_add(ksum *k, double v)
+{
+    double t = k->sum + v;
+    if (fabs(k->sum) >= fabs(v))
+        k->comp += (k->sum - t) + v;
+    else
+        k->comp += (v - t) + k->sum;
+    k->sum = t;
+}
+
+/* Once the sum is inf or NaN the compensation is NaN; the plain sum is then
+ * the right answer. */
+static double ksum_result(const ksum *k)
+{
+    return isfinite(k->sum) ? k->sum + k->comp : k->sum;
+}
+
+/* One running reduction; MAX/MIN keep the first extreme and its position,
+ * and a NaN, once seen, is the extreme (torch propagates it). */
+typedef struct {
+    ft_reduce_op op;
+    ksum acc;
+    double best;
+    int64_t best_at, count;
+} reducer;
+
+static void reducer_init(reducer *r, ft_reduce_op op)
+{
+    memset(r, 0, sizeof *r);
+    r->op = op;
+}
+
+static void reducer_add(reducer *r, double v)
+{
+    switch (r->op) {
+    case FT_SUM:
+    case FT_MEAN: ksum_add(&r->acc, v); break;
+    case FT_NORM: ksum_add(&r->acc, v * v); break;
+    case FT_MAX:
+    case FT_MIN:
+        if (r->count == 0 ||
+            (!isnan(r->best) &&
+             (isnan(v) || (r->op == FT_MAX ? v > r->best : v < r->best)))) {
+            r->best = v;
+            r->best_at = r->count;
+        }
+        break;
+    }
+    r->count++;
+}
+
+/* The mean of nothing is NaN (0/0), as in torch. */
+static double reducer_result(const reducer *r)
+{
+    switch (r->op) {
+    case FT_SUM: return ksum_result(&r->acc);
+    case FT_MEAN: return ksum_result(&r->acc) / (double)r->count;
+    case FT_NORM: return sqrt(ksum_result(&r->acc));
+    case FT_MAX:
+    case FT_MIN: return r->best;
+    }
+    return NAN;
+}
+
+static ft_status check_reduce_op(const char *func, ft_reduce_op op)
+{
+    if ((int)op < 0 || (int)op >= NUM_REDUCE_OPS)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "unknown reduction %d",
+                       (int)op);
+    return FT_OK;
+}
+
+static int is_extreme(ft_reduce_op op)
+{
+    return op == FT_MAX || op == FT_MIN;
+}
+
+/* Starts an iteration over the lines of t along dim d (t's shape with d
+ * collapsed to 1, row-major); returns the number of lines. */
+static int64_t lines_init(ft_iter *it, const ft_tensor *t, int d, int nops,
+                          const int64_t *const *strides)
+{
+    int64_t shape[FT_MAX_DIMS], count = 1;
+    for (int i = 0; i < t->ndim; i++) {
+        shape[i] = i == d ? 1 : t->shape[i];
+        count *= shape[i];
+    }
+    ft_iter_init(it, t->ndim, shape, nops, strides);
+    return count;
+}
+
+static double reduce_all_cpu(ft_reduce_op op, const ft_tensor *a)
+{
+    reducer r;
+    reducer_init(&r, op);
+    ft_iter it;
+    ft_iter_init(&it, a->ndim, a->shape, 1, (const int64_t *[]){a->stride});
+    int64_t n = ft_numel(a);
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it))
+        reducer_add(&r, ft_load_f64(ft_elem_ptr(a, it.offset[0]), a->dtype));
+    return reducer_result(&r);
+}
+
+/* out (and idx) are contiguous, so line i of a lands at element i. */
+static void reduce_dim_cpu(ft_tensor *out, ft_tensor *idx, ft_reduce_op op,
+                           const ft_tensor *a, int d)
+{
+    ft_iter it;
+    int64_t lines = lines_init(&it, a, d, 1, (const int64_t *[]){a->stride});
+    for (int64_t i = 0; i < lines; i++, ft_iter_next(&it)) {
+        reducer r;
+        reducer_init(&r, op);
+        for (int64_t j = 0; j < a->shape[d]; j++) {
+            int64_t off = it.offset[0] + j * a->stride[d];
+            reducer_add(&r, ft_load_f64(ft_elem_ptr(a, off), a->dtype));
+        }
+        ft_store_f64(ft_elem_ptr(out, i), out->dtype, reducer_result(&r));
+        if (idx)
+            ((int64_t *)idx->data)[i] = r.best_at;
+    }
+}
+
+ft_status ft_reduce_all(ft_reduce_op op, const ft_tensor *a, double *result)
+{
+    static const char *const F = "ft_reduce_all";
+    FT_TRY(check_out(F, result));
+    FT_TRY(check_reduce_op(F, op));
+    FT_TRY(check_input(F, 2, a));
+    if (is_extreme(op) && ft_numel(a) == 0)
+        return ft_fail(FT_ERR_ARGUMENT, F, 2, "%s of an empty tensor",
+                       REDUCE_NAMES[op]);
+    *result = reduce_all_cpu(op, a);
+    return FT_OK;
+}
+
+ft_status ft_reduce_dim(ft_tensor **out, ft_tensor **indices, ft_reduce_op op,
+                        const ft_tensor *a, int dim, int keepdim)
+{
+    static const char *const F = "ft_reduce_dim";
+    FT_TRY(check_out(F, out));
+    *out = NULL;
+    if (indices)
+        *indices = NULL;
+    FT_TRY(check_reduce_op(F, op));
+    if (indices && !is_extreme(op))
+        return ft_fail(FT_ERR_ARGUMENT, F, 1,
+                       "%s gives no indices (only max and min do)",
+                       REDUCE_NAMES[op]);
+    FT_TRY(check_input(F, 2, a));
+    int d;
+    FT_TRY(ft_check_dim(F, 3, dim, a->ndim, &d));
+    if ((op == FT_MEAN || op == FT_NORM) && !ft_dtype_is_float(a->dtype))
+        return ft_fail(FT_ERR_ARGUMENT, F, 2,
+                       "%s needs a floating-point tensor, got %s",
+                       REDUCE_NAMES[op], ft_dtype_name(a->dtype));
+    if (is_extreme(op) && a->shape[d] == 0)
+        return ft_fail(FT_ERR_ARGUMENT, F, 3,
+                       "%s along dim %d, which has size 0", REDUCE_NAMES[op],
+                       d);
+
+    /* Result shape: a's, with dim d set to 1 (keepdim) or dropped. */
+    int64_t shape[FT_MAX_DIMS];
+    int ndim = 0;
+    for (int i = 0; i < a->ndim; i++) {
+        if (i != d)
+            shape[ndim++] = a->shape[i];
+        else if (keepdim)
+            shape[ndim++] = 1;
+    }
+    FT_TRY(ft_empty_named(out, ndim, shape, a->dtype, a->device, F));
+    if (indices) {
+        ft_status s = ft_empty_named(indices, ndim, shape, FT_I64, a->device, F);
+        if (s != FT_OK) {
+            ft_tensor_free(*out);
+            *out = NULL;
+            return s;
+        }
+    }
+    reduce_dim_cpu(*out, indices ? *indices : NULL, op, a, d);
+    return FT_OK;
+}
+
+/* ---- softmax ---------------------------------------------------------- */
+
+/* Each line: m = max, then exp(x - m) / sum exp(x - m). A line of all -inf
+ * gives NaN (-inf - -inf), as torch does; so does any NaN or +inf in it. The
+ * exponentials are computed twice rather than kept in a scratch buffer. */
+static void softmax_cpu(ft_tensor *out, const ft_tensor *a, int d)
+{
+    ft_iter it;
+    int64_t lines = lines_init(&it, a, d, 2,
+                               (const int64_t *[]){a->stride, out->stride});
+    int64_t n = a->shape[d], sa = a->stride[d], so = out->stride[d];
+    for (int64_t i = 0; i < lines; i++, ft_iter_next(&it)) {
+        reducer mx;
+        reducer_init(&mx, FT_MAX);
+        for (int64_t j = 0; j < n; j++)
+            reducer_add(&mx, ft_load_f64(ft_elem_ptr(a, it.offset[0] + j * sa),
+                                         a->dtype));
+        double m = reducer_result(&mx);
+        ksum total = {0.0, 0.0};
+        for (int64_t j = 0; j < n; j++)
+            ksum_add(&total, exp(ft_load_f64(
+                                     ft_elem_ptr(a, it.offset[0] + j * sa),
+                                     a->dtype) - m));
+        double inv = 1.0 / ksum_result(&total);
+        for (int64_t j = 0; j < n; j++) {
+            double x = ft_load_f64(ft_elem_ptr(a, it.offset[0] + j * sa),
+                                   a->dtype);
+            ft_store_f64(ft_elem_ptr(out, it.offset[1] + j * so), out->dtype,
+                         exp(x - m) * inv);
+        }
+    }
+}
+
+ft_status ft_softmax(ft_tensor **out, const ft_tensor *a, int dim)
+{
+    static const char *const F = "ft_softmax";
+    FT_TRY(check_out(F, out));
+    *out = NULL;
+    FT_TRY(check_input(F, 1, a));
+    int d;
+    FT_TRY(ft_check_dim(F, 2, dim, a->ndim, &d));
+    if (!ft_dtype_is_float(a->dtype))
+        return ft_fail(FT_ERR_ARGUMENT, F, 1,
+                       "softmax needs a floating-point tensor, got %s",
+                       ft_dtype_name(a->dtype));
+    FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+    softmax_cpu(*out, a, d);
+    return FT_OK;
+}
+
+/* ---- matmul ----------------------------------------------------------- */
+
+/* One operand of a (batched) product: matrix b is rows x cols with element
+ * (i, j) at data + b*bstride + i*rs + j*cs (in elements). It goes to BLAS
+ * directly (trans, ld) when its dtype is the work dtype and one of its
+ * strides is 1; otherwise each batch is packed into `pack`, a contiguous
+ * rows x cols buffer of the work dtype. */
+typedef struct {
+    const ft_tensor *t;
+    int64_t bstride, rs, cs, rows, cols;
+    enum CBLAS_TRANSPOSE trans;
+    int ld;
+    void *pack;
+} mm_operand;
+
+static int fits_ld(int64_t ld, int64_t minimum)
+{
+    return ld >= (minimum > 1 ? minimum : 1) && ld <= BLAS_DIM_MAX;
+}
+
+/* rows x cols elements of elsize bytes (each count <= INT_MAX, so the
+ * product fits int64); NULL if that many bytes cannot even be counted. */
+static void *alloc_matrix(int64_t rows, int64_t cols, size_t elsize)
+{
+    if ((uint64_t)(rows * cols) > SIZE_MAX / elsize)
+        return NULL;
+    return malloc((size_t)(rows * cols) * elsize);
+}
+
+static ft_status mm_prepare(mm_operand *o, const ft_tensor *t, ft_dtype work)
+{
+    int r = t->ndim - 2;
+    o->t = t;
+    o->bstride = t->ndim == 3 ? t->stride[0] : 0;
+    o->rows = t->shape[r];
+    o->cols = t->shape[r + 1];
+    /* A stride over a dim of size 1 is never used: treat it as compact. */
+    o->rs = o->rows == 1 ? o->cols : t->stride[r];
+    o->cs = o->cols == 1 ? o->rows : t->stride[r + 1];
+    o->pack = NULL;
+    if (t->dtype == work && o->cs == 1 && fits_ld(o->rs, o->cols)) {
+        o->trans = CblasNoTrans; /* row-major, ld = row stride */
+        o->ld = (int)o->rs;
+    } else if (t->dtype == work && o->rs == 1 && fits_ld(o->cs, o->rows)) {
+        o->trans = CblasTrans; /* its transpose is row-major, ld = cs */
+        o->ld = (int)o->cs;
+    } else {
+        o->trans = CblasNoTrans;
+        o->ld = (int)o->cols;
+        o->pack = alloc_matrix(o->rows, o->cols, ft_dtype_size(work));
+        if (o->pack == NULL)
+            return ft_fail(FT_ERR_NOMEM, "ft_matmul", 0,
+                           "out of memory for a %lld x %lld %s matrix copy",
+                           (long long)o->rows, (long long)o->cols,
+                           ft_dtype_name(work));
+    }
+    return FT_OK;
+}
+
+/* Batch b of the operand as BLAS reads it, packing it first if needed. */
+static const void *mm_matrix(mm_operand *o, int64_t b, ft_dtype work)
+{
+    int64_t base = b * o->bstride;
+    if (o->pack == NULL)
+        return ft_elem_ptr(o->t, base);
+    for (int64_t i = 0; i < o->rows; i++)
+        for (int64_t j = 0; j < o->cols; j++) {
+            double v = ft_load_f64(ft_elem_ptr(o->t, base + i * o->rs +
+                                                         j * o->cs),
+                                   o->t->dtype);
+            if (work == FT_F64)
+                ((double *)o->pack)[i * o->cols + j] = v;
+            else
+                ((float *)o->pack)[i * o->cols + j] = (float)v;
+        }
+    return o->pack;
+}
+
+/* out [B?, m, n] = a x b, both of rank out->ndim, with 0 < m, n, k <= INT_MAX.
+ * f64 runs dgemm; everything else sgemm, f16/bf16 through f32 copies. */
+static ft_status matmul_cpu(ft_tensor *out, const ft_tensor *a,
+                            const ft_tensor *b)
+{
+    ft_dtype work = a->dtype == FT_F64 ? FT_F64 : FT_F32;
+    int r = a->ndim - 2;
+    int64_t batches = a->ndim == 3 ? a->shape[0] : 1;
+    int m = (int)a->shape[r], k = (int)a->shape[r + 1], n = (int)b->shape[r + 1];
+    mm_operand A = {0}, B = {0};
+    float *cbuf = NULL; /* f32 result of one batch when out is f16/bf16 */
+    ft_status s = mm_prepare(&A, a, work);
+    if (s == FT_OK)
+        s = mm_prepare(&B, b, work);
+    if (s == FT_OK && out->dtype != work) {
+        cbuf = alloc_matrix(m, n, sizeof *cbuf);
+        if (cbuf == NULL)
+            s = ft_fail(FT_ERR_NOMEM, "ft_matmul", 0,
+                        "out of memory for a %d x %d f32 result", m, n);
+    }
+    for (int64_t bi = 0; s == FT_OK && bi < batches; bi++) {
+        const void *pa = mm_matrix(&A, bi, work), *pb = mm_matrix(&B, bi, work);
+        void *pc = cbuf ? (void *)cbuf : ft_elem_ptr(out, bi * m * (int64_t)n);
+        if (work == FT_F64)
+            cblas_dgemm(CblasRowMajor, A.trans, B.trans, m, n, k, 1.0, pa,
+                        A.ld, pb, B.ld, 0.0, pc, n);
+        else
+            cblas_sgemm(CblasRowMajor, A.trans, B.trans, m, n, k, 1.0f, pa,
+                        A.ld, pb, B.ld, 0.0f, pc, n);
+        for (int64_t i = 0; cbuf && i < (int64_t)m * n; i++)
+            ft_store_f64(ft_elem_ptr(out, bi * m * (int64_t)n + i), out->dtype,
+                         cbuf[i]);
+    }
+    free(A.pack);
+    free(B.pack);
+    free(cbuf);
+    return s;
+}
+
+static ft_status check_matmul(const ft_tensor *a, const ft_tensor *b)
+{
+    static const char *const F = "ft_matmul";
+    char sa[SHAPE_BUF], sb[SHAPE_BUF];
+    FT_TRY(check_input(F, 1, a));
+    FT_TRY(check_input(F, 2, b));
+    FT_TRY(check_same_dtype(F, 2, a, b));
+    if (!ft_dtype_is_float(a->dtype))
+        return ft_fail(FT_ERR_ARGUMENT, F, 1,
+                       "needs floating-point tensors, got %s",
+                       ft_dtype_name(a->dtype));
+    for (int i = 0; i < 2; i++) {
+        const ft_tensor *t = i == 0 ? a : b;
+        if (t->ndim != 2 && t->ndim != 3)
+            return ft_fail(FT_ERR_ARGUMENT, F, i + 1,
+                           "needs 2-d or 3-d tensors, got %d-d", t->ndim);
+    }
+    if (a->ndim != b->ndim)
+        return ft_fail(FT_ERR_ARGUMENT, F, 2,
+                       "needs both 2-d or both 3-d tensors, got %d-d and %d-d",
+                       a->ndim, b->ndim);
+    int r = a->ndim - 2;
+    if (a->shape[r + 1] != b->shape[r])
+        return ft_fail(FT_ERR_ARGUMENT, F, 2,
+                       "inner dimensions differ (%s x %s)",
+                       ft_format_shape(sa, sizeof sa, a->ndim, a->shape),
+                       ft_format_shape(sb, sizeof sb, b->ndim, b->shape));
+    if (a->ndim == 3 && a->shape[0] != b->shape[0])
+        return ft_fail(FT_ERR_ARGUMENT, F, 2, "batch sizes differ (%lld and %lld)",
+                       (long long)a->shape[0], (long long)b->shape[0]);
+    for (int i = 0; i < 2; i++) {
+        const ft_tensor *t = i == 0 ? a : b;
+        for (int j = r; j < t->ndim; j++)
+            if (t->shape[j] > BLAS_DIM_MAX)
+                return ft_fail(FT_ERR_UNSUPPORTED, F, i + 1,
+                               "dimension %lld exceeds the BLAS limit %lld",
+                               (long long)t->shape[j],
+                               (long long)BLAS_DIM_MAX);
+    }
+    return FT_OK;
+}
+
+ft_status ft_matmul(ft_tensor **out, const ft_tensor *a, const ft_tensor *b)
+{
+    static const char *const F = "ft_matmul";
+    FT_TRY(check_out(F, out));
+    *out = NULL;
+    FT_TRY(check_matmul(a, b));
+    /* [B?, m, n]: a's leading dims, then b's last. */
+    int r = a->ndim - 2;
+    int64_t shape[3];
+    memcpy(shape, a->shape, (size_t)(r + 1) * sizeof *shape);
+    shape[r + 1] = b->shape[r + 1];
+    FT_TRY(ft_empty_named(out, a->ndim, shape, a->dtype, a->device, F));
+    int64_t numel = ft_numel(*out);
+    if (numel == 0)
+        return FT_OK;
+    if (a->shape[r + 1] == 0) {
+        /* k == 0: an empty sum. All-zero bits are +0 in every float dtype. */
+        memset((*out)->data, 0, (size_t)numel * ft_dtype_size((*out)->dtype));
+        return FT_OK;
+    }
+    ft_status s = matmul_cpu(*out, a, b);
+    if (s != FT_OK) {
+        ft_tensor_free(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
+/* ---- comparisons ------------------------------------------------------ */
+
+static ft_status check_pair(const char *func, const ft_tensor *a,
+                            const ft_tensor *b)
+{
+    FT_TRY(check_input(func, 1, a));
+    FT_TRY(check_input(func, 2, b));
+    return ft_check_same_shape(func, 2, a, b);
+}
+
+/* Calls visit(x, y, ctx) on each pair of elements until it returns 0. */
+static void pairs_cpu(const ft_tensor *a, const ft_tensor *b,
+                      int (*visit)(double, double, void *), void *ctx)
+{
+    ft_iter it;
+    ft_iter_init(&it, a->ndim, a->shape, 2,
+                 (const int64_t *[]){a->stride, b->stride});
+    int64_t n = ft_numel(a);
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it))
+        if (!visit(ft_load_f64(ft_elem_ptr(a, it.offset[0]), a->dtype),
+                   ft_load_f64(ft_elem_ptr(b, it.offset[1]), b->dtype), ctx))
+            return;
+}
+
+/* Equal values (infinities included) differ by 0; a NaN ends the walk. */
+static int visit_max_diff(double x, double y, void *ctx)
+{
+    double *m = ctx;
+    if (isnan(x) || isnan(y)) {
+        *m = NAN;
+        return 0;
+    }
+    double d = x == y ? 0.0 : fabs(x - y);
+    if (d > *m)
+        *m = d;
+    return 1;
+}
+
+typedef struct {
+    double rtol, atol;
+    int close;
+} close_ctx;
+
+static int visit_close(double x, double y, void *ctx)
+{
+    close_ctx *c = ctx;
+    if (isnan(x) || isnan(y))
+        c->close = 0;
+    else if (isinf(x) || isinf(y))
+        c->close = x == y;
+    else
+        c->close = fabs(x - y) <= c->atol + c->rtol * fabs(y);
+    return c->close;
+}
+
+ft_status ft_max_abs_diff(const ft_tensor *a, const ft_tensor *b,
+                          double *result)
+{
+    static const char *const F = "ft_max_abs_diff";
+    FT_TRY(check_out(F, result));
+    FT_TRY(check_pair(F, a, b));
+    double m = 0.0;
+    pairs_cpu(a, b, visit_max_diff, &m);
+    *result = m;
+    return FT_OK;
+}
+
+ft_status ft_allclose(const ft_tensor *a, const ft_tensor *b, double rtol,
+                      double atol, int *result)
+{
+    static const char *const F = "ft_allclose";
+    FT_TRY(check_out(F, result));
+    FT_TRY(check_pair(F, a, b));
+    if (!(rtol >= 0.0))
+        return ft_fail(FT_ERR_ARGUMENT, F, 3, "rtol must be >= 0, got %g", rtol);
+    if (!(atol >= 0.0))
+        return ft_fail(FT_ERR_ARGUMENT, F, 4, "atol must be >= 0, got %g", atol);
+    close_ctx c = {rtol, atol, 1};
+    pairs_cpu(a, b, visit_close, &c);
+    *result = c.close;
+    return FT_OK;
+}
