@@ -1,0 +1,779 @@
+/*
+ * npy.c - ft_save_npy and ft_load_npy: NumPy's .npy file format.
+ *
+ * A .npy file is
+ *   magic "\x93NUMPY" (6 bytes), major and minor version (1 byte each),
+ *   the dict's length (little-endian uint16 in version 1.0, uint32 in 2.0
+ *   and 3.0), and the dict: a Python literal such as
+ *     {'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }
+ *   padded with spaces and ended by '\n' so that the data starts at a
+ *   multiple of 64 bytes; then the raw elements, in row-major order (or
+ *   column-major when fortran_order is True).
+ * Version 3.0 differs from 2.0 only in that the dict may be UTF-8; the keys
+ * and values flashtile understands are ASCII either way.
+ *
+ * flashtile writes version 1.0, little-endian, row-major, for f16, f32, f64,
+ * i32 and i64 (bf16 has no NumPy dtype). It reads versions 1.0, 2.0 and 3.0
+ * of those dtypes in either byte order and either memory order, and always
+ * gives a contiguous row-major CPU tensor.
+ *
+ * Error statuses: the OS failing to open, read or write a file, and files
+ * that are not well-formed .npy (bad magic, truncated, malformed dict,
+ * impossible shape), are FT_ERR_IO; well-formed files that flashtile cannot
+ * represent (another dtype, a version other than 1.0-3.0, more than
+ * FT_MAX_DIMS dimensions) are FT_ERR_UNSUPPORTED.
+ */
+#include "internal.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NPY_MAGIC "\x93NUMPY"
+#define NPY_MAGIC_LEN 6
+#define NPY_VERSION_LEN 2
+/* Bytes before the dict: magic, version, and the dict's length field. */
+#define NPY_V1_LEN_FIELD 2
+#define NPY_V2_LEN_FIELD 4
+#define NPY_V1_PREAMBLE (NPY_MAGIC_LEN + NPY_VERSION_LEN + NPY_V1_LEN_FIELD)
+#define NPY_V1_MAX_HEADER 65535u
+/* The data starts at a multiple of this many bytes (NumPy's ARRAY_ALIGN). */
+#define NPY_ALIGN 64
+/* Room for the dict flashtile writes: under 300 characters for 8 dims of
+ * 19 digits, plus up to NPY_ALIGN of padding. */
+#define NPY_HEADER_CAP 1024
+/* A dict longer than this is not one of the simple dtypes flashtile reads;
+ * refusing it early keeps a corrupt length from allocating gigabytes. */
+#define NPY_MAX_HEADER_READ (1u << 20)
+/* Longest descr string kept for parsing and error messages. */
+#define NPY_DESCR_CAP 64
+/* Bytes gathered before each fwrite when saving a strided view. */
+#define NPY_WRITE_CHUNK (64 * 1024)
+#define NPY_ERR_CAP 160
+
+static const char SAVE[] = "ft_save_npy";
+static const char LOAD[] = "ft_load_npy";
+
+/* ---- byte order ---- */
+
+static int host_is_little_endian(void)
+{
+    const uint16_t one = 1;
+    unsigned char first;
+    memcpy(&first, &one, 1);
+    return first == 1;
+}
+
+/* Reverses the bytes of each of n elements of esize bytes at data. */
+static void swap_elements(void *data, size_t n, size_t esize)
+{
+    unsigned char *p = data;
+    for (size_t i = 0; i < n; i++, p += esize)
+        for (size_t a = 0, b = esize - 1; a < b; a++, b--) {
+            unsigned char tmp = p[a];
+            p[a] = p[b];
+            p[b] = tmp;
+        }
+}
+
+/* The message for the errno of a failed stdio call; stdio does not always
+ * set errno (a short read at end of file sets nothing). glibc's strerror
+ * returns static strings for known errnos, so it is safe across threads
+ * there. */
+static const char *errno_text(int err, const char *fallback)
+{
+    return err != 0 ? strerror(err) : fallback;
+}
+
+/* ---- dtypes ---- */
+
+/* The NumPy type code ("f4"...) of a dtype, NULL for bf16 and invalid. */
+static const char *npy_type_code(ft_dtype dtype)
+{
+    switch (dtype) {
+    case FT_F16:
+        return "f2";
+    case FT_F32:
+        return "f4";
+    case FT_F64:
+        return "f8";
+    case FT_I32:
+        return "i4";
+    case FT_I64:
+        return "i8";
+    default:
+        return NULL;
+    }
+}
+
+/* Decodes a descr string ("<f4", ">i8", "|f2", "=f8", or "f4" with no
+ * byte-order character) into a dtype and whether the file's bytes need
+ * swapping on this host. Returns 0, or -1 for anything else. */
+static int npy_decode_descr(const char *descr, ft_dtype *dtype, int *swap)
+{
+    const int host_little = host_is_little_endian();
+    int file_little = host_little; /* '|', '=' and none mean native */
+    const char *p = descr;
+    if (*p == '<' || *p == '>' || *p == '|' || *p == '=') {
+        if (*p == '<')
+            file_little = 1;
+        else if (*p == '>')
+            file_little = 0;
+        p++;
+    }
+    for (int d = 0; d < FT_NUM_DTYPES; d++) {
+        const char *code = npy_type_code((ft_dtype)d);
+        if (code != NULL && strcmp(p, code) == 0) {
+            *dtype = (ft_dtype)d;
+            *swap = file_little != host_little;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* ---- saving ---- */
+
+/* Writes the padded version 1.0 header for t into buf; returns its length
+ * (magic to '\n'), or 0 if it does not fit (cannot happen for
+ * FT_MAX_DIMS dims; checked anyway). */
+static size_t npy_format_header(char *buf, size_t cap, const ft_tensor *t)
+{
+    /* NumPy's layout: a 1-d shape keeps its tuple comma, "(5,)"; 0-d is
+     * "()"; the dict ends with ", }". */
+    char shape[FT_MAX_DIMS * 24 + 4];
+    size_t len = 0;
+    shape[len++] = '(';
+    for (int d = 0; d < t->ndim; d++) {
+        int w = snprintf(shape + len, sizeof shape - len, "%s%" PRId64,
+                         d > 0 ? ", " : "", t->shape[d]);
+        if (w < 0 || (size_t)w >= sizeof shape - len)
+            return 0;
+        len += (size_t)w;
+    }
+    if (t->ndim == 1)
+        shape[len++] = ',';
+    shape[len++] = ')';
+    shape[len] = '\0';
+
+    char *dict = buf + NPY_V1_PREAMBLE;
+    size_t room = cap - NPY_V1_PREAMBLE;
+    int w = snprintf(dict, room,
+                     "{'descr': '<%s', 'fortran_order': False, "
+                     "'shape': %s, }",
+                     npy_type_code(t->dtype), shape);
+    if (w < 0 || (size_t)w >= room)
+        return 0;
+    size_t dict_len = (size_t)w;
+    /* Spaces, then '\n', up to the next multiple of NPY_ALIGN. */
+    size_t unpadded = NPY_V1_PREAMBLE + dict_len + 1;
+    size_t total = (unpadded + NPY_ALIGN - 1) / NPY_ALIGN * NPY_ALIGN;
+    size_t header_len = total - NPY_V1_PREAMBLE;
+    if (total > cap || header_len > NPY_V1_MAX_HEADER)
+        return 0;
+    memset(dict + dict_len, ' ', header_len - dict_len - 1);
+    dict[header_len - 1] = '\n';
+
+    memcpy(buf, NPY_MAGIC, NPY_MAGIC_LEN);
+    buf[NPY_MAGIC_LEN] = 1; /* version 1.0 */
+    buf[NPY_MAGIC_LEN + 1] = 0;
+    buf[NPY_MAGIC_LEN + 2] = (char)(header_len & 0xff);
+    buf[NPY_MAGIC_LEN + 3] = (char)(header_len >> 8);
+    return total;
+}
+
+/* Whether t's bytes can be written as they lie: contiguous, and the host
+ * is little-endian like the file. Otherwise the elements go through a
+ * staging buffer. */
+static int npy_direct_write(const ft_tensor *t)
+{
+    return host_is_little_endian() && ft_is_contiguous(t);
+}
+
+/* Writes t's elements in row-major order, little-endian; chunk is a
+ * staging buffer of NPY_WRITE_CHUNK bytes, or NULL when
+ * npy_direct_write(t). Returns 0, or the errno of the failure (EIO when
+ * stdio set none). */
+static int npy_write_data(FILE *f, const ft_tensor *t, unsigned char *chunk)
+{
+    const size_t esize = ft_dtype_size(t->dtype);
+    const int64_t n = ft_numel(t);
+    if (n == 0)
+        return 0;
+    errno = 0;
+    if (chunk == NULL) {
+        if (fwrite(t->data, esize, (size_t)n, f) != (size_t)n)
+            return errno != 0 ? errno : EIO;
+        return 0;
+    }
+    const int swap = !host_is_little_endian();
+    const size_t per_chunk = NPY_WRITE_CHUNK / esize;
+    ft_iter it;
+    ft_iter_init(&it, t->ndim, t->shape, 1,
+                 (const int64_t *const[]){t->stride});
+    size_t filled = 0;
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
+        memcpy(chunk + filled * esize, ft_elem_ptr(t, it.offset[0]), esize);
+        if (++filled == per_chunk || i == n - 1) {
+            if (swap)
+                swap_elements(chunk, filled, esize);
+            if (fwrite(chunk, esize, filled, f) != filled)
+                return errno != 0 ? errno : EIO;
+            filled = 0;
+        }
+    }
+    return 0;
+}
+
+ft_status ft_save_npy(const ft_tensor *t, const char *path)
+{
+    FT_TRY(ft_check_tensor(SAVE, 1, t));
+    if (path == NULL)
+        return ft_fail(FT_ERR_ARGUMENT, SAVE, 2, "path is NULL");
+    FT_TRY(ft_check_cpu(SAVE, 1, t));
+    if (t->dtype == FT_BF16)
+        return ft_fail(FT_ERR_ARGUMENT, SAVE, 1,
+                       "bf16 has no .npy dtype; convert first (t:float())");
+    if (npy_type_code(t->dtype) == NULL)
+        return ft_fail(FT_ERR_ARGUMENT, SAVE, 1, "invalid dtype %d",
+                       (int)t->dtype);
+
+    char header[NPY_HEADER_CAP];
+    size_t header_total = npy_format_header(header, sizeof header, t);
+    if (header_total == 0)
+        return ft_fail(FT_ERR_INTERNAL, SAVE, 1,
+                       "the .npy header does not fit %d bytes",
+                       NPY_HEADER_CAP);
+
+    /* The staging buffer comes first: running out of memory must not
+     * leave an empty file behind. */
+    unsigned char *chunk = NULL;
+    if (!npy_direct_write(t) && ft_numel(t) > 0) {
+        chunk = malloc(NPY_WRITE_CHUNK);
+        if (chunk == NULL)
+            return ft_fail(FT_ERR_NOMEM, SAVE, 1,
+                           "cannot allocate a %d-byte staging buffer",
+                           NPY_WRITE_CHUNK);
+    }
+
+    errno = 0;
+    FILE *f = fopen(path, "wb");
+    if (f == NULL) {
+        int err = errno;
+        free(chunk);
+        return ft_fail(FT_ERR_IO, SAVE, 2, "cannot open '%s' for writing: %s",
+                       path, errno_text(err, "fopen failed"));
+    }
+
+    int err = 0;
+    errno = 0;
+    if (fwrite(header, 1, header_total, f) != header_total)
+        err = errno != 0 ? errno : EIO;
+    else
+        err = npy_write_data(f, t, chunk);
+    free(chunk);
+    /* fclose flushes: a full disk may only show here. */
+    errno = 0;
+    if (fclose(f) != 0 && err == 0)
+        err = errno != 0 ? errno : EIO;
+    /* A failed save leaves what was written: removing the path could
+     * delete something that is not ours (a device or a FIFO), and the
+     * loader reports the short data as a truncated file. */
+    if (err != 0)
+        return ft_fail(FT_ERR_IO, SAVE, 2, "cannot write '%s': %s", path,
+                       strerror(err));
+    return FT_OK;
+}
+
+/* ---- the header dict ---- */
+
+typedef struct npy_header {
+    char descr[NPY_DESCR_CAP];
+    int descr_is_string; /* 0: a list (structured dtype) or other value */
+    int fortran_order;
+    int ndim;
+    int64_t shape[FT_MAX_DIMS];
+    int have_descr, have_fortran, have_shape;
+} npy_header;
+
+/* A tiny reader of the Python literal NumPy writes. On failure it leaves
+ * the status (FT_ERR_IO for malformed, FT_ERR_UNSUPPORTED for valid but
+ * unsupported) and a message. */
+typedef struct npy_parser {
+    const char *s;
+    size_t n, pos;
+    ft_status status;
+    char msg[NPY_ERR_CAP + 48]; /* what, plus " (at byte N of the dict)" */
+} npy_parser;
+
+static int parse_error(npy_parser *p, ft_status status, const char *what)
+{
+    p->status = status;
+    snprintf(p->msg, sizeof p->msg, "%s (at byte %zu of the dict)", what,
+             p->pos);
+    return -1;
+}
+
+static int is_space(char c)
+{
+    return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\f' ||
+           c == '\v';
+}
+
+static void skip_space(npy_parser *p)
+{
+    while (p->pos < p->n && is_space(p->s[p->pos]))
+        p->pos++;
+}
+
+static int peek(const npy_parser *p)
+{
+    return p->pos < p->n ? (unsigned char)p->s[p->pos] : -1;
+}
+
+static int expect_char(npy_parser *p, char c, const char *what)
+{
+    skip_space(p);
+    if (peek(p) != (unsigned char)c)
+        return parse_error(p, FT_ERR_IO, what);
+    p->pos++;
+    return 0;
+}
+
+/* A quoted string ('...' or "..."); a backslash keeps the next character.
+ * Longer strings than cap - 1 are an error; out NULL skips the string. */
+static int parse_string(npy_parser *p, char *out, size_t cap)
+{
+    skip_space(p);
+    int quote = peek(p);
+    if (quote != '\'' && quote != '"')
+        return parse_error(p, FT_ERR_IO, "expected a quoted string");
+    p->pos++;
+    size_t len = 0;
+    for (;;) {
+        int c = peek(p);
+        if (c < 0)
+            return parse_error(p, FT_ERR_IO, "unterminated string");
+        p->pos++;
+        if (c == quote)
+            break;
+        if (c == '\\') {
+            c = peek(p);
+            if (c < 0)
+                return parse_error(p, FT_ERR_IO, "unterminated string");
+            p->pos++;
+        }
+        if (out == NULL)
+            continue;
+        if (len + 1 >= cap)
+            return parse_error(p, FT_ERR_IO, "string too long");
+        out[len++] = (char)c;
+    }
+    if (out != NULL)
+        out[len] = '\0';
+    return 0;
+}
+
+static int parse_bool(npy_parser *p, int *out)
+{
+    skip_space(p);
+    const char *rest = p->s + p->pos;
+    size_t left = p->n - p->pos;
+    if (left >= 4 && strncmp(rest, "True", 4) == 0) {
+        *out = 1;
+        p->pos += 4;
+    } else if (left >= 5 && strncmp(rest, "False", 5) == 0) {
+        *out = 0;
+        p->pos += 5;
+    } else {
+        return parse_error(p, FT_ERR_IO, "expected True or False");
+    }
+    return 0;
+}
+
+/* A non-negative decimal integer that fits int64; Python 2's long suffix
+ * ("3L", from old NumPy writers) is accepted. */
+static int parse_dim(npy_parser *p, int64_t *out)
+{
+    skip_space(p);
+    int negative = 0;
+    if (peek(p) == '-' || peek(p) == '+') {
+        negative = peek(p) == '-';
+        p->pos++;
+    }
+    int c = peek(p);
+    if (c < '0' || c > '9')
+        return parse_error(p, FT_ERR_IO, "expected an integer in shape");
+    int64_t v = 0;
+    while ((c = peek(p)) >= '0' && c <= '9') {
+        int digit = c - '0';
+        if (v > (INT64_MAX - digit) / 10)
+            return parse_error(p, FT_ERR_IO, "dimension overflows int64");
+        v = v * 10 + digit;
+        p->pos++;
+    }
+    if (peek(p) == 'L' || peek(p) == 'l')
+        p->pos++;
+    if (negative && v != 0)
+        return parse_error(p, FT_ERR_IO, "negative dimension in shape");
+    *out = v;
+    return 0;
+}
+
+/* A tuple (or list) of dimensions: "()", "(5,)", "(2, 3)", "(2, 3,)". */
+static int parse_shape(npy_parser *p, npy_header *h)
+{
+    skip_space(p);
+    int open = peek(p);
+    if (open != '(' && open != '[')
+        return parse_error(p, FT_ERR_IO, "shape is not a tuple");
+    const char close = open == '(' ? ')' : ']';
+    p->pos++;
+    h->ndim = 0;
+    for (;;) {
+        skip_space(p);
+        if (peek(p) == (unsigned char)close) {
+            p->pos++;
+            return 0;
+        }
+        if (h->ndim == FT_MAX_DIMS) {
+            char what[NPY_ERR_CAP];
+            snprintf(what, sizeof what,
+                     "shape has more than %d dimensions", FT_MAX_DIMS);
+            return parse_error(p, FT_ERR_UNSUPPORTED, what);
+        }
+        if (parse_dim(p, &h->shape[h->ndim]) != 0)
+            return -1;
+        h->ndim++;
+        skip_space(p);
+        if (peek(p) == ',')
+            p->pos++;
+        else if (peek(p) != (unsigned char)close)
+            return parse_error(p, FT_ERR_IO, "expected ',' or the end of "
+                                             "shape");
+    }
+}
+
+/* Skips a value flashtile does not interpret (a structured descr such as
+ * [('a', '<f4')]) by matching brackets and quotes, so the error can name
+ * the dtype problem rather than a syntax error. */
+static int skip_value(npy_parser *p)
+{
+    int depth = 0;
+    skip_space(p);
+    for (;;) {
+        int c = peek(p);
+        if (c < 0)
+            return parse_error(p, FT_ERR_IO, "unterminated value");
+        if (c == '\'' || c == '"') {
+            if (parse_string(p, NULL, 0) != 0)
+                return -1;
+            continue;
+        }
+        if (depth == 0 && (c == ',' || c == '}'))
+            return 0;
+        if (c == '(' || c == '[' || c == '{')
+            depth++;
+        else if (c == ')' || c == ']' || c == '}')
+            depth--;
+        p->pos++;
+    }
+}
+
+/* Parses the whole dict into h: the three keys in any order, whitespace
+ * anywhere, an optional trailing comma; unknown keys are rejected as
+ * NumPy rejects them. */
+static int parse_dict(npy_parser *p, npy_header *h)
+{
+    memset(h, 0, sizeof *h);
+    if (expect_char(p, '{', "the header does not start with '{'") != 0)
+        return -1;
+    for (;;) {
+        skip_space(p);
+        if (peek(p) == '}') {
+            p->pos++;
+            break;
+        }
+        char key[NPY_DESCR_CAP];
+        if (parse_string(p, key, sizeof key) != 0)
+            return -1;
+        if (expect_char(p, ':', "expected ':' after a key") != 0)
+            return -1;
+        skip_space(p);
+        if (strcmp(key, "descr") == 0) {
+            if (peek(p) == '\'' || peek(p) == '"') {
+                if (parse_string(p, h->descr, sizeof h->descr) != 0)
+                    return -1;
+                h->descr_is_string = 1;
+            } else {
+                if (skip_value(p) != 0)
+                    return -1;
+                h->descr_is_string = 0;
+            }
+            h->have_descr = 1;
+        } else if (strcmp(key, "fortran_order") == 0) {
+            if (parse_bool(p, &h->fortran_order) != 0)
+                return -1;
+            h->have_fortran = 1;
+        } else if (strcmp(key, "shape") == 0) {
+            if (parse_shape(p, h) != 0)
+                return -1;
+            h->have_shape = 1;
+        } else {
+            char what[NPY_ERR_CAP];
+            snprintf(what, sizeof what, "unexpected key '%s'", key);
+            return parse_error(p, FT_ERR_IO, what);
+        }
+        skip_space(p);
+        if (peek(p) == ',') {
+            p->pos++;
+        } else if (peek(p) != '}') {
+            return parse_error(p, FT_ERR_IO, "expected ',' or '}'");
+        }
+    }
+    /* Only padding (spaces, '\n', NULs from some writers) may follow. */
+    while (p->pos < p->n) {
+        char c = p->s[p->pos];
+        if (c != '\0' && !is_space(c))
+            return parse_error(p, FT_ERR_IO, "text after the dict");
+        p->pos++;
+    }
+    if (!h->have_descr)
+        return parse_error(p, FT_ERR_IO, "the dict has no 'descr'");
+    if (!h->have_fortran)
+        return parse_error(p, FT_ERR_IO, "the dict has no 'fortran_order'");
+    if (!h->have_shape)
+        return parse_error(p, FT_ERR_IO, "the dict has no 'shape'");
+    return 0;
+}
+
+/* ---- loading ---- */
+
+/* Reads and checks the preamble and dict of f into h. Returns FT_OK or
+ * the status of an ft_fail naming path. */
+static ft_status npy_read_header(FILE *f, const char *path, npy_header *h)
+{
+    unsigned char pre[NPY_MAGIC_LEN + NPY_VERSION_LEN + NPY_V2_LEN_FIELD];
+    errno = 0;
+    size_t got = fread(pre, 1, NPY_MAGIC_LEN + NPY_VERSION_LEN, f);
+    if (got < NPY_MAGIC_LEN + NPY_VERSION_LEN && ferror(f))
+        return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", path,
+                       errno_text(errno, "read error"));
+    if (got < NPY_MAGIC_LEN || memcmp(pre, NPY_MAGIC, NPY_MAGIC_LEN) != 0)
+        return ft_fail(FT_ERR_IO, LOAD, 1,
+                       "'%s': not a .npy file (bad magic)", path);
+    if (got < NPY_MAGIC_LEN + NPY_VERSION_LEN)
+        return ft_fail(FT_ERR_IO, LOAD, 1,
+                       "'%s': file is truncated in the header", path);
+
+    const int major = pre[NPY_MAGIC_LEN], minor = pre[NPY_MAGIC_LEN + 1];
+    size_t len_field;
+    if (major == 1 && minor == 0)
+        len_field = NPY_V1_LEN_FIELD;
+    else if ((major == 2 || major == 3) && minor == 0)
+        len_field = NPY_V2_LEN_FIELD;
+    else
+        return ft_fail(FT_ERR_UNSUPPORTED, LOAD, 1,
+                       "'%s': .npy format version %d.%d is not supported "
+                       "(1.0, 2.0 and 3.0 are)",
+                       path, major, minor);
+
+    unsigned char *lenp = pre + NPY_MAGIC_LEN + NPY_VERSION_LEN;
+    errno = 0;
+    got = fread(lenp, 1, len_field, f);
+    if (got < len_field) {
+        if (ferror(f))
+            return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", path,
+                           errno_text(errno, "read error"));
+        return ft_fail(FT_ERR_IO, LOAD, 1,
+                       "'%s': file is truncated in the header", path);
+    }
+    uint32_t header_len = 0;
+    for (size_t b = len_field; b-- > 0;) /* little-endian */
+        header_len = header_len << 8 | lenp[b];
+    if (header_len > NPY_MAX_HEADER_READ)
+        return ft_fail(FT_ERR_IO, LOAD, 1,
+                       "'%s': header length %" PRIu32
+                       " is implausible (limit %u)",
+                       path, header_len, NPY_MAX_HEADER_READ);
+
+    char *text = malloc((size_t)header_len + 1);
+    if (text == NULL)
+        return ft_fail(FT_ERR_NOMEM, LOAD, 1,
+                       "cannot allocate %" PRIu32 " bytes for the header",
+                       header_len);
+    errno = 0;
+    got = fread(text, 1, header_len, f);
+    if (got < header_len) {
+        int err = errno;
+        int failed = ferror(f);
+        free(text);
+        if (failed)
+            return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", path,
+                           errno_text(err, "read error"));
+        return ft_fail(FT_ERR_IO, LOAD, 1,
+                       "'%s': file is truncated: expected a header of %" PRIu32
+                       " bytes, found %zu",
+                       path, header_len, got);
+    }
+    text[header_len] = '\0';
+
+    npy_parser p = {.s = text, .n = header_len, .pos = 0, .status = FT_OK};
+    int rc = parse_dict(&p, h);
+    free(text);
+    if (rc != 0) {
+        if (p.status == FT_ERR_UNSUPPORTED)
+            return ft_fail(FT_ERR_UNSUPPORTED, LOAD, 1, "'%s': %s", path,
+                           p.msg);
+        return ft_fail(FT_ERR_IO, LOAD, 1, "'%s': malformed .npy header: %s",
+                       path, p.msg);
+    }
+    if (!h->descr_is_string)
+        return ft_fail(FT_ERR_UNSUPPORTED, LOAD, 1,
+                       "'%s': structured dtypes are not supported (descr is "
+                       "not a type string)",
+                       path);
+    return FT_OK;
+}
+
+/* Bytes left in f from the current position, or -1 if f cannot seek
+ * (a pipe): then the short read itself reports truncation. */
+static int64_t npy_bytes_left(FILE *f)
+{
+    long here = ftell(f);
+    if (here < 0 || fseek(f, 0, SEEK_END) != 0)
+        return -1;
+    long end = ftell(f);
+    if (fseek(f, here, SEEK_SET) != 0 || end < here)
+        return -1;
+    return (int64_t)(end - here);
+}
+
+/* Copies a column-major buffer of shape[ndim] into the contiguous
+ * row-major tensor t of that shape: element (i0, ..., in-1) of the file
+ * lies at sum_d i_d * prod_{e<d} shape[e]. */
+static void npy_from_fortran(ft_tensor *t, const unsigned char *src,
+                             int64_t n)
+{
+    const size_t esize = ft_dtype_size(t->dtype);
+    int64_t fstride[FT_MAX_DIMS];
+    int64_t s = 1;
+    for (int d = 0; d < t->ndim; d++) {
+        fstride[d] = s;
+        s *= t->shape[d];
+    }
+    ft_iter it;
+    ft_iter_init(&it, t->ndim, t->shape, 2,
+                 (const int64_t *const[]){t->stride, fstride});
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it))
+        memcpy(ft_elem_ptr(t, it.offset[0]),
+               src + (size_t)it.offset[1] * esize, esize);
+}
+
+/* Reads the data of a parsed header from f into a new tensor *out. */
+static ft_status npy_read_data(FILE *f, const char *path,
+                               const npy_header *h, ft_tensor **out)
+{
+    ft_dtype dtype;
+    int swap;
+    if (npy_decode_descr(h->descr, &dtype, &swap) != 0)
+        return ft_fail(FT_ERR_UNSUPPORTED, LOAD, 1,
+                       "'%s': unsupported dtype '%s' (flashtile reads f2, "
+                       "f4, f8, i4 and i8)",
+                       path, h->descr);
+    const size_t esize = ft_dtype_size(dtype);
+
+    /* The element count and byte size must fit int64 (and so size_t on
+     * 64-bit hosts). */
+    int64_t n = 1;
+    for (int d = 0; d < h->ndim; d++)
+        if (h->shape[d] == 0)
+            n = 0;
+    for (int d = 0; d < h->ndim && n != 0; d++) {
+        if (n > INT64_MAX / (int64_t)esize / h->shape[d] ||
+            (uint64_t)n * (uint64_t)h->shape[d] > SIZE_MAX / esize) {
+            char buf[FT_MAX_DIMS * 24 + 4];
+            return ft_fail(FT_ERR_IO, LOAD, 1,
+                           "'%s': shape %s is too large", path,
+                           ft_format_shape(buf, sizeof buf, h->ndim,
+                                           h->shape));
+        }
+        n *= h->shape[d];
+    }
+    const size_t nbytes = (size_t)n * esize;
+
+    /* Check the size before allocating: a corrupt shape must not cost a
+     * huge allocation. */
+    int64_t left = npy_bytes_left(f);
+    if (left >= 0 && (uint64_t)left < (uint64_t)nbytes)
+        return ft_fail(FT_ERR_IO, LOAD, 1,
+                       "'%s': file is truncated: expected %zu bytes of "
+                       "data, found %" PRId64,
+                       path, nbytes, left);
+
+    ft_tensor *t = NULL;
+    FT_TRY(ft_empty_named(&t, h->ndim, h->shape, dtype, (ft_device){FT_CPU, 0},
+                          LOAD));
+    /* Column-major data of more than one dim is read aside, then moved. */
+    const int reorder = h->fortran_order && h->ndim > 1 && n > 1;
+    unsigned char *dst = t->data;
+    if (reorder) {
+        dst = malloc(nbytes);
+        if (dst == NULL) {
+            ft_tensor_free(t);
+            return ft_fail(FT_ERR_NOMEM, LOAD, 1,
+                           "cannot allocate %zu bytes to reorder a "
+                           "fortran_order array",
+                           nbytes);
+        }
+    }
+    errno = 0;
+    size_t got = nbytes == 0 ? 0 : fread(dst, 1, nbytes, f);
+    if (got < nbytes) {
+        int err = errno;
+        int failed = ferror(f);
+        if (reorder)
+            free(dst);
+        ft_tensor_free(t);
+        if (failed)
+            return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", path,
+                           errno_text(err, "read error"));
+        return ft_fail(FT_ERR_IO, LOAD, 1,
+                       "'%s': file is truncated: expected %zu bytes of "
+                       "data, found %zu",
+                       path, nbytes, got);
+    }
+    if (swap)
+        swap_elements(dst, (size_t)n, esize);
+    if (reorder) {
+        npy_from_fortran(t, dst, n);
+        free(dst);
+    }
+    *out = t;
+    return FT_OK;
+}
+
+ft_status ft_load_npy(ft_tensor **out, const char *path)
+{
+    if (out == NULL)
+        return ft_fail(FT_ERR_ARGUMENT, LOAD, 0, "out is NULL");
+    *out = NULL;
+    if (path == NULL)
+        return ft_fail(FT_ERR_ARGUMENT, LOAD, 1, "path is NULL");
+
+    errno = 0;
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return ft_fail(FT_ERR_IO, LOAD, 1, "cannot open '%s': %s", path,
+                       errno_text(errno, "fopen failed"));
+    npy_header h;
+    ft_status st = npy_read_header(f, path, &h);
+    if (st == FT_OK)
+        st = npy_read_data(f, path, &h, out);
+    /* A read-only stream has nothing to flush; its fclose cannot lose
+     * data, so its result does not change the outcome. */
+    fclose(f);
+    return st;
+}

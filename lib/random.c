@@ -1,0 +1,97 @@
+/*
+ * random.c - ft_rand, ft_randn and ft_random_counters on the CPU.
+ *
+ * The numbers come from the counter-based stream of philox.h: element i (in
+ * row-major order of the tensor's shape, whatever its strides) depends only
+ * on (seed, offset, i). The per-element arithmetic lives in philox.h so a
+ * GPU kernel can share it and give the same values.
+ */
+#include "internal.h"
+#include "philox.h"
+
+/* The largest values below 1 of the narrow float dtypes: a uniform close
+ * to 1 rounds up to 1.0 when stored in them, and rand promises [0, 1). */
+#define FT_F16_BELOW_ONE (1.0 - 1.0 / 2048.0) /* 1 - 2^-11, 0x3BFF */
+#define FT_BF16_BELOW_ONE (1.0 - 1.0 / 256.0) /* 1 - 2^-8, 0x3F7F */
+
+typedef enum ft_distribution {
+    FT_DIST_UNIFORM,
+    FT_DIST_NORMAL
+} ft_distribution;
+
+/* The largest value below 1 that dtype can hold, for clamping stored
+ * uniforms; 0 for dtypes where a uniform (k * 2^-24) never rounds to 1
+ * (f32 and f64 hold every such value exactly). */
+static double below_one(ft_dtype dtype)
+{
+    switch (dtype) {
+    case FT_F16:
+        return FT_F16_BELOW_ONE;
+    case FT_BF16:
+        return FT_BF16_BELOW_ONE;
+    default:
+        return 0.0;
+    }
+}
+
+/* Fills t (any shape and strides) with the stream (seed, offset) in
+ * row-major logical order. One Philox block serves FT_PHILOX_LANES
+ * consecutive elements, so it is computed once per block; the values are
+ * those of ft_random_uniform_at / ft_random_normal_at for each i. */
+static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
+                             ft_distribution dist, const char *func)
+{
+    FT_TRY(ft_check_tensor(func, 1, t));
+    FT_TRY(ft_check_cpu(func, 1, t));
+    if (!ft_dtype_is_float(t->dtype))
+        return ft_fail(FT_ERR_ARGUMENT, func, 1,
+                       "needs a floating-point tensor, got %s",
+                       ft_dtype_name(t->dtype));
+
+    const int64_t n = ft_numel(t);
+    const double clamp = below_one(t->dtype);
+    ft_iter it;
+    ft_iter_init(&it, t->ndim, t->shape, 1,
+                 (const int64_t *const[]){t->stride});
+    ft_philox4 block = {{0, 0, 0, 0}};
+    double normals[FT_PHILOX_LANES] = {0, 0, 0, 0};
+    for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
+        const unsigned lane = (unsigned)(i % FT_PHILOX_LANES);
+        if (lane == 0) {
+            block = ft_philox_block(seed,
+                                    offset + (uint64_t)i / FT_PHILOX_LANES);
+            /* A Box-Muller pair serves two elements: evaluate it once. */
+            if (dist == FT_DIST_NORMAL)
+                ft_philox_block_normals(block, normals);
+        }
+        void *p = ft_elem_ptr(t, it.offset[0]);
+        if (dist == FT_DIST_UNIFORM) {
+            ft_store_f64(p, t->dtype,
+                         (double)ft_philox_lane_uniform(block, lane));
+            /* f16/bf16 round to nearest even, which can give 1.0. */
+            if (clamp > 0.0 && ft_load_f64(p, t->dtype) >= 1.0)
+                ft_store_f64(p, t->dtype, clamp);
+        } else {
+            ft_store_f64(p, t->dtype, normals[lane]);
+        }
+    }
+    return FT_OK;
+}
+
+ft_status ft_rand(ft_tensor *t, uint64_t seed, uint64_t offset)
+{
+    return fill_random(t, seed, offset, FT_DIST_UNIFORM, "ft_rand");
+}
+
+ft_status ft_randn(ft_tensor *t, uint64_t seed, uint64_t offset)
+{
+    return fill_random(t, seed, offset, FT_DIST_NORMAL, "ft_randn");
+}
+
+uint64_t ft_random_counters(int64_t numel)
+{
+    if (numel <= 0)
+        return 0;
+    /* ceil(numel / 4) without overflow: numel + 3 fits in a uint64. */
+    return ((uint64_t)numel + (FT_PHILOX_LANES - 1)) / FT_PHILOX_LANES;
+}
