@@ -248,9 +248,74 @@ FT_API ft_status ft_max_abs_diff(const ft_tensor *a, const ft_tensor *b,
 FT_API ft_status ft_allclose(const ft_tensor *a, const ft_tensor *b,
                              double rtol, double atol, int *result);
 
+/* ---- attention ------------------------------------------------------------
+ *
+ * O = softmax(scale * Q K^T + mask) V for every (batch b, head h), and
+ * LSE = logsumexp of each row of the masked, scaled scores.
+ *
+ *   q         [B, Nq, H,  d]   the last dim contiguous, the others any stride
+ *   k, v      [B, Nk, Hk, d]   Hk divides H (GQA/MQA: head h reads h / (H/Hk))
+ *   out       [B, Nq, H,  d]   contiguous, q's dtype
+ *   lse       [B, H,  Nq]      f32 (f64 for f64 inputs)
+ *
+ * Causal masks align to the bottom-right (FlashAttention 2): query i sees
+ * key j when j <= i + Nk - Nq. A query row that sees no key gets a zero
+ * output row and LSE = -inf (the log of an empty sum).
+ */
+
+typedef enum ft_attn_impl {
+    FT_ATTN_AUTO = 0,  /* the best for the device: tiled on cpu */
+    FT_ATTN_NAIVE = 1, /* materialises S and P: O(N^2) memory */
+    FT_ATTN_TILED = 2, /* FlashAttention's algorithm on the cpu: O(N) memory */
+    FT_ATTN_FLASH = 3  /* the CUDA kernels (a CUDA build) */
+} ft_attn_impl;
+
+/* Every option of attention, forward and backward. Fill it with
+ * ft_attn_params_init and change what you need; a later feature is a new
+ * field here, never a new signature. */
+typedef struct ft_attn_params {
+    ft_attn_impl impl;
+    double scale;        /* 0: 1 / sqrt(d) */
+    int causal;          /* nonzero: bottom-right causal mask */
+    int64_t block_q;     /* rows of Q per tile (B_r); 0: the default */
+    int64_t block_k;     /* rows of K/V per tile (B_c); 0: the default */
+    int deterministic;   /* nonzero: bitwise-reproducible gradients */
+    /* Fields for later features; anything but the init value is
+     * rejected with FT_ERR_UNSUPPORTED until implemented. */
+    int64_t window_left;     /* -1: unlimited (sliding window) */
+    int64_t window_right;    /* -1: unlimited */
+    double softcap;          /* 0: off (tanh soft-capping of scores) */
+    const ft_tensor *alibi_slopes; /* NULL: off; [H] or [B, H] f32 */
+    double dropout_p;        /* 0: off */
+    uint64_t dropout_seed;
+    const ft_tensor *cu_seqlens_q; /* NULL: fixed lengths; [B + 1] i32 */
+    const ft_tensor *cu_seqlens_k;
+} ft_attn_params;
+
+FT_API void ft_attn_params_init(ft_attn_params *p);
+FT_API const char *ft_attn_impl_name(ft_attn_impl impl);
+/* "auto", "naive", "tiled", "flash"; FT_ERR_ARGUMENT for others. */
+FT_API ft_status ft_attn_impl_parse(const char *name, ft_attn_impl *out);
+
+/* Forward: new tensors *out and *lse. Inputs: q=1, k=2, v=3, p=4. */
+FT_API ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
+                                      const ft_tensor *q, const ft_tensor *k,
+                                      const ft_tensor *v,
+                                      const ft_attn_params *p);
+
+/* Backward from the forward's out and lse: new tensors *dq, *dk, *dv
+ * (contiguous, shaped and typed like q, k, v; dk/dv summed over the heads
+ * of a GQA group). Inputs: dout=1, q=2, k=3, v=4, out=5, lse=6, p=7. */
+FT_API ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk,
+                                       ft_tensor **dv, const ft_tensor *dout,
+                                       const ft_tensor *q, const ft_tensor *k,
+                                       const ft_tensor *v, const ft_tensor *out,
+                                       const ft_tensor *lse,
+                                       const ft_attn_params *p);
+
 /* ---- files ------------------------------------------------------------- */
 
-/* NumPy .npy (format 1.0/2.0), little-endian, dtypes f16/f32/f64/i32/i64.
+/* NumPy .npy (writes format 1.0, reads 1.0 to 3.0, either byte order), dtypes f16/f32/f64/i32/i64.
  * bf16 has no NumPy dtype and is rejected. Loading gives a CPU tensor. */
 FT_API ft_status ft_save_npy(const ft_tensor *t, const char *path);
 FT_API ft_status ft_load_npy(ft_tensor **out, const char *path);

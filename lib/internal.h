@@ -127,4 +127,29 @@ static inline void *ft_elem_ptr(const ft_tensor *t, int64_t off)
     return (char *)t->data + off * (int64_t)ft_dtype_size(t->dtype);
 }
 
+
+/* ---- attention (attention.c validates, attention_cpu.c computes) ---- */
+
+/* The checked sizes and options of one attention call:
+ * q [B, Nq, H, d], k/v [B, Nk, Hk, d]. */
+typedef struct ft_attn_shape {
+    int64_t B, Nq, Nk, H, Hk, d;
+    double scale;
+    int causal;
+    int64_t block_q, block_k;
+} ft_attn_shape;
+
+/* out and lse (and dq, dk, dv) are allocated and contiguous; the inputs
+ * are checked. Only scratch allocation can fail. */
+ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
+                                   const ft_tensor *q, const ft_tensor *k,
+                                   const ft_tensor *v, ft_tensor *out,
+                                   ft_tensor *lse);
+ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
+                                    const ft_tensor *dout, const ft_tensor *q,
+                                    const ft_tensor *k, const ft_tensor *v,
+                                    const ft_tensor *out, const ft_tensor *lse,
+                                    ft_tensor *dq, ft_tensor *dk,
+                                    ft_tensor *dv);
+
 #endif /* FT_INTERNAL_H */

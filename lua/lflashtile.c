@@ -951,6 +951,140 @@ static int l_is_tensor(lua_State *L)
     return 1;
 }
 
+/* ---- attention ---- */
+
+static const char *const attn_option_names[] = {
+    "causal", "scale", "impl", "block_q", "block_k", "deterministic",
+    "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p",
+    "dropout_seed", "cu_seqlens_q", "cu_seqlens_k", NULL};
+
+static int64_t opt_field_integer(lua_State *L, int idx, const char *key, int64_t def)
+{
+    int64_t r = def;
+    if (lua_getfield(L, idx, key) != LUA_TNIL) {
+        if (!compat_isinteger(L, -1))
+            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be an integer", key));
+        r = (int64_t)lua_tointeger(L, -1);
+    }
+    lua_pop(L, 1);
+    return r;
+}
+
+static double opt_field_number(lua_State *L, int idx, const char *key, double def)
+{
+    double r = def;
+    if (lua_getfield(L, idx, key) != LUA_TNIL) {
+        if (lua_type(L, -1) != LUA_TNUMBER)
+            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be a number", key));
+        r = lua_tonumber(L, -1);
+    }
+    lua_pop(L, 1);
+    return r;
+}
+
+static int opt_field_boolean(lua_State *L, int idx, const char *key)
+{
+    int t = lua_getfield(L, idx, key);
+    if (t != LUA_TNIL && t != LUA_TBOOLEAN)
+        luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be a boolean", key));
+    int r = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    return r;
+}
+
+/* A tensor option: the tensor stays referenced by the options table (at
+ * idx) for the duration of the call. */
+static const ft_tensor *opt_field_tensor(lua_State *L, int idx, const char *key)
+{
+    const ft_tensor *t = NULL;
+    if (lua_getfield(L, idx, key) != LUA_TNIL) {
+        t = test_tensor(L, -1);
+        if (!t)
+            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be a tensor", key));
+    }
+    lua_pop(L, 1);
+    return t;
+}
+
+/* {causal=, scale=, impl=, block_q=, block_k=, deterministic=, and the
+ * later features' fields} at idx into p. Unknown keys are errors. */
+static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
+{
+    ft_attn_params_init(p);
+    if (lua_isnoneornil(L, idx))
+        return;
+    luaL_checktype(L, idx, LUA_TTABLE);
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        const char *key = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+        int known = 0;
+        for (int i = 0; key && attn_option_names[i]; i++)
+            known |= strcmp(key, attn_option_names[i]) == 0;
+        if (!known)
+            luaL_argerror(L, idx, lua_pushfstring(L, "unknown option '%s' (expected causal, scale, impl, block_q, block_k, deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, cu_seqlens_q or cu_seqlens_k)",
+                                                  key ? key : luaL_typename(L, -2)));
+        lua_pop(L, 1);
+    }
+    p->causal = opt_field_boolean(L, idx, "causal");
+    p->deterministic = opt_field_boolean(L, idx, "deterministic");
+    p->scale = opt_field_number(L, idx, "scale", 0);
+    if (lua_getfield(L, idx, "scale") != LUA_TNIL && p->scale == 0)
+        luaL_argerror(L, idx, "option 'scale' must be nonzero");
+    lua_pop(L, 1);
+    if (lua_getfield(L, idx, "impl") != LUA_TNIL) {
+        const char *name = lua_tostring(L, -1);
+        if (!name || ft_attn_impl_parse(name, &p->impl) != FT_OK)
+            luaL_argerror(L, idx, lua_pushfstring(L, "option 'impl': %s",
+                                                  name ? ft_last_error_detail()
+                                                       : "must be a string"));
+    }
+    lua_pop(L, 1);
+    p->block_q = opt_field_integer(L, idx, "block_q", 0);
+    p->block_k = opt_field_integer(L, idx, "block_k", 0);
+    if (lua_getfield(L, idx, "block_q") != LUA_TNIL && p->block_q < 1)
+        luaL_argerror(L, idx, "option 'block_q' must be positive");
+    if (lua_getfield(L, idx, "block_k") != LUA_TNIL && p->block_k < 1)
+        luaL_argerror(L, idx, "option 'block_k' must be positive");
+    lua_pop(L, 2);
+    p->window_left = opt_field_integer(L, idx, "window_left", -1);
+    p->window_right = opt_field_integer(L, idx, "window_right", -1);
+    p->softcap = opt_field_number(L, idx, "softcap", 0);
+    p->alibi_slopes = opt_field_tensor(L, idx, "alibi_slopes");
+    p->dropout_p = opt_field_number(L, idx, "dropout_p", 0);
+    p->dropout_seed = (uint64_t)opt_field_integer(L, idx, "dropout_seed", 0);
+    p->cu_seqlens_q = opt_field_tensor(L, idx, "cu_seqlens_q");
+    p->cu_seqlens_k = opt_field_tensor(L, idx, "cu_seqlens_k");
+}
+
+/* out, lse = ft.attention(q, k, v [, opts]) */
+static int l_attention(lua_State *L)
+{
+    const ft_tensor *q = check_tensor(L, 1), *k = check_tensor(L, 2), *v = check_tensor(L, 3);
+    ft_attn_params p;
+    check_attn_options(L, 4, &p);
+    ft_tensor **out = push_slot(L);
+    ft_tensor **lse = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_attention_forward(out, lse, q, k, v, &p));
+    return 2;
+}
+
+/* dq, dk, dv = ft.attention_backward(dout, q, k, v, out, lse [, opts]) */
+static int l_attention_backward(lua_State *L)
+{
+    const ft_tensor *t[6];
+    for (int i = 0; i < 6; i++)
+        t[i] = check_tensor(L, i + 1);
+    ft_attn_params p;
+    check_attn_options(L, 7, &p);
+    ft_tensor **dq = push_slot(L);
+    ft_tensor **dk = push_slot(L);
+    ft_tensor **dv = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_attention_backward(dq, dk, dv, t[0], t[1], t[2], t[3], t[4], t[5], &p));
+    return 3;
+}
+
 /* ---- lifetime ---- */
 
 /* __gc, __close and t:free(): the memory goes now (or with the last view
@@ -1044,6 +1178,7 @@ static const luaL_Reg module_functions[] = {
     {"matmul", l_matmul},       {"max_abs_diff", l_max_abs_diff},
     {"allclose", l_allclose},   {"load", l_load},     {"memory_stats", l_memory_stats},
     {"reset_peak_memory", l_reset_peak_memory},       {"is_tensor", l_is_tensor},
+    {"attention", l_attention}, {"attention_backward", l_attention_backward},
     {NULL, NULL}};
 
 FT_API int luaopen_flashtile_core(lua_State *L)

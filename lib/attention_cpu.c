@@ -1,0 +1,148 @@
+/*
+ * attention_cpu.c - attention on the CPU, two ways:
+ *
+ *   naive  S = scale * Q K^T and P = softmax(S) materialised per (b, h):
+ *          O(Nq * Nk) memory, the traditional method;
+ *   tiled  FlashAttention's algorithm: Q in blocks of block_q rows, K/V in
+ *          blocks of block_k rows, online softmax (running max and sum) in
+ *          the forward pass, P recomputed from the saved LSE in the
+ *          backward pass: O(N) extra memory.
+ *
+ * The kernels live in attention_cpu_impl.h, written once over the
+ * accumulator type and included here for float (f32/f16/bf16 inputs) and
+ * double (f64 inputs). Work is spread over threads with OpenMP; each thread
+ * has its own slice of one scratch allocation, counted in the memory stats
+ * like any tensor, so the O(N) versus O(N^2) difference can be measured.
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define FT_CAT_(a, b) a##b
+#define FT_CAT(a, b) FT_CAT_(a, b)
+
+static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t iclamp(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+static int thread_count(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static size_t thread_index(void)
+{
+#ifdef _OPENMP
+    return (size_t)omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Bottom-right causal alignment: query i sees key j when j <= i + Nk - Nq. */
+static int visible(const ft_attn_shape *s, int64_t i, int64_t j)
+{
+    return !s->causal || j <= i + s->Nk - s->Nq;
+}
+
+/* One past the last key that query i can see. */
+static int64_t key_end(const ft_attn_shape *s, int64_t i)
+{
+    return s->causal ? iclamp(i + s->Nk - s->Nq + 1, 0, s->Nk) : s->Nk;
+}
+
+/* The first query that can see key j. */
+static int64_t query_start(const ft_attn_shape *s, int64_t j)
+{
+    return s->causal ? iclamp(j - (s->Nk - s->Nq), 0, s->Nq) : 0;
+}
+
+/* lse [B, H, Nq], any strides (the backward takes the caller's). */
+static void *lse_ptr(const ft_tensor *lse, int64_t b, int64_t h, int64_t i)
+{
+    return ft_elem_ptr(lse, b * lse->stride[0] + h * lse->stride[1] + i * lse->stride[2]);
+}
+
+static void lse_store(ft_tensor *lse, int64_t b, int64_t h, int64_t i, double v)
+{
+    ft_store_f64(lse_ptr(lse, b, h, i), lse->dtype, v);
+}
+
+static double lse_load(const ft_tensor *lse, int64_t b, int64_t h, int64_t i)
+{
+    return ft_load_f64(lse_ptr(lse, b, h, i), lse->dtype);
+}
+
+#define ACC float
+#define SFX _f32
+#define ACC_EXP expf
+#include "attention_cpu_impl.h"
+#undef ACC
+#undef SFX
+#undef ACC_EXP
+
+#define ACC double
+#define SFX _f64
+#define ACC_EXP exp
+#include "attention_cpu_impl.h"
+#undef ACC
+#undef SFX
+#undef ACC_EXP
+
+/* Scratch for nthreads threads plus `extra` shared elements. */
+static ft_status scratch_new(ft_storage **out, size_t per_thread, size_t extra,
+                             size_t elem, const char *func)
+{
+    size_t n = per_thread * (size_t)thread_count() + extra;
+    return ft_storage_new(out, n * elem, (ft_device){FT_CPU, 0}, func);
+}
+
+ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
+                                   const ft_tensor *q, const ft_tensor *k,
+                                   const ft_tensor *v, ft_tensor *out, ft_tensor *lse)
+{
+    const int f64 = q->dtype == FT_F64;
+    size_t per = f64 ? scratch_per_thread_f64(impl, 0, s) : scratch_per_thread_f32(impl, 0, s);
+    ft_storage *scratch;
+    FT_TRY(scratch_new(&scratch, per, 0, f64 ? sizeof(double) : sizeof(float),
+                       "ft_attention_forward"));
+    if (f64)
+        forward_f64(impl, s, q, k, v, out, lse, scratch->data, per);
+    else
+        forward_f32(impl, s, q, k, v, out, lse, scratch->data, per);
+    ft_storage_release(scratch);
+    return FT_OK;
+}
+
+ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
+                                    const ft_tensor *dout, const ft_tensor *q,
+                                    const ft_tensor *k, const ft_tensor *v,
+                                    const ft_tensor *out, const ft_tensor *lse,
+                                    ft_tensor *dq, ft_tensor *dk, ft_tensor *dv)
+{
+    const int f64 = q->dtype == FT_F64;
+    size_t per = f64 ? scratch_per_thread_f64(impl, 1, s) : scratch_per_thread_f32(impl, 1, s);
+    size_t nD = impl == FT_ATTN_NAIVE ? 0 : (size_t)(s->B * s->H * s->Nq);
+    ft_storage *scratch;
+    FT_TRY(scratch_new(&scratch, per, nD, f64 ? sizeof(double) : sizeof(float),
+                       "ft_attention_backward"));
+    size_t nthreads_part = per * (size_t)thread_count();
+    if (f64) {
+        double *base = scratch->data;
+        backward_f64(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, per,
+                     base + nthreads_part);
+    } else {
+        float *base = scratch->data;
+        backward_f32(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, per,
+                     base + nthreads_part);
+    }
+    ft_storage_release(scratch);
+    return FT_OK;
+}

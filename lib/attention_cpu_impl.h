@@ -1,0 +1,377 @@
+/*
+ * attention_cpu_impl.h - the CPU attention kernels, written once over an
+ * accumulator type. attention_cpu.c includes this file twice:
+ *
+ *   ACC = float,  SFX = _f32: f32, f16 and bf16 inputs (float32 statistics
+ *                              and accumulators, as on the GPU)
+ *   ACC = double, SFX = _f64: f64 inputs (the reference)
+ *
+ * so every function below exists as name_f32 and name_f64. Shapes:
+ *   q, dq, dout, out [B, Nq, H, d]; k, v, dk, dv [B, Nk, Hk, d];
+ *   lse [B, H, Nq]; a "rows" buffer is [n, d] contiguous in ACC.
+ */
+#define FN(name) FT_CAT(name, SFX)
+
+/* n rows of t [B, N, H, d] from row0, at batch b and head h, into dst. */
+static void FN(load_rows)(ACC *dst, const ft_tensor *t, int64_t b, int64_t h,
+                          int64_t row0, int64_t n)
+{
+    const int64_t d = t->shape[3];
+    for (int64_t r = 0; r < n; r++) {
+        const char *p = ft_elem_ptr(t, b * t->stride[0] + (row0 + r) * t->stride[1] +
+                                           h * t->stride[2]);
+        ACC *o = dst + r * d;
+        if (t->dtype == FT_F32)
+            for (int64_t j = 0; j < d; j++) o[j] = (ACC)((const float *)p)[j];
+        else if (t->dtype == FT_F64)
+            for (int64_t j = 0; j < d; j++) o[j] = (ACC)((const double *)p)[j];
+        else
+            for (int64_t j = 0; j < d; j++) o[j] = (ACC)ft_load_f64(p + 2 * j, t->dtype);
+    }
+}
+
+/* The inverse of load_rows, rounding to t's dtype. */
+static void FN(store_rows)(ft_tensor *t, int64_t b, int64_t h, int64_t row0,
+                           int64_t n, const ACC *src)
+{
+    const int64_t d = t->shape[3];
+    for (int64_t r = 0; r < n; r++) {
+        char *p = ft_elem_ptr(t, b * t->stride[0] + (row0 + r) * t->stride[1] +
+                                     h * t->stride[2]);
+        const ACC *s = src + r * d;
+        if (t->dtype == FT_F32)
+            for (int64_t j = 0; j < d; j++) ((float *)p)[j] = (float)s[j];
+        else if (t->dtype == FT_F64)
+            for (int64_t j = 0; j < d; j++) ((double *)p)[j] = (double)s[j];
+        else
+            for (int64_t j = 0; j < d; j++) ft_store_f64(p + 2 * j, t->dtype, (double)s[j]);
+    }
+}
+
+static ACC FN(dot)(const ACC *a, const ACC *b, int64_t d)
+{
+    ACC s = 0;
+    for (int64_t j = 0; j < d; j++)
+        s += a[j] * b[j];
+    return s;
+}
+
+/* y += a * x */
+static void FN(axpy)(ACC *y, ACC a, const ACC *x, int64_t d)
+{
+    for (int64_t j = 0; j < d; j++)
+        y[j] += a * x[j];
+}
+
+/* S[r, c] = scale * Q[r] . K[c] for visible pairs, -inf for masked ones:
+ * Q holds query rows i0.., K key rows j0... */
+static void FN(scores)(ACC *S, const ACC *Q, const ACC *K, int64_t nr, int64_t nc,
+                       int64_t i0, int64_t j0, const ft_attn_shape *s)
+{
+    const ACC scale = (ACC)s->scale;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++)
+            S[r * nc + c] = visible(s, i0 + r, j0 + c)
+                                ? scale * FN(dot)(Q + r * s->d, K + c * s->d, s->d)
+                                : (ACC)-INFINITY;
+}
+
+/* ---- naive: S and P of a whole (b, h) materialised ---- */
+
+/* Scratch per thread: Q, O [Nq, d]; K, V [Nk, d]; S [Nq, Nk]. */
+static size_t FN(naive_forward_scratch)(const ft_attn_shape *s)
+{
+    return (size_t)(2 * s->Nq * s->d + 2 * s->Nk * s->d + s->Nq * s->Nk);
+}
+
+static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
+                              const ft_tensor *k, const ft_tensor *v, ft_tensor *out,
+                              ft_tensor *lse, int64_t b, int64_t h, ACC *scratch)
+{
+    const int64_t Nq = s->Nq, Nk = s->Nk, d = s->d, hk = h / (s->H / s->Hk);
+    ACC *Q = scratch, *O = Q + Nq * d, *K = O + Nq * d, *V = K + Nk * d, *S = V + Nk * d;
+    FN(load_rows)(Q, q, b, h, 0, Nq);
+    FN(load_rows)(K, k, b, hk, 0, Nk);
+    FN(load_rows)(V, v, b, hk, 0, Nk);
+    FN(scores)(S, Q, K, Nq, Nk, 0, 0, s);
+    for (int64_t i = 0; i < Nq; i++) {
+        ACC *P = S + i * Nk, *o = O + i * d;
+        ACC m = (ACC)-INFINITY, l = 0;
+        for (int64_t j = 0; j < Nk; j++)
+            m = P[j] > m ? P[j] : m;
+        memset(o, 0, (size_t)d * sizeof *o);
+        if (m == (ACC)-INFINITY) { /* no visible key */
+            lse_store(lse, b, h, i, -INFINITY);
+            continue;
+        }
+        for (int64_t j = 0; j < Nk; j++) {
+            P[j] = ACC_EXP(P[j] - m);
+            l += P[j];
+        }
+        for (int64_t j = 0; j < Nk; j++)
+            FN(axpy)(o, P[j] / l, V + j * d, d);
+        lse_store(lse, b, h, i, (double)m + log((double)l));
+    }
+    FN(store_rows)(out, b, h, 0, Nq, O);
+}
+
+/* Scratch per thread: Q, dO, dQ [Nq, d]; K, V, dK, dV [Nk, d]; P, dP [Nq, Nk]. */
+static size_t FN(naive_backward_scratch)(const ft_attn_shape *s)
+{
+    return (size_t)(3 * s->Nq * s->d + 4 * s->Nk * s->d + 2 * s->Nq * s->Nk);
+}
+
+/* One (b, hk) with the H/Hk query heads of its group: the traditional
+ * backward, from P recomputed by a full softmax (not from the LSE). */
+static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
+                               const ft_tensor *q, const ft_tensor *k,
+                               const ft_tensor *v, ft_tensor *dq, ft_tensor *dk,
+                               ft_tensor *dv, int64_t b, int64_t hk, ACC *scratch)
+{
+    const int64_t Nq = s->Nq, Nk = s->Nk, d = s->d, G = s->H / s->Hk;
+    const ACC scale = (ACC)s->scale;
+    ACC *Q = scratch, *dO = Q + Nq * d, *dQ = dO + Nq * d;
+    ACC *K = dQ + Nq * d, *V = K + Nk * d, *dK = V + Nk * d, *dV = dK + Nk * d;
+    ACC *P = dV + Nk * d, *dP = P + Nq * Nk;
+    FN(load_rows)(K, k, b, hk, 0, Nk);
+    FN(load_rows)(V, v, b, hk, 0, Nk);
+    memset(dK, 0, (size_t)(2 * Nk * d) * sizeof *dK); /* dK and dV */
+    for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+        FN(load_rows)(Q, q, b, h, 0, Nq);
+        FN(load_rows)(dO, dout, b, h, 0, Nq);
+        FN(scores)(P, Q, K, Nq, Nk, 0, 0, s);
+        memset(dQ, 0, (size_t)(Nq * d) * sizeof *dQ);
+        for (int64_t i = 0; i < Nq; i++) {
+            ACC *p = P + i * Nk, *dp = dP + i * Nk;
+            ACC m = (ACC)-INFINITY, l = 0, D = 0;
+            for (int64_t j = 0; j < Nk; j++)
+                m = p[j] > m ? p[j] : m;
+            for (int64_t j = 0; j < Nk; j++) {
+                p[j] = m == (ACC)-INFINITY ? 0 : ACC_EXP(p[j] - m);
+                l += p[j];
+            }
+            for (int64_t j = 0; j < Nk; j++) {
+                p[j] = l > 0 ? p[j] / l : 0;
+                dp[j] = FN(dot)(dO + i * d, V + j * d, d);
+                D += p[j] * dp[j];
+            }
+            for (int64_t j = 0; j < Nk; j++) {
+                ACC ds = p[j] * (dp[j] - D);
+                FN(axpy)(dV + j * d, p[j], dO + i * d, d);
+                FN(axpy)(dK + j * d, scale * ds, Q + i * d, d);
+                FN(axpy)(dQ + i * d, scale * ds, K + j * d, d);
+            }
+        }
+        FN(store_rows)(dq, b, h, 0, Nq, dQ);
+    }
+    FN(store_rows)(dk, b, hk, 0, Nk, dK);
+    FN(store_rows)(dv, b, hk, 0, Nk, dV);
+}
+
+/* ---- tiled: FlashAttention's algorithm ---- */
+
+/* Scratch per thread: Q, O [Bq, d]; K, V [Bk, d]; S [Bq, Bk]; m, l [Bq]. */
+static size_t FN(tiled_forward_scratch)(const ft_attn_shape *s)
+{
+    const int64_t Bq = s->block_q, Bk = s->block_k;
+    return (size_t)(2 * Bq * s->d + 2 * Bk * s->d + Bq * Bk + 2 * Bq);
+}
+
+/* Query rows i0 .. i0+Bq-1 of (b, h): one pass over the K/V blocks with a
+ * running max m, running sum l and unnormalised output O per row. */
+static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
+                              const ft_tensor *k, const ft_tensor *v, ft_tensor *out,
+                              ft_tensor *lse, int64_t b, int64_t h, int64_t i0,
+                              ACC *scratch)
+{
+    const int64_t d = s->d, hk = h / (s->H / s->Hk);
+    const int64_t nr = imin(s->block_q, s->Nq - i0);
+    ACC *Q = scratch, *O = Q + s->block_q * d, *K = O + s->block_q * d;
+    ACC *V = K + s->block_k * d, *S = V + s->block_k * d;
+    ACC *m = S + s->block_q * s->block_k, *l = m + s->block_q;
+    FN(load_rows)(Q, q, b, h, i0, nr);
+    memset(O, 0, (size_t)(nr * d) * sizeof *O);
+    for (int64_t r = 0; r < nr; r++)
+        m[r] = (ACC)-INFINITY, l[r] = 0;
+    /* Blocks wholly above the causal diagonal of the last row are skipped. */
+    const int64_t j_end = key_end(s, i0 + nr - 1);
+    for (int64_t j0 = 0; j0 < j_end; j0 += s->block_k) {
+        const int64_t nc = imin(s->block_k, s->Nk - j0);
+        FN(load_rows)(K, k, b, hk, j0, nc);
+        FN(load_rows)(V, v, b, hk, j0, nc);
+        FN(scores)(S, Q, K, nr, nc, i0, j0, s);
+        for (int64_t r = 0; r < nr; r++) {
+            const ACC *srow = S + r * nc;
+            ACC m_new = m[r];
+            for (int64_t c = 0; c < nc; c++)
+                m_new = srow[c] > m_new ? srow[c] : m_new;
+            if (m_new == (ACC)-INFINITY) /* nothing visible yet */
+                continue;
+            /* exp(-inf) = 0 drops the empty state of a first visible block. */
+            const ACC alpha = ACC_EXP(m[r] - m_new);
+            ACC *o = O + r * d, sum = 0;
+            for (int64_t j = 0; j < d; j++)
+                o[j] *= alpha;
+            for (int64_t c = 0; c < nc; c++) {
+                const ACC p = ACC_EXP(srow[c] - m_new);
+                sum += p;
+                FN(axpy)(o, p, V + c * d, d);
+            }
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+        }
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        ACC *o = O + r * d;
+        if (l[r] > 0) {
+            for (int64_t j = 0; j < d; j++)
+                o[j] /= l[r];
+            lse_store(lse, b, h, i0 + r, (double)m[r] + log((double)l[r]));
+        } else { /* no visible key: zero output, log of an empty sum */
+            lse_store(lse, b, h, i0 + r, -INFINITY);
+        }
+    }
+    FN(store_rows)(out, b, h, i0, nr, O);
+}
+
+/* D[b, h, i] = rowsum(dO * O), first of the backward pass. */
+static void FN(tiled_backward_D)(const ft_attn_shape *s, const ft_tensor *dout,
+                                 const ft_tensor *out, ACC *D, int64_t b, int64_t h,
+                                 ACC *scratch)
+{
+    ACC *dO = scratch, *O = scratch + s->d;
+    for (int64_t i = 0; i < s->Nq; i++) {
+        FN(load_rows)(dO, dout, b, h, i, 1);
+        FN(load_rows)(O, out, b, h, i, 1);
+        D[(b * s->H + h) * s->Nq + i] = FN(dot)(dO, O, s->d);
+    }
+}
+
+/* Scratch per thread: K, V, dK, dV [Bk, d]; Q, dO [Bq, d]; P, dS [Bq, Bk];
+ * lse [Bq]; dQ accumulators for the group [G, Nq, d] (the O(N) part). */
+static size_t FN(tiled_backward_scratch)(const ft_attn_shape *s)
+{
+    const int64_t Bq = s->block_q, Bk = s->block_k, G = s->H / s->Hk;
+    return (size_t)(4 * Bk * s->d + 2 * Bq * s->d + 2 * Bq * Bk + Bq + G * s->Nq * s->d);
+}
+
+/* One (b, hk): for each K/V block, for each query head of the group and
+ * each Q block that can see it, recompute P from the saved LSE and
+ * accumulate dV, dK (per block) and dQ (across blocks). */
+static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
+                               const ft_tensor *q, const ft_tensor *k,
+                               const ft_tensor *v, const ft_tensor *lse, const ACC *D,
+                               ft_tensor *dq, ft_tensor *dk, ft_tensor *dv, int64_t b,
+                               int64_t hk, ACC *scratch)
+{
+    const int64_t d = s->d, Bq = s->block_q, Bk = s->block_k, G = s->H / s->Hk;
+    const ACC scale = (ACC)s->scale;
+    ACC *K = scratch, *V = K + Bk * d, *dK = V + Bk * d, *dV = dK + Bk * d;
+    ACC *Q = dV + Bk * d, *dO = Q + Bq * d, *P = dO + Bq * d, *dS = P + Bq * Bk;
+    ACC *L = dS + Bq * Bk, *dQ = L + Bq;
+    memset(dQ, 0, (size_t)(G * s->Nq * d) * sizeof *dQ);
+    for (int64_t j0 = 0; j0 < s->Nk; j0 += Bk) {
+        const int64_t nc = imin(Bk, s->Nk - j0);
+        FN(load_rows)(K, k, b, hk, j0, nc);
+        FN(load_rows)(V, v, b, hk, j0, nc);
+        memset(dK, 0, (size_t)(2 * Bk * d) * sizeof *dK); /* dK and dV */
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = hk * G + g;
+            const ACC *Dh = D + (b * s->H + h) * s->Nq;
+            ACC *dQh = dQ + g * s->Nq * d;
+            /* Rows before query_start cannot see key j0, nor any later key. */
+            for (int64_t i0 = query_start(s, j0); i0 < s->Nq; i0 += Bq) {
+                const int64_t nr = imin(Bq, s->Nq - i0);
+                FN(load_rows)(Q, q, b, h, i0, nr);
+                FN(load_rows)(dO, dout, b, h, i0, nr);
+                for (int64_t r = 0; r < nr; r++)
+                    L[r] = (ACC)lse_load(lse, b, h, i0 + r);
+                FN(scores)(P, Q, K, nr, nc, i0, j0, s);
+                for (int64_t r = 0; r < nr; r++)
+                    for (int64_t c = 0; c < nc; c++) {
+                        ACC *p = P + r * nc + c;
+                        *p = *p == (ACC)-INFINITY || L[r] == (ACC)-INFINITY
+                                 ? 0 : ACC_EXP(*p - L[r]);
+                    }
+                for (int64_t r = 0; r < nr; r++)
+                    for (int64_t c = 0; c < nc; c++) {
+                        const ACC p = P[r * nc + c];
+                        const ACC dp = FN(dot)(dO + r * d, V + c * d, d);
+                        dS[r * nc + c] = p * (dp - Dh[i0 + r]);
+                        FN(axpy)(dV + c * d, p, dO + r * d, d);
+                    }
+                for (int64_t r = 0; r < nr; r++)
+                    for (int64_t c = 0; c < nc; c++) {
+                        const ACC ds = scale * dS[r * nc + c];
+                        FN(axpy)(dK + c * d, ds, Q + r * d, d);
+                        FN(axpy)(dQh + (i0 + r) * d, ds, K + c * d, d);
+                    }
+            }
+        }
+        FN(store_rows)(dk, b, hk, j0, nc, dK);
+        FN(store_rows)(dv, b, hk, j0, nc, dV);
+    }
+    for (int64_t g = 0; g < G; g++)
+        FN(store_rows)(dq, b, hk * G + g, 0, s->Nq, dQ + g * s->Nq * d);
+}
+
+/* ---- drivers: scratch sizes and the parallel loops ---- */
+
+/* Elements of ACC scratch per thread for a forward or backward pass. */
+static size_t FN(scratch_per_thread)(ft_attn_impl impl, int backward,
+                                     const ft_attn_shape *s)
+{
+    if (impl == FT_ATTN_NAIVE)
+        return backward ? FN(naive_backward_scratch)(s) : FN(naive_forward_scratch)(s);
+    return backward ? FN(tiled_backward_scratch)(s) : FN(tiled_forward_scratch)(s);
+}
+
+/* Naive: one task per (b, h). Tiled: one per (b, h, query block). */
+static void FN(forward)(ft_attn_impl impl, const ft_attn_shape *s, const ft_tensor *q,
+                        const ft_tensor *k, const ft_tensor *v, ft_tensor *out,
+                        ft_tensor *lse, ACC *scratch, size_t per_thread)
+{
+    const int64_t H = s->H;
+    if (impl == FT_ATTN_NAIVE) {
+#pragma omp parallel for schedule(dynamic)
+        for (int64_t t = 0; t < s->B * H; t++)
+            FN(naive_forward)(s, q, k, v, out, lse, t / H, t % H,
+                              scratch + thread_index() * per_thread);
+        return;
+    }
+    const int64_t nqb = (s->Nq + s->block_q - 1) / s->block_q;
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t t = 0; t < s->B * H * nqb; t++)
+        FN(tiled_forward)(s, q, k, v, out, lse, t / (H * nqb), t / nqb % H,
+                          t % nqb * s->block_q, scratch + thread_index() * per_thread);
+}
+
+/* One task per (b, hk): the heads of a GQA group share dK and dV, and
+ * every task owns its rows of dQ, so nothing is written twice and the
+ * result does not depend on the schedule (deterministic by construction).
+ * D (tiled only) holds B * H * Nq elements after the per-thread scratch. */
+static void FN(backward)(ft_attn_impl impl, const ft_attn_shape *s,
+                         const ft_tensor *dout, const ft_tensor *q, const ft_tensor *k,
+                         const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse,
+                         ft_tensor *dq, ft_tensor *dk, ft_tensor *dv, ACC *scratch,
+                         size_t per_thread, ACC *D)
+{
+    const int64_t H = s->H, Hk = s->Hk;
+    if (impl == FT_ATTN_NAIVE) {
+#pragma omp parallel for schedule(dynamic)
+        for (int64_t t = 0; t < s->B * Hk; t++)
+            FN(naive_backward)(s, dout, q, k, v, dq, dk, dv, t / Hk, t % Hk,
+                               scratch + thread_index() * per_thread);
+        return;
+    }
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t t = 0; t < s->B * H; t++)
+        FN(tiled_backward_D)(s, dout, out, D, t / H, t % H,
+                             scratch + thread_index() * per_thread);
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t t = 0; t < s->B * Hk; t++)
+        FN(tiled_backward)(s, dout, q, k, v, lse, D, dq, dk, dv, t / Hk, t % Hk,
+                           scratch + thread_index() * per_thread);
+}
+
+#undef FN
