@@ -14,6 +14,7 @@
  *     module's functions, so each lua_State has its own and luaopen may run
  *     any number of times.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include "flashtile.h"
 
 #include <lauxlib.h>
@@ -22,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define TENSOR_MT "flashtile.Tensor"
 #define DEFAULT_DTYPE FT_F32
@@ -945,6 +947,16 @@ static int l_reset_peak_memory(lua_State *L)
     return 0;
 }
 
+/* Seconds from a monotonic clock (wall time, unlike os.clock, which adds
+ * up the CPU time of every thread). */
+static int l_clock(lua_State *L)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    lua_pushnumber(L, (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec);
+    return 1;
+}
+
 static int l_is_tensor(lua_State *L)
 {
     lua_pushboolean(L, luaL_testudata(L, 1, TENSOR_MT) != NULL);
@@ -1178,7 +1190,7 @@ static const luaL_Reg module_functions[] = {
     {"matmul", l_matmul},       {"max_abs_diff", l_max_abs_diff},
     {"allclose", l_allclose},   {"load", l_load},     {"memory_stats", l_memory_stats},
     {"reset_peak_memory", l_reset_peak_memory},       {"is_tensor", l_is_tensor},
-    {"attention", l_attention}, {"attention_backward", l_attention_backward},
+    {"clock", l_clock},         {"attention", l_attention}, {"attention_backward", l_attention_backward},
     {NULL, NULL}};
 
 FT_API int luaopen_flashtile_core(lua_State *L)

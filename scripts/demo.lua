@@ -1,57 +1,72 @@
--- flashtile's main job script. For now: a short tour of the tensors that
--- the attention kernels will take, run on the CPU.
+-- flashtile's main job: the comparison at the heart of the project, the
+-- traditional (materialised) attention against the tiled FlashAttention
+-- algorithm, on the same inputs in the same run: peak extra memory,
+-- forward and backward time. Then a short tour of the tensors.
+--
+--   lua scripts/demo.lua [B H N d]      (scripts/demo builds first)
 local ft = require "flashtile"
+local bench = require "flashtile.bench"
 
-local function section(title) print(("\n== %s =="):format(title)) end
+local B, H, N, d = 2, 4, 1024, 64
+if arg and #arg >= 4 then
+  B, H, N, d = tonumber(arg[1]), tonumber(arg[2]), tonumber(arg[3]), tonumber(arg[4])
+end
+local device, dtype = "cpu", "f32"
 
-section("creation")
-local q = ft.randn({2, 4, 3}, {dtype = "f64", seed = 42})
-print("q = ft.randn({2, 4, 3}, {dtype = 'f64', seed = 42})")
-print(q)
+local function mib(bytes) return bytes / 2^20 end
 
-section("views share storage")
-local qt = q:transpose(2, 3)
-print("q:transpose(2, 3) is a view:", qt:is_same_storage(q), "contiguous:", qt:is_contiguous())
-qt:set(1, 1, 1, 100)
-print("after qt:set(1, 1, 1, 100), q:get(1, 1, 1) =", q:get(1, 1, 1))
+--- Peak bytes beyond what was in use before fn ran.
+local function peak_extra(fn)
+  collectgarbage()
+  ft.reset_peak_memory(device)
+  local before = ft.memory_stats(device).in_use
+  local r = table.pack(fn())
+  return ft.memory_stats(device).peak - before, table.unpack(r, 1, r.n)
+end
 
-section("dtypes")
-local x = ft.tensor({1/3, 65519, 1e-8, -2.5}, {dtype = "f64"})
-print("f64 ", x)
-print("f16 ", x:half())
-print("bf16", x:bf16())
+print(("flashtile %s: attention on %s, batch %d, heads %d, seqlen %d, head dim %d, %s")
+      :format(ft.version, device, B, H, N, d, dtype))
+local q = ft.randn({B, N, H, d}, {dtype = dtype, seed = 1})
+local k = ft.randn({B, N, H, d}, {dtype = dtype, seed = 2})
+local v = ft.randn({B, N, H, d}, {dtype = dtype, seed = 3})
+local dout = ft.randn({B, N, H, d}, {dtype = dtype, seed = 4})
 
-section("arithmetic and reductions")
-local a = ft.arange(6, {dtype = "f64"}):view(2, 3)
-print("a = ", a)
-print("a * 2 + 1 =", a * 2 + 1)
-print("a:sum() =", a:sum(), " a:sum(2) =", a:sum(2))
-print("softmax(a, 2) =", a:softmax(2))
-print("a @ a^T =", ft.matmul(a, a:transpose()))
+local rows, outs = {}, {}
+for _, impl in ipairs {"naive", "tiled"} do
+  local opts = {impl = impl}
+  local mem_f, out, lse = peak_extra(function() return ft.attention(q, k, v, opts) end)
+  local mem_b = peak_extra(function() return ft.attention_backward(dout, q, k, v, out, lse, opts) end)
+  local fwd = bench.run(function() ft.attention(q, k, v, opts) end, {warmup = 1, reps = 3})
+  local bwd = bench.run(function() ft.attention_backward(dout, q, k, v, out, lse, opts) end,
+                        {warmup = 0, reps = 3})
+  outs[impl] = out
+  rows[#rows + 1] = {impl, mib(mem_f), mib(mem_b), fwd.median, bwd.median,
+    bench.tflops(bench.attention_flops(B, H, N, N, d, false, "fwd"), fwd.median) * 1e3,
+    bench.tflops(bench.attention_flops(B, H, N, N, d, false, "bwd"), bwd.median) * 1e3}
+end
 
-section("attention scores by hand (the naive path the kernels will beat)")
-local B, N, d = 2, 128, 64
-local Q = ft.randn({B, N, d}, {seed = 1})
-local K = ft.randn({B, N, d}, {seed = 2})
-local V = ft.randn({B, N, d}, {seed = 3})
-ft.reset_peak_memory()
-local before = ft.memory_stats().in_use
-local t0 = os.clock()
-local S = ft.matmul(Q, K:transpose(2, 3)) * (1 / math.sqrt(d))
-local P = S:softmax(3)
-local O = ft.matmul(P, V)
-local ms = (os.clock() - t0) * 1e3
-local stats = ft.memory_stats()
-print(("O = softmax(Q K^T / sqrt(d)) V for B=%d N=%d d=%d: %.2f ms, peak extra memory %.1f KiB")
-      :format(B, N, d, ms, (stats.peak - before) / 1024))
-print(("the N x N scores alone take %.1f KiB per batch: what the tiled kernels avoid")
-      :format(N * N * 4 / 1024))
-print("O:", O:size(1), O:size(2), O:size(3), " max |O| =", O:abs():max())
+print()
+print("| implementation | peak memory fwd | peak memory bwd | forward | backward | fwd GFLOP/s | bwd GFLOP/s |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for _, r in ipairs(rows) do
+  print(("| %s | %.1f MiB | %.1f MiB | %.1f ms | %.1f ms | %.1f | %.1f |"):format(table.unpack(r)))
+end
+print("(peak memory: beyond the inputs, outputs included: out and lse forward, dq, dk, dv backward)")
+print(("\nmax |naive - tiled| of the output: %.2e"):format(ft.max_abs_diff(outs.naive, outs.tiled)))
+print(("the naive path holds N x N scores and probabilities per head (%.1f MiB each);")
+      :format(mib(N * N * 4)))
+print("the tiled path holds one block of them, whatever N is.")
+print(("ran on: %s (%s)"):format(device, "CPU, OpenMP threads"))
 
-section("files")
-local path = os.tmpname()
-O:save(path)
-local back = ft.load(path)
-print("saved and loaded", path, "max |diff| =", ft.max_abs_diff(O, back))
-os.remove(path)
-print("\nran on: cpu")
+-- ---- a short tour of the tensors ----
+print("\n== tensors ==")
+local x = ft.randn({2, 3}, {dtype = "f64", seed = 7})
+print("x = ft.randn({2, 3}, {dtype = 'f64', seed = 7})")
+print(x)
+print("x:transpose() shares storage:", x:transpose():is_same_storage(x))
+print("x:half() rounds to nearest even:")
+print(x:half())
+print("(2 * x + 1):sum(2) =")
+print((2 * x + 1):sum(2))
+print("x:softmax(2) =")
+print(x:softmax(2))

@@ -1,0 +1,68 @@
+--- Timing for flashtile: median, min and max milliseconds of a function,
+-- and attention FLOP counts in FlashAttention's convention.
+--
+--   local bench = require "flashtile.bench"
+--   local r = bench.run(function() ft.attention(q, k, v) end, {warmup = 2, reps = 10})
+--   print(r.median, r.min, r.max)
+--
+-- On the CPU the clock is the wall clock (ft.clock, monotonic): os.clock
+-- would add up the CPU time of every OpenMP thread.
+local ft = require "flashtile"
+
+local bench = {}
+
+local function median(xs)
+  local s = {}
+  for i, x in ipairs(xs) do s[i] = x end
+  table.sort(s)
+  local n = #s
+  if n % 2 == 1 then return s[(n + 1) // 2] end
+  return (s[n // 2] + s[n // 2 + 1]) / 2
+end
+
+--- Runs fn warmup times untimed, then reps times timed. Returns
+-- {median = ms, min = ms, max = ms, reps = n, times = {ms...}}.
+function bench.run(fn, opts)
+  if type(fn) ~= "function" then error("bench.run: fn must be a function", 2) end
+  opts = opts or {}
+  local warmup, reps = opts.warmup or 1, opts.reps or 5
+  if math.type(warmup) ~= "integer" or warmup < 0 then
+    error("bench.run: warmup must be an integer >= 0", 2)
+  end
+  if math.type(reps) ~= "integer" or reps < 1 then
+    error("bench.run: reps must be an integer >= 1", 2)
+  end
+  for _ = 1, warmup do fn() end
+  local times = {}
+  for i = 1, reps do
+    local t0 = ft.clock()
+    fn()
+    times[i] = (ft.clock() - t0) * 1e3
+  end
+  local mn, mx = math.huge, -math.huge
+  for _, t in ipairs(times) do
+    if t < mn then mn = t end
+    if t > mx then mx = t end
+  end
+  return { median = median(times), min = mn, max = mx, reps = reps, times = times }
+end
+
+--- FLOPs of attention as FlashAttention's benchmarks count them: forward
+-- 4 * B * H * Nq * Nk * d (two matrix products), halved when causal;
+-- backward 2.5 times the forward; "fwd+bwd" the sum.
+function bench.attention_flops(B, H, Nq, Nk, d, causal, pass)
+  local f = 4.0 * B * H * Nq * Nk * d
+  if causal then f = f / 2 end
+  pass = pass or "fwd"
+  if pass == "fwd" then return f end
+  if pass == "bwd" then return 2.5 * f end
+  if pass == "fwd+bwd" then return 3.5 * f end
+  error(("bench.attention_flops: pass must be 'fwd', 'bwd' or 'fwd+bwd', got '%s'"):format(tostring(pass)), 2)
+end
+
+--- TFLOP/s of flops done in ms milliseconds.
+function bench.tflops(flops, ms)
+  return flops / (ms * 1e-3) / 1e12
+end
+
+return bench
