@@ -63,25 +63,52 @@ static void FN(axpy)(ACC *y, ACC a, const ACC *x, int64_t d)
         y[j] += a * x[j];
 }
 
+/* n rows of t from row0 transposed into dst [d, n]: column r is row r.
+ * Products against it vectorise along the rows of the tile. */
+static void FN(load_rows_t)(ACC *dst, const ft_tensor *t, int64_t b, int64_t h,
+                            int64_t row0, int64_t n, ACC *row)
+{
+    const int64_t d = t->shape[3];
+    for (int64_t r = 0; r < n; r++) {
+        FN(load_rows)(row, t, b, h, row0 + r, 1);
+        for (int64_t j = 0; j < d; j++)
+            dst[j * n + r] = row[j];
+    }
+}
+
+/* C [nr, nc] = A [nr, d] x Bt [d, nc]. The inner loop runs along a row of
+ * Bt (an axpy, which the compiler vectorises without reassociating sums). */
+static void FN(mm_abt)(ACC *C, const ACC *A, const ACC *Bt, int64_t nr, int64_t nc,
+                       int64_t d)
+{
+    for (int64_t r = 0; r < nr; r++) {
+        ACC *crow = C + r * nc;
+        memset(crow, 0, (size_t)nc * sizeof *crow);
+        for (int64_t j = 0; j < d; j++)
+            FN(axpy)(crow, A[r * d + j], Bt + j * nc, nc);
+    }
+}
+
 /* S[r, c] = scale * Q[r] . K[c] for visible pairs, -inf for masked ones:
- * Q holds query rows i0.., K key rows j0... */
-static void FN(scores)(ACC *S, const ACC *Q, const ACC *K, int64_t nr, int64_t nc,
+ * Q holds query rows i0.., Kt the key rows j0.. transposed [d, nc]. */
+static void FN(scores)(ACC *S, const ACC *Q, const ACC *Kt, int64_t nr, int64_t nc,
                        int64_t i0, int64_t j0, const ft_attn_shape *s)
 {
     const ACC scale = (ACC)s->scale;
+    FN(mm_abt)(S, Q, Kt, nr, nc, s->d);
     for (int64_t r = 0; r < nr; r++)
         for (int64_t c = 0; c < nc; c++)
-            S[r * nc + c] = visible(s, i0 + r, j0 + c)
-                                ? scale * FN(dot)(Q + r * s->d, K + c * s->d, s->d)
-                                : (ACC)-INFINITY;
+            S[r * nc + c] = visible(s, i0 + r, j0 + c) ? scale * S[r * nc + c]
+                                                       : (ACC)-INFINITY;
 }
 
 /* ---- naive: S and P of a whole (b, h) materialised ---- */
 
-/* Scratch per thread: Q, O [Nq, d]; K, V [Nk, d]; S [Nq, Nk]. */
+/* Scratch per thread: Q, O [Nq, d]; K^T [d, Nk]; V [Nk, d]; S [Nq, Nk];
+ * a row [d]. */
 static size_t FN(naive_forward_scratch)(const ft_attn_shape *s)
 {
-    return (size_t)(2 * s->Nq * s->d + 2 * s->Nk * s->d + s->Nq * s->Nk);
+    return (size_t)(2 * s->Nq * s->d + 2 * s->Nk * s->d + s->Nq * s->Nk + s->d);
 }
 
 static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
@@ -89,11 +116,12 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
                               ft_tensor *lse, int64_t b, int64_t h, ACC *scratch)
 {
     const int64_t Nq = s->Nq, Nk = s->Nk, d = s->d, hk = h / (s->H / s->Hk);
-    ACC *Q = scratch, *O = Q + Nq * d, *K = O + Nq * d, *V = K + Nk * d, *S = V + Nk * d;
+    ACC *Q = scratch, *O = Q + Nq * d, *Kt = O + Nq * d, *V = Kt + Nk * d;
+    ACC *S = V + Nk * d, *row = S + Nq * Nk;
     FN(load_rows)(Q, q, b, h, 0, Nq);
-    FN(load_rows)(K, k, b, hk, 0, Nk);
+    FN(load_rows_t)(Kt, k, b, hk, 0, Nk, row);
     FN(load_rows)(V, v, b, hk, 0, Nk);
-    FN(scores)(S, Q, K, Nq, Nk, 0, 0, s);
+    FN(scores)(S, Q, Kt, Nq, Nk, 0, 0, s);
     for (int64_t i = 0; i < Nq; i++) {
         ACC *P = S + i * Nk, *o = O + i * d;
         ACC m = (ACC)-INFINITY, l = 0;
@@ -115,10 +143,11 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
     FN(store_rows)(out, b, h, 0, Nq, O);
 }
 
-/* Scratch per thread: Q, dO, dQ [Nq, d]; K, V, dK, dV [Nk, d]; P, dP [Nq, Nk]. */
+/* Scratch per thread: Q, dO, dQ [Nq, d]; K, dK, dV [Nk, d]; K^T, V^T
+ * [d, Nk]; P, dP [Nq, Nk]; a row [d]. */
 static size_t FN(naive_backward_scratch)(const ft_attn_shape *s)
 {
-    return (size_t)(3 * s->Nq * s->d + 4 * s->Nk * s->d + 2 * s->Nq * s->Nk);
+    return (size_t)(3 * s->Nq * s->d + 5 * s->Nk * s->d + 2 * s->Nq * s->Nk + s->d);
 }
 
 /* One (b, hk) with the H/Hk query heads of its group: the traditional
@@ -131,15 +160,17 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
     const int64_t Nq = s->Nq, Nk = s->Nk, d = s->d, G = s->H / s->Hk;
     const ACC scale = (ACC)s->scale;
     ACC *Q = scratch, *dO = Q + Nq * d, *dQ = dO + Nq * d;
-    ACC *K = dQ + Nq * d, *V = K + Nk * d, *dK = V + Nk * d, *dV = dK + Nk * d;
-    ACC *P = dV + Nk * d, *dP = P + Nq * Nk;
+    ACC *K = dQ + Nq * d, *Kt = K + Nk * d, *Vt = Kt + Nk * d, *dK = Vt + Nk * d;
+    ACC *dV = dK + Nk * d, *P = dV + Nk * d, *dP = P + Nq * Nk, *row = dP + Nq * Nk;
     FN(load_rows)(K, k, b, hk, 0, Nk);
-    FN(load_rows)(V, v, b, hk, 0, Nk);
+    FN(load_rows_t)(Kt, k, b, hk, 0, Nk, row);
+    FN(load_rows_t)(Vt, v, b, hk, 0, Nk, row);
     memset(dK, 0, (size_t)(2 * Nk * d) * sizeof *dK); /* dK and dV */
     for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
         FN(load_rows)(Q, q, b, h, 0, Nq);
         FN(load_rows)(dO, dout, b, h, 0, Nq);
-        FN(scores)(P, Q, K, Nq, Nk, 0, 0, s);
+        FN(scores)(P, Q, Kt, Nq, Nk, 0, 0, s);
+        FN(mm_abt)(dP, dO, Vt, Nq, Nk, d); /* dP = dO V^T */
         memset(dQ, 0, (size_t)(Nq * d) * sizeof *dQ);
         for (int64_t i = 0; i < Nq; i++) {
             ACC *p = P + i * Nk, *dp = dP + i * Nk;
@@ -152,7 +183,6 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
             }
             for (int64_t j = 0; j < Nk; j++) {
                 p[j] = l > 0 ? p[j] / l : 0;
-                dp[j] = FN(dot)(dO + i * d, V + j * d, d);
                 D += p[j] * dp[j];
             }
             for (int64_t j = 0; j < Nk; j++) {
@@ -170,11 +200,12 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
 
 /* ---- tiled: FlashAttention's algorithm ---- */
 
-/* Scratch per thread: Q, O [Bq, d]; K, V [Bk, d]; S [Bq, Bk]; m, l [Bq]. */
+/* Scratch per thread: Q, O [Bq, d]; K^T [d, Bk]; V [Bk, d]; S [Bq, Bk];
+ * m, l [Bq]; a row [d]. */
 static size_t FN(tiled_forward_scratch)(const ft_attn_shape *s)
 {
     const int64_t Bq = s->block_q, Bk = s->block_k;
-    return (size_t)(2 * Bq * s->d + 2 * Bk * s->d + Bq * Bk + 2 * Bq);
+    return (size_t)(2 * Bq * s->d + 2 * Bk * s->d + Bq * Bk + 2 * Bq + s->d);
 }
 
 /* Query rows i0 .. i0+Bq-1 of (b, h): one pass over the K/V blocks with a
@@ -186,9 +217,9 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
 {
     const int64_t d = s->d, hk = h / (s->H / s->Hk);
     const int64_t nr = imin(s->block_q, s->Nq - i0);
-    ACC *Q = scratch, *O = Q + s->block_q * d, *K = O + s->block_q * d;
-    ACC *V = K + s->block_k * d, *S = V + s->block_k * d;
-    ACC *m = S + s->block_q * s->block_k, *l = m + s->block_q;
+    ACC *Q = scratch, *O = Q + s->block_q * d, *Kt = O + s->block_q * d;
+    ACC *V = Kt + s->block_k * d, *S = V + s->block_k * d;
+    ACC *m = S + s->block_q * s->block_k, *l = m + s->block_q, *row = l + s->block_q;
     FN(load_rows)(Q, q, b, h, i0, nr);
     memset(O, 0, (size_t)(nr * d) * sizeof *O);
     for (int64_t r = 0; r < nr; r++)
@@ -197,9 +228,9 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
     const int64_t j_end = key_end(s, i0 + nr - 1);
     for (int64_t j0 = 0; j0 < j_end; j0 += s->block_k) {
         const int64_t nc = imin(s->block_k, s->Nk - j0);
-        FN(load_rows)(K, k, b, hk, j0, nc);
+        FN(load_rows_t)(Kt, k, b, hk, j0, nc, row);
         FN(load_rows)(V, v, b, hk, j0, nc);
-        FN(scores)(S, Q, K, nr, nc, i0, j0, s);
+        FN(scores)(S, Q, Kt, nr, nc, i0, j0, s);
         for (int64_t r = 0; r < nr; r++) {
             const ACC *srow = S + r * nc;
             ACC m_new = m[r];
@@ -247,12 +278,14 @@ static void FN(tiled_backward_D)(const ft_attn_shape *s, const ft_tensor *dout,
     }
 }
 
-/* Scratch per thread: K, V, dK, dV [Bk, d]; Q, dO [Bq, d]; P, dS [Bq, Bk];
- * lse [Bq]; dQ accumulators for the group [G, Nq, d] (the O(N) part). */
+/* Scratch per thread: K, dK, dV [Bk, d]; K^T, V^T [d, Bk]; Q, dO [Bq, d];
+ * P, dS [Bq, Bk]; lse [Bq]; a row [d]; dQ accumulators for the group
+ * [G, Nq, d] (the O(N) part). */
 static size_t FN(tiled_backward_scratch)(const ft_attn_shape *s)
 {
     const int64_t Bq = s->block_q, Bk = s->block_k, G = s->H / s->Hk;
-    return (size_t)(4 * Bk * s->d + 2 * Bq * s->d + 2 * Bq * Bk + Bq + G * s->Nq * s->d);
+    return (size_t)(5 * Bk * s->d + 2 * Bq * s->d + 2 * Bq * Bk + Bq + s->d +
+                    G * s->Nq * s->d);
 }
 
 /* One (b, hk): for each K/V block, for each query head of the group and
@@ -266,14 +299,15 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
 {
     const int64_t d = s->d, Bq = s->block_q, Bk = s->block_k, G = s->H / s->Hk;
     const ACC scale = (ACC)s->scale;
-    ACC *K = scratch, *V = K + Bk * d, *dK = V + Bk * d, *dV = dK + Bk * d;
-    ACC *Q = dV + Bk * d, *dO = Q + Bq * d, *P = dO + Bq * d, *dS = P + Bq * Bk;
-    ACC *L = dS + Bq * Bk, *dQ = L + Bq;
+    ACC *K = scratch, *Kt = K + Bk * d, *Vt = Kt + Bk * d, *dK = Vt + Bk * d;
+    ACC *dV = dK + Bk * d, *Q = dV + Bk * d, *dO = Q + Bq * d, *P = dO + Bq * d;
+    ACC *dS = P + Bq * Bk, *L = dS + Bq * Bk, *row = L + Bq, *dQ = row + d;
     memset(dQ, 0, (size_t)(G * s->Nq * d) * sizeof *dQ);
     for (int64_t j0 = 0; j0 < s->Nk; j0 += Bk) {
         const int64_t nc = imin(Bk, s->Nk - j0);
         FN(load_rows)(K, k, b, hk, j0, nc);
-        FN(load_rows)(V, v, b, hk, j0, nc);
+        FN(load_rows_t)(Kt, k, b, hk, j0, nc, row);
+        FN(load_rows_t)(Vt, v, b, hk, j0, nc, row);
         memset(dK, 0, (size_t)(2 * Bk * d) * sizeof *dK); /* dK and dV */
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
@@ -286,18 +320,18 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
                 FN(load_rows)(dO, dout, b, h, i0, nr);
                 for (int64_t r = 0; r < nr; r++)
                     L[r] = (ACC)lse_load(lse, b, h, i0 + r);
-                FN(scores)(P, Q, K, nr, nc, i0, j0, s);
+                FN(scores)(P, Q, Kt, nr, nc, i0, j0, s);
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {
                         ACC *p = P + r * nc + c;
                         *p = *p == (ACC)-INFINITY || L[r] == (ACC)-INFINITY
                                  ? 0 : ACC_EXP(*p - L[r]);
                     }
+                FN(mm_abt)(dS, dO, Vt, nr, nc, d); /* dP = dO V^T */
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {
                         const ACC p = P[r * nc + c];
-                        const ACC dp = FN(dot)(dO + r * d, V + c * d, d);
-                        dS[r * nc + c] = p * (dp - Dh[i0 + r]);
+                        dS[r * nc + c] = p * (dS[r * nc + c] - Dh[i0 + r]);
                         FN(axpy)(dV + c * d, p, dO + r * d, d);
                     }
                 for (int64_t r = 0; r < nr; r++)
