@@ -120,19 +120,21 @@ static ft_tensor *test_tensor(lua_State *L, int idx)
 
 static int64_t check_size(lua_State *L, int idx, const char *what)
 {
-    if (!compat_isinteger(L, idx)) {
+    int ok = 0;
+    lua_Integer v = lua_type(L, idx) == LUA_TNUMBER ? lua_tointegerx(L, idx, &ok) : 0;
+    if (!ok) {
         if (lua_type(L, idx) == LUA_TNUMBER)
             luaL_argerror(L, idx, lua_pushfstring(L, "%s must be an integer, got %s",
                                                   what, lua_tostring(L, idx)));
         luaL_typeerror(L, idx, "integer");
     }
-    return (int64_t)lua_tointeger(L, idx);
+    return (int64_t)v;
 }
 
 /* A shape given either as a table {2, 3} at idx, or as integers from idx
  * on (stopping at the first non-number). Returns ndim; *next is the index
  * of the first argument after the shape. */
-static int check_shape(lua_State *L, int idx, int64_t *shape, int *next)
+static int check_shape_ex(lua_State *L, int idx, int64_t *shape, int *next, int allow_infer)
 {
     int ndim = 0;
     if (lua_istable(L, idx) && !test_tensor(L, idx)) {
@@ -142,11 +144,17 @@ static int check_shape(lua_State *L, int idx, int64_t *shape, int *next)
                                                   (int)n, FT_MAX_DIMS));
         for (lua_Integer i = 1; i <= n; i++) {
             lua_geti(L, idx, i);
-            if (!compat_isinteger(L, -1))
+            int ok = 0;
+            lua_Integer v = lua_type(L, -1) == LUA_TNUMBER ? lua_tointegerx(L, -1, &ok) : 0;
+            if (!ok)
                 luaL_argerror(L, idx, lua_pushfstring(L, "size %d of the shape is not an integer (got %s)",
-                                                      (int)i, luaL_typename(L, -1)));
-            lua_Integer v = lua_tointeger(L, -1);
+                                                      (int)i, lua_type(L, -1) == LUA_TNUMBER
+                                                                  ? lua_tostring(L, -1)
+                                                                  : luaL_typename(L, -1)));
             lua_pop(L, 1);
+            if (v < 0 && !(allow_infer && v == -1))
+                luaL_argerror(L, idx, lua_pushfstring(L, "size %I of dim %d is negative",
+                                                      v, (int)i));
             shape[ndim++] = (int64_t)v;
         }
         *next = idx + 1;
@@ -156,7 +164,11 @@ static int check_shape(lua_State *L, int idx, int64_t *shape, int *next)
     while (lua_type(L, i) == LUA_TNUMBER) {
         if (ndim == FT_MAX_DIMS)
             luaL_argerror(L, i, lua_pushfstring(L, "at most %d dims are supported", FT_MAX_DIMS));
-        shape[ndim++] = check_size(L, i, "size");
+        shape[ndim] = check_size(L, i, "size");
+        if (shape[ndim] < 0 && !(allow_infer && shape[ndim] == -1))
+            luaL_argerror(L, i, lua_pushfstring(L, "size %I of dim %d is negative",
+                                                (lua_Integer)shape[ndim], ndim + 1));
+        ndim++;
         i++;
     }
     if (i == idx && !lua_isnoneornil(L, idx) && !lua_istable(L, idx))
@@ -165,10 +177,15 @@ static int check_shape(lua_State *L, int idx, int64_t *shape, int *next)
     return ndim;
 }
 
-/* A 1-based (or negative, from the end) dim at idx, as a 0-based one. */
-static int check_dim(lua_State *L, int idx, int ndim)
+static int check_shape(lua_State *L, int idx, int64_t *shape, int *next)
 {
-    lua_Integer d = check_size(L, idx, "dim");
+    return check_shape_ex(L, idx, shape, next, 0);
+}
+
+/* A 1-based (or negative, from the end) dim at idx, as a 0-based one. */
+/* d (1-based or negative) as a 0-based dim; errors blame argument idx. */
+static int check_dim_value(lua_State *L, int idx, lua_Integer d, int ndim)
+{
     if (d >= 1 && d <= ndim)
         return (int)(d - 1);
     if (d < 0 && d >= -ndim)
@@ -178,6 +195,11 @@ static int check_dim(lua_State *L, int idx, int ndim)
                                                      (int)d));
     return luaL_argerror(L, idx, lua_pushfstring(L, "dim %d out of range for a %d-d tensor (1..%d or -%d..-1)",
                                                  (int)d, ndim, ndim, ndim));
+}
+
+static int check_dim(lua_State *L, int idx, int ndim)
+{
+    return check_dim_value(L, idx, check_size(L, idx, "dim"), ndim);
 }
 
 static int opt_dim(lua_State *L, int idx, int ndim, int def)
@@ -228,11 +250,17 @@ static options check_options(lua_State *L, int idx, ft_dtype default_dtype)
         lua_pop(L, 1);
     }
     if (lua_getfield(L, idx, "dtype") != LUA_TNIL) {
-        if (ft_dtype_parse(lua_tostring(L, -1) ? lua_tostring(L, -1) : "?", &o.dtype) != FT_OK)
+        if (lua_type(L, -1) != LUA_TSTRING)
+            luaL_argerror(L, idx, lua_pushfstring(L, "option 'dtype' must be a string, got %s",
+                                                  luaL_typename(L, -1)));
+        if (ft_dtype_parse(lua_tostring(L, -1), &o.dtype) != FT_OK)
             luaL_argerror(L, idx, ft_last_error_detail());
     }
     if (lua_getfield(L, idx, "device") != LUA_TNIL) {
-        if (ft_device_parse(lua_tostring(L, -1) ? lua_tostring(L, -1) : "?", &o.device) != FT_OK)
+        if (lua_type(L, -1) != LUA_TSTRING)
+            luaL_argerror(L, idx, lua_pushfstring(L, "option 'device' must be a string, got %s",
+                                                  luaL_typename(L, -1)));
+        if (ft_device_parse(lua_tostring(L, -1), &o.device) != FT_OK)
             luaL_argerror(L, idx, ft_last_error_detail());
     }
     if (lua_getfield(L, idx, "seed") != LUA_TNIL) {
@@ -245,9 +273,11 @@ static options check_options(lua_State *L, int idx, ft_dtype default_dtype)
     return o;
 }
 
+/* An integer for integer dtypes when v is one that fits, else a float
+ * (a sum of i64 values can leave the int64 range). */
 static void push_number(lua_State *L, const ft_tensor *t, double v)
 {
-    if (!ft_dtype_is_float(t->dtype))
+    if (!ft_dtype_is_float(t->dtype) && v >= -0x1p63 && v < 0x1p63 && v == floor(v))
         lua_pushinteger(L, (lua_Integer)v);
     else
         lua_pushnumber(L, v);
@@ -319,11 +349,30 @@ static int fill_new(lua_State *L, double value)
 static int l_zeros(lua_State *L) { return fill_new(L, 0.0); }
 static int l_ones(lua_State *L) { return fill_new(L, 1.0); }
 
+/* ft.full({2, 3}, value [, opts]) or ft.full(2, 3, value [, opts]). */
 static int l_full(lua_State *L)
 {
     int64_t shape[FT_MAX_DIMS];
-    int next;
-    int ndim = check_shape(L, 1, shape, &next);
+    int next, ndim;
+    if (lua_istable(L, 1)) {
+        ndim = check_shape(L, 1, shape, &next);
+    } else {
+        int last = 1; /* the value is the last number of the leading run */
+        while (lua_type(L, last + 1) == LUA_TNUMBER)
+            last++;
+        if (lua_type(L, last) != LUA_TNUMBER)
+            luaL_typeerror(L, 1, "shape (a table of sizes)");
+        ndim = last - 1;
+        if (ndim > FT_MAX_DIMS)
+            luaL_argerror(L, 1, lua_pushfstring(L, "at most %d dims are supported", FT_MAX_DIMS));
+        for (int d = 0; d < ndim; d++) {
+            shape[d] = check_size(L, d + 1, "size");
+            if (shape[d] < 0)
+                luaL_argerror(L, d + 1, lua_pushfstring(L, "size %I of dim %d is negative",
+                                                        (lua_Integer)shape[d], d + 1));
+        }
+        next = last;
+    }
     double value = check_value(L, next);
     options o = check_options(L, next + 1, DEFAULT_DTYPE);
     ft_tensor *t = new_tensor(L, ndim, shape, o, 1);
@@ -530,7 +579,7 @@ static int t_view_or_reshape(lua_State *L, int reshape)
     ft_tensor *t = check_tensor(L, 1);
     int64_t shape[FT_MAX_DIMS];
     int next;
-    int ndim = check_shape(L, 2, shape, &next);
+    int ndim = check_shape_ex(L, 2, shape, &next, 1); /* one size may be -1 */
     ft_tensor **slot = push_slot(L);
     int call_offset_ = 0;
     CALL(L, reshape ? ft_reshape(slot, t, ndim, shape) : ft_view(slot, t, ndim, shape));
@@ -543,9 +592,12 @@ static int t_reshape(lua_State *L) { return t_view_or_reshape(L, 1); }
 static int t_transpose(lua_State *L)
 {
     ft_tensor *t = check_tensor(L, 1);
+    if (lua_isnoneornil(L, 2) && t->ndim < 2)
+        luaL_argerror(L, 1, lua_pushfstring(L, "transpose without dims needs a tensor of 2 or more dims, this one is %d-d",
+                                            t->ndim));
+    if (!lua_isnoneornil(L, 2) && lua_isnoneornil(L, 3))
+        luaL_argerror(L, 3, "transpose needs two dims (or none for a 2-d tensor)");
     int d0 = opt_dim(L, 2, t->ndim, 0), d1 = opt_dim(L, 3, t->ndim, 1);
-    if (t->ndim < 2 && lua_isnoneornil(L, 2))
-        luaL_argerror(L, 1, "transpose without dims needs a tensor of 2 or more dims");
     ft_tensor **slot = push_slot(L);
     int call_offset_ = 0;
     CALL(L, ft_transpose(slot, t, d0, d1));
@@ -560,14 +612,24 @@ static int t_permute(lua_State *L)
     int n = from_table ? (int)luaL_len(L, 2) : lua_gettop(L) - 1;
     if (n != t->ndim)
         luaL_argerror(L, 2, lua_pushfstring(L, "permutation has %d dims, tensor has %d", n, t->ndim));
+    int seen[FT_MAX_DIMS] = {0};
     for (int d = 0; d < n; d++) {
+        int arg = from_table ? 2 : d + 2;
         if (from_table) {
             lua_geti(L, 2, d + 1);
-            perm[d] = check_dim(L, lua_gettop(L), t->ndim);
+            int ok = 0;
+            lua_Integer v = lua_type(L, -1) == LUA_TNUMBER ? lua_tointegerx(L, -1, &ok) : 0;
+            if (!ok)
+                luaL_argerror(L, 2, lua_pushfstring(L, "entry %d of the permutation is not an integer",
+                                                    d + 1));
             lua_pop(L, 1);
+            perm[d] = check_dim_value(L, 2, v, t->ndim);
         } else {
-            perm[d] = check_dim(L, d + 2, t->ndim);
+            perm[d] = check_dim(L, arg, t->ndim);
         }
+        if (seen[perm[d]]++)
+            luaL_argerror(L, arg, lua_pushfstring(L, "dim %d appears twice in the permutation",
+                                                  perm[d] + 1));
     }
     ft_tensor **slot = push_slot(L);
     int call_offset_ = 0;
@@ -636,6 +698,8 @@ static int t_to(lua_State *L)
     ft_device device = t->device;
     if (lua_istable(L, 2)) {
         options o = check_options(L, 2, t->dtype);
+        if (o.has_seed)
+            luaL_argerror(L, 2, "option 'seed' has no meaning for to (expected dtype or device)");
         lua_getfield(L, 2, "device");
         if (!lua_isnil(L, -1))
             device = o.device;
@@ -760,7 +824,10 @@ static int t_totable(lua_State *L)
 
 static int binary(lua_State *L, ft_binop op)
 {
-    ft_tensor *a = test_tensor(L, 1), *b = test_tensor(L, 2);
+    /* Tensor operands (freed ones raise here), or numbers. */
+    int ta = luaL_testudata(L, 1, TENSOR_MT) != NULL;
+    int tb = luaL_testudata(L, 2, TENSOR_MT) != NULL;
+    ft_tensor *a = ta ? check_tensor(L, 1) : NULL, *b = tb ? check_tensor(L, 2) : NULL;
     ft_tensor **slot;
     int call_offset_ = -1; /* C: op=1, a=2, b=3 */
     if (a && b) {
@@ -826,15 +893,19 @@ static int reduce(lua_State *L, ft_reduce_op op)
     int dim = check_dim(L, 2, a->ndim);
     int keepdim = lua_toboolean(L, 3);
     int with_index = op == FT_MAX || op == FT_MIN;
+    if (with_index && a->shape[dim] == 0)
+        luaL_argerror(L, 2, lua_pushfstring(L, "%s along dim %d, which has size 0",
+                                            op == FT_MAX ? "max" : "min", dim + 1));
     ft_tensor **values = push_slot(L);
     ft_tensor **positions = with_index ? push_slot(L) : NULL;
     CALL(L, ft_reduce_dim(values, positions, op, a, dim, keepdim));
     if (!with_index)
         return 1;
     /* 0-based positions from C, 1-based for Lua. */
-    ft_tensor *zero_based = *positions;
     ft_tensor **one_based = push_slot(L);
-    CALL(L, ft_binary_scalar(one_based, FT_ADD, zero_based, 1.0, 0));
+    CALL(L, ft_binary_scalar(one_based, FT_ADD, *positions, 1.0, 0));
+    ft_tensor_free(*positions); /* the 0-based copy goes now, not at the next GC */
+    *positions = NULL;
     lua_remove(L, -2);
     return 2;
 }

@@ -1,0 +1,249 @@
+-- dtypes: f16/bf16 rounding, f32 round trips, float-to-int conversion,
+-- 64-bit integers and dtype names.
+local h = require "helper"
+local ft = h.ft
+
+local inf, nan = math.huge, 0 / 0
+
+--- x stored into a one-element tensor of dtype (through set, as ft.tensor
+-- does) and read back.
+local function via_set(x, dtype)
+  return ft.tensor({ x }, { dtype = dtype }):get(1)
+end
+
+--- x converted from an f64 tensor by copy (the to() path).
+local function via_copy(x, dtype)
+  return ft.tensor({ x }, { dtype = "f64" }):to(dtype):get(1)
+end
+
+--- Both paths must agree; returns the value.
+local function convert(x, dtype)
+  local a, b = via_set(x, dtype), via_copy(x, dtype)
+  assert.is_true(a == b or (a ~= a and b ~= b),
+    string.format("set gives %.17g, copy gives %.17g for %.17g -> %s", a, b, x, dtype))
+  return a
+end
+
+local function is_neg_zero(x) return x == 0 and 1 / x == -inf end
+local function is_pos_zero(x) return x == 0 and 1 / x == inf end
+
+-- The value of a binary16 / bfloat16 bit pattern, decoded in plain Lua.
+local function decode(bits, exp_bits, mant_bits)
+  local bias = (1 << (exp_bits - 1)) - 1
+  local sign = (bits >> (exp_bits + mant_bits)) & 1
+  local e = (bits >> mant_bits) & ((1 << exp_bits) - 1)
+  local m = bits & ((1 << mant_bits) - 1)
+  local v
+  if e == (1 << exp_bits) - 1 then
+    v = m == 0 and inf or nan
+  elseif e == 0 then
+    v = m * 2.0 ^ (1 - bias - mant_bits)
+  else
+    v = (m + (1 << mant_bits)) * 2.0 ^ (e - bias - mant_bits)
+  end
+  return sign == 1 and -v or v
+end
+
+--- Checks every finite positive pattern of a small float format: its value
+-- converts exactly, and the midpoint to the next pattern rounds to the one
+-- with the even mantissa (checked on both signs).
+local function check_all_patterns(dtype, exp_bits, mant_bits)
+  local last = ((1 << exp_bits) - 1 << mant_bits) - 1 -- largest finite
+  local values, mids, want_mid = {}, {}, {}
+  for bits = 0, last do
+    local v = decode(bits, exp_bits, mant_bits)
+    values[#values + 1] = v
+    values[#values + 1] = -v
+    if bits < last then
+      local mid = (v + decode(bits + 1, exp_bits, mant_bits)) / 2
+      local even = bits % 2 == 0 and v or decode(bits + 1, exp_bits, mant_bits)
+      mids[#mids + 1] = mid
+      want_mid[#want_mid + 1] = even
+      mids[#mids + 1] = -mid
+      want_mid[#want_mid + 1] = -even
+    end
+  end
+  local got = ft.tensor(values, { dtype = "f64" }):to(dtype):totable()
+  for i, v in ipairs(values) do
+    if got[i] ~= v then
+      assert.are.equal(v, got[i], string.format("%s: %.17g converts to %.17g", dtype, v, got[i]))
+    end
+  end
+  got = ft.tensor(mids, { dtype = "f64" }):to(dtype):totable()
+  for i, v in ipairs(mids) do
+    if got[i] ~= want_mid[i] then
+      assert.are.equal(want_mid[i], got[i], string.format("%s: the tie %.17g rounds to %.17g, expected %.17g",
+        dtype, v, got[i], want_mid[i]))
+    end
+  end
+end
+
+describe("dtypes", function()
+  describe("f16", function()
+    it("is exact for representable values", function()
+      for _, x in ipairs { 1, 0.5, -2, 65504, -65504, 2 ^ -24, 2 ^ -14, 0.333251953125, 1 + 2 ^ -10, 1023.5 } do
+        assert.are.equal(x, convert(x, "f16"))
+      end
+    end)
+
+    it("rounds to nearest, ties to even", function()
+      assert.are.equal(1, convert(1 + 2 ^ -11, "f16"))
+      assert.are.equal(1 + 2 ^ -9, convert(1 + 3 * 2 ^ -11, "f16"))
+      assert.are.equal(-1, convert(-(1 + 2 ^ -11), "f16"))
+      -- just above a tie goes up
+      assert.are.equal(1 + 2 ^ -10, convert(1 + 2 ^ -11 + 2 ^ -30, "f16"))
+      -- nearest f16 of 0.1
+      assert.are.equal(0.0999755859375, convert(0.1, "f16"))
+      -- subnormal ties: 2^-25 is halfway between 0 and 2^-24
+      assert.is_true(is_pos_zero(convert(2 ^ -25, "f16")))
+      assert.are.equal(2 ^ -23, convert(3 * 2 ^ -25, "f16"))
+    end)
+
+    it("rounds every pattern and every midpoint correctly", function()
+      check_all_patterns("f16", 5, 10)
+    end)
+
+    it("overflows to inf past the largest finite value", function()
+      assert.are.equal(inf, convert(65520, "f16"))
+      assert.are.equal(-inf, convert(-65520, "f16"))
+      assert.are.equal(65504, convert(65519, "f16"))
+      assert.are.equal(inf, convert(1e300, "f16"))
+      assert.are.equal(inf, convert(inf, "f16"))
+      assert.are.equal(-inf, convert(-inf, "f16"))
+    end)
+
+    it("keeps NaN and the sign of zero", function()
+      local v = convert(nan, "f16")
+      assert.is_true(v ~= v)
+      assert.is_true(is_neg_zero(convert(-0.0, "f16")))
+      assert.is_true(is_pos_zero(convert(0.0, "f16")))
+      assert.is_true(is_neg_zero(convert(-(2 ^ -26), "f16")))
+    end)
+  end)
+
+  describe("bf16", function()
+    it("is exact for representable values", function()
+      for _, x in ipairs { 1, 0.5, -2, 3.140625, 2 ^ -133, 2 ^ -126, 255, 3.3895313892515355e38 } do
+        assert.are.equal(x, convert(x, "bf16"))
+      end
+    end)
+
+    it("rounds to nearest, ties to even", function()
+      assert.are.equal(1, convert(1 + 2 ^ -8, "bf16"))
+      assert.are.equal(1 + 2 ^ -6, convert(1 + 3 * 2 ^ -8, "bf16"))
+      assert.are.equal(3.140625, convert(math.pi, "bf16"))
+      assert.are.equal(-(1 + 2 ^ -6), convert(-(1 + 3 * 2 ^ -8), "bf16"))
+    end)
+
+    it("rounds every pattern and every midpoint correctly", function()
+      check_all_patterns("bf16", 8, 7)
+    end)
+
+    it("overflows to inf, keeps NaN and the sign of zero", function()
+      assert.are.equal(inf, convert(3.4028234663852886e38, "bf16"))
+      assert.are.equal(-inf, convert(-1e39, "bf16"))
+      local v = convert(nan, "bf16")
+      assert.is_true(v ~= v)
+      assert.is_true(is_neg_zero(convert(-0.0, "bf16")))
+    end)
+  end)
+
+  describe("f32", function()
+    local function f32(x) return (string.unpack("<f", string.pack("<f", x))) end
+
+    it("round trips f32-representable values through f64", function()
+      local vals = {}
+      for i = 1, 200 do vals[i] = f32((math.random() - 0.5) * 10.0 ^ math.random(-30, 30)) end
+      vals[#vals + 1] = 3.4028234663852886e38
+      vals[#vals + 1] = 2 ^ -149
+      local t = ft.tensor(vals, { dtype = "f64" })
+      local back = t:float():double()
+      assert.are.same(vals, back:totable())
+      assert.are.same(vals, ft.tensor(vals, { dtype = "f32" }):totable())
+    end)
+
+    it("rounds doubles as C does (nearest even)", function()
+      local vals = {}
+      for i = 1, 200 do vals[i] = (math.random() - 0.5) * 10.0 ^ math.random(-20, 20) end
+      local got = ft.tensor(vals, { dtype = "f64" }):float():totable()
+      for i, v in ipairs(vals) do assert.are.equal(f32(v), got[i]) end
+    end)
+  end)
+
+  describe("float to integer", function()
+    it("truncates toward zero", function()
+      local src = { 2.9, -2.9, 0.5, -0.5, 7.0, -1e-300 }
+      for _, dtype in ipairs { "i32", "i64" } do
+        assert.are.same({ 2, -2, 0, 0, 7, 0 }, ft.tensor(src, { dtype = "f64" }):to(dtype):totable())
+        assert.are.same({ 2, -2, 0, 0, 7, 0 }, ft.tensor(src, { dtype = dtype }):totable())
+      end
+    end)
+
+    it("saturates i32, and NaN gives 0", function()
+      local src = { 3e9, -3e9, inf, -inf, nan, 2147483647.5, -2147483648.9, 2147483648.0 }
+      local want = { 2147483647, -2147483648, 2147483647, -2147483648, 0, 2147483647,
+        -2147483648, 2147483647 }
+      assert.are.same(want, ft.tensor(src, { dtype = "f64" }):int():totable())
+      assert.are.same(want, ft.tensor(src, { dtype = "i32" }):totable())
+      assert.are.equal(2147483647, ft.tensor({ 3e9 }, { dtype = "f32" }):int():get(1))
+    end)
+
+    it("saturates i64, and NaN gives 0", function()
+      local src = { 1e19, -1e19, inf, -inf, nan, 2.0 ^ 63, -2.0 ^ 63, 2.0 ^ 63 - 1024 }
+      local want = { math.maxinteger, math.mininteger, math.maxinteger, math.mininteger, 0,
+        math.maxinteger, math.mininteger, 9223372036854774784 }
+      assert.are.same(want, ft.tensor(src, { dtype = "f64" }):long():totable())
+      assert.are.same(want, ft.tensor(src, { dtype = "i64" }):totable())
+    end)
+
+    it("saturates a Lua integer stored into i32", function()
+      assert.are.same({ 2147483647, -2147483648 },
+        ft.tensor({ 3000000000, -3000000000 }, { dtype = "i32" }):totable())
+      assert.are.same({ 2147483647 },
+        ft.tensor({ 3000000000 }, { dtype = "i64" }):int():totable())
+    end)
+  end)
+
+  describe("i64", function()
+    it("keeps integers above 2^53", function()
+      local big = { 9007199254740993, -9007199254740993, math.maxinteger, math.mininteger }
+      local t = ft.tensor(big, { dtype = "i64" })
+      for i, v in ipairs(big) do
+        assert.are.equal(v, t:get(i))
+        assert.are.equal("integer", math.type(t:get(i)))
+      end
+      assert.are.same(big, t:totable())
+      assert.are.same(big, t:clone():totable())
+      assert.are.same(big, ft.zeros(4, { dtype = "i64" }):copy(t):totable())
+    end)
+
+    it("set keeps all 64 bits", function()
+      local t = ft.zeros(2, { dtype = "i64" })
+      t:set(2, 9007199254740993)
+      assert.are.equal(9007199254740993, t:get(2))
+      assert.are.equal(9007199254740993, t:narrow(1, 2, 1):item())
+    end)
+  end)
+
+  describe("names", function()
+    it("accepts the aliases of each dtype", function()
+      local aliases = {
+        double = "f64", float64 = "f64", float = "f32", float32 = "f32",
+        half = "f16", float16 = "f16", bfloat16 = "bf16", int = "i32",
+        int32 = "i32", long = "i64", int64 = "i64",
+      }
+      for alias, dtype in pairs(aliases) do
+        assert.are.equal(dtype, ft.zeros(1, { dtype = alias }).dtype, alias)
+        assert.are.equal(dtype, ft.zeros(1, { dtype = "f64" }):to(alias):to(dtype).dtype, alias)
+        local c = ft.ones(1, { dtype = dtype == "f64" and "f32" or "f64" }):to(alias)
+        assert.are.equal(dtype, c.dtype, alias)
+      end
+    end)
+
+    it("accepts the short names", function()
+      for _, dtype in ipairs(h.DTYPES) do
+        assert.are.equal(dtype, ft.zeros(1, { dtype = dtype }).dtype)
+      end
+    end)
+  end)
+end)
