@@ -6,6 +6,9 @@
  *   q [B, Nq, H, d], k/v [B, Nk, Hk, d], out [B, Nq, H, d], lse [B, H, Nq]
  */
 #include "internal.h"
+#ifdef FT_HAVE_CUDA
+#include "kernels.h"
+#endif
 
 #include <math.h>
 #include <stdio.h>
@@ -86,8 +89,9 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
     FT_TRY(check_qkv_tensor(func, aq, "q", q, q));
     FT_TRY(check_qkv_tensor(func, aq + 1, "k", k, q));
     FT_TRY(check_qkv_tensor(func, aq + 2, "v", v, q));
-    FT_TRY(ft_check_cpu(func, aq, q));
+    FT_TRY(ft_check_device(func, aq, q, NULL));
     s->B = q->shape[0], s->Nq = q->shape[1], s->H = q->shape[2], s->d = q->shape[3];
+    s->dtype = q->dtype;
     s->Nk = k->shape[1], s->Hk = k->shape[2];
     if (k->shape[0] != s->B || k->shape[3] != s->d)
         return ft_fail(FT_ERR_ARGUMENT, func, aq + 1,
@@ -113,10 +117,19 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "params expected (ft_attn_params_init)");
     if (p->impl < FT_ATTN_AUTO || p->impl > FT_ATTN_FLASH)
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "invalid impl %d", (int)p->impl);
-    if (p->impl == FT_ATTN_FLASH)
+    const int cuda = q->device.type == FT_CUDA;
+    if (p->impl == FT_ATTN_FLASH && !cuda)
         return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
                        "impl 'flash' runs on CUDA tensors; these are on the cpu "
                        "(use 'tiled' or 'naive')");
+    if (p->impl == FT_ATTN_TILED && cuda)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "impl 'tiled' is the cpu implementation; on CUDA use 'flash' "
+                       "(or 'naive')");
+    if ((p->impl == FT_ATTN_FLASH || p->impl == FT_ATTN_AUTO) && cuda && q->dtype == FT_F64)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
+                       "the flash kernels take f16, bf16 or f32; for f64 on CUDA use "
+                       "impl = 'naive' (or the cpu)");
     if (!isfinite(p->scale))
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "scale must be finite, got %g", p->scale);
     s->scale = p->scale != 0 ? p->scale : 1.0 / sqrt((double)s->d);
@@ -144,6 +157,35 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
     return FT_OK;
 }
 
+/* The implementation for the device: the cpu's naive or tiled code, or
+ * the CUDA naive (cuBLAS) or flash kernels. */
+static ft_status run_forward(ft_attn_impl impl, const ft_attn_shape *s,
+                             const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
+                             ft_tensor *out, ft_tensor *lse)
+{
+#ifdef FT_HAVE_CUDA
+    if (q->device.type == FT_CUDA)
+        return impl == FT_ATTN_NAIVE ? ft_attention_forward_naive_cuda(s, q, k, v, out, lse)
+                                     : ft_attention_forward_flash_cuda(s, q, k, v, out, lse);
+#endif
+    return ft_attention_forward_cpu(impl, s, q, k, v, out, lse);
+}
+
+static ft_status run_backward(ft_attn_impl impl, const ft_attn_shape *s,
+                              const ft_tensor *dout, const ft_tensor *q,
+                              const ft_tensor *k, const ft_tensor *v,
+                              const ft_tensor *out, const ft_tensor *lse,
+                              ft_tensor *dq, ft_tensor *dk, ft_tensor *dv)
+{
+#ifdef FT_HAVE_CUDA
+    if (q->device.type == FT_CUDA)
+        return impl == FT_ATTN_NAIVE
+                   ? ft_attention_backward_naive_cuda(s, dout, q, k, v, out, lse, dq, dk, dv)
+                   : ft_attention_backward_flash_cuda(s, dout, q, k, v, out, lse, dq, dk, dv);
+#endif
+    return ft_attention_backward_cpu(impl, s, dout, q, k, v, out, lse, dq, dk, dv);
+}
+
 ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
                                const ft_tensor *q, const ft_tensor *k,
                                const ft_tensor *v, const ft_attn_params *p)
@@ -159,7 +201,7 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
     if (st == FT_OK)
         st = ft_empty_named(&l, 3, lse_shape, lse_dtype(q->dtype), q->device, func);
     if (st == FT_OK)
-        st = ft_attention_forward_cpu(p->impl, &s, q, k, v, o, l);
+        st = run_forward(p->impl, &s, q, k, v, o, l);
     if (st != FT_OK) {
         ft_tensor_free(o);
         ft_tensor_free(l);
@@ -183,8 +225,15 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     FT_TRY(check_qkv(func, 2, 7, q, k, v, p, &s));
     FT_TRY(check_qkv_tensor(func, 1, "dout", dout, q));
     FT_TRY(check_qkv_tensor(func, 5, "out", out, q));
-    FT_TRY(ft_check_same_shape(func, 1, dout, q));
-    FT_TRY(ft_check_same_shape(func, 5, out, q));
+    const ft_tensor *like_q[2] = {dout, out};
+    const char *like_q_name[2] = {"dout", "out"};
+    for (int i = 0; i < 2; i++)
+        for (int dim = 0; dim < 4; dim++)
+            if (like_q[i]->shape[dim] != q->shape[dim])
+                return ft_fail(FT_ERR_ARGUMENT, func, i == 0 ? 1 : 5,
+                               "%s %s must have q's shape %s", like_q_name[i],
+                               ft_format_shape(sa, sizeof sa, 4, like_q[i]->shape),
+                               ft_format_shape(sb, sizeof sb, 4, q->shape));
     FT_TRY(ft_check_tensor(func, 6, lse));
     int64_t lse_shape[3] = {s.B, s.H, s.Nq};
     int lse_ok = lse->ndim == 3;
@@ -209,8 +258,7 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     for (int i = 0; i < 3 && st == FT_OK; i++)
         st = ft_empty_named(&g[i], 4, like[i]->shape, q->dtype, q->device, func);
     if (st == FT_OK)
-        st = ft_attention_backward_cpu(p->impl, &s, dout, q, k, v, out, lse,
-                                       g[0], g[1], g[2]);
+        st = run_backward(p->impl, &s, dout, q, k, v, out, lse, g[0], g[1], g[2]);
     if (st != FT_OK) {
         for (int i = 0; i < 3; i++)
             ft_tensor_free(g[i]);

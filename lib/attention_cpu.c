@@ -64,6 +64,19 @@ static int64_t query_start(const ft_attn_shape *s, int64_t j)
     return s->causal ? iclamp(j - (s->Nk - s->Nq), 0, s->Nq) : 0;
 }
 
+/* The traditional method run in a 16-bit input precision holds its
+ * materialised matrices (P, dP, dS) in that precision, as PyTorch's math
+ * path does; the naive path does the same, so that it is the fair
+ * "same input precision" yardstick of DESIGN.md's accuracy standard. */
+static double round_input(const ft_attn_shape *s, double x)
+{
+    switch (s->dtype) {
+    case FT_F16: return ft_f16_to_f64(ft_f64_to_f16(x));
+    case FT_BF16: return ft_bf16_to_f64(ft_f64_to_bf16(x));
+    default: return x;
+    }
+}
+
 /* lse [B, H, Nq], any strides (the backward takes the caller's). */
 static void *lse_ptr(const ft_tensor *lse, int64_t b, int64_t h, int64_t i)
 {
@@ -96,11 +109,20 @@ static double lse_load(const ft_tensor *lse, int64_t b, int64_t h, int64_t i)
 #undef SFX
 #undef ACC_EXP
 
-/* Scratch for nthreads threads plus `extra` shared elements. */
-static ft_status scratch_new(ft_storage **out, size_t per_thread, size_t extra,
-                             size_t elem, const char *func)
+/* Threads worth starting for `tasks` independent tasks: no more than the
+ * tasks, since each thread holds its own scratch (for the backward an O(N)
+ * slice), and memory should not grow with idle threads. */
+static int threads_for(int64_t tasks)
 {
-    size_t n = per_thread * (size_t)thread_count() + extra;
+    int n = thread_count();
+    return tasks < n ? (tasks > 0 ? (int)tasks : 1) : n;
+}
+
+/* Scratch for nthreads threads plus `extra` shared elements. */
+static ft_status scratch_new(ft_storage **out, size_t per_thread, int nthreads,
+                             size_t extra, size_t elem, const char *func)
+{
+    size_t n = per_thread * (size_t)nthreads + extra;
     return ft_storage_new(out, n * elem, (ft_device){FT_CPU, 0}, func);
 }
 
@@ -110,13 +132,15 @@ ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
 {
     const int f64 = q->dtype == FT_F64;
     size_t per = f64 ? scratch_per_thread_f64(impl, 0, s) : scratch_per_thread_f32(impl, 0, s);
+    const int64_t nqb = (s->Nq + s->block_q - 1) / s->block_q;
+    const int nthreads = threads_for(s->B * s->H * (impl == FT_ATTN_NAIVE ? 1 : nqb));
     ft_storage *scratch;
-    FT_TRY(scratch_new(&scratch, per, 0, f64 ? sizeof(double) : sizeof(float),
+    FT_TRY(scratch_new(&scratch, per, nthreads, 0, f64 ? sizeof(double) : sizeof(float),
                        "ft_attention_forward"));
     if (f64)
-        forward_f64(impl, s, q, k, v, out, lse, scratch->data, per);
+        forward_f64(impl, s, q, k, v, out, lse, scratch->data, per, nthreads);
     else
-        forward_f32(impl, s, q, k, v, out, lse, scratch->data, per);
+        forward_f32(impl, s, q, k, v, out, lse, scratch->data, per, nthreads);
     ft_storage_release(scratch);
     return FT_OK;
 }
@@ -130,18 +154,19 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
     const int f64 = q->dtype == FT_F64;
     size_t per = f64 ? scratch_per_thread_f64(impl, 1, s) : scratch_per_thread_f32(impl, 1, s);
     size_t nD = impl == FT_ATTN_NAIVE ? 0 : (size_t)(s->B * s->H * s->Nq);
+    const int nthreads = threads_for(s->B * s->Hk);
     ft_storage *scratch;
-    FT_TRY(scratch_new(&scratch, per, nD, f64 ? sizeof(double) : sizeof(float),
+    FT_TRY(scratch_new(&scratch, per, nthreads, nD, f64 ? sizeof(double) : sizeof(float),
                        "ft_attention_backward"));
-    size_t nthreads_part = per * (size_t)thread_count();
+    size_t threads_part = per * (size_t)nthreads;
     if (f64) {
         double *base = scratch->data;
-        backward_f64(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, per,
-                     base + nthreads_part);
+        backward_f64(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, per, nthreads,
+                     base + threads_part);
     } else {
         float *base = scratch->data;
-        backward_f32(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, per,
-                     base + nthreads_part);
+        backward_f32(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, per, nthreads,
+                     base + threads_part);
     }
     ft_storage_release(scratch);
     return FT_OK;

@@ -137,7 +137,7 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
             l += P[j];
         }
         for (int64_t j = 0; j < Nk; j++)
-            FN(axpy)(o, P[j] / l, V + j * d, d);
+            FN(axpy)(o, (ACC)round_input(s, P[j] / l), V + j * d, d);
         lse_store(lse, b, h, i, (double)m + log((double)l));
     }
     FN(store_rows)(out, b, h, 0, Nq, O);
@@ -182,11 +182,12 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
                 l += p[j];
             }
             for (int64_t j = 0; j < Nk; j++) {
-                p[j] = l > 0 ? p[j] / l : 0;
+                p[j] = (ACC)round_input(s, l > 0 ? p[j] / l : 0);
+                dp[j] = (ACC)round_input(s, dp[j]);
                 D += p[j] * dp[j];
             }
             for (int64_t j = 0; j < Nk; j++) {
-                ACC ds = p[j] * (dp[j] - D);
+                ACC ds = (ACC)round_input(s, p[j] * (dp[j] - D));
                 FN(axpy)(dV + j * d, p[j], dO + i * d, d);
                 FN(axpy)(dK + j * d, scale * ds, Q + i * d, d);
                 FN(axpy)(dQ + i * d, scale * ds, K + j * d, d);
@@ -363,18 +364,19 @@ static size_t FN(scratch_per_thread)(ft_attn_impl impl, int backward,
 /* Naive: one task per (b, h). Tiled: one per (b, h, query block). */
 static void FN(forward)(ft_attn_impl impl, const ft_attn_shape *s, const ft_tensor *q,
                         const ft_tensor *k, const ft_tensor *v, ft_tensor *out,
-                        ft_tensor *lse, ACC *scratch, size_t per_thread)
+                        ft_tensor *lse, ACC *scratch, size_t per_thread, int nthreads)
 {
     const int64_t H = s->H;
+    (void)nthreads; /* used by the OpenMP clauses */
     if (impl == FT_ATTN_NAIVE) {
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
         for (int64_t t = 0; t < s->B * H; t++)
             FN(naive_forward)(s, q, k, v, out, lse, t / H, t % H,
                               scratch + thread_index() * per_thread);
         return;
     }
     const int64_t nqb = (s->Nq + s->block_q - 1) / s->block_q;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
     for (int64_t t = 0; t < s->B * H * nqb; t++)
         FN(tiled_forward)(s, q, k, v, out, lse, t / (H * nqb), t / nqb % H,
                           t % nqb * s->block_q, scratch + thread_index() * per_thread);
@@ -388,21 +390,22 @@ static void FN(backward)(ft_attn_impl impl, const ft_attn_shape *s,
                          const ft_tensor *dout, const ft_tensor *q, const ft_tensor *k,
                          const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse,
                          ft_tensor *dq, ft_tensor *dk, ft_tensor *dv, ACC *scratch,
-                         size_t per_thread, ACC *D)
+                         size_t per_thread, int nthreads, ACC *D)
 {
     const int64_t H = s->H, Hk = s->Hk;
+    (void)nthreads; /* used by the OpenMP clauses */
     if (impl == FT_ATTN_NAIVE) {
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
         for (int64_t t = 0; t < s->B * Hk; t++)
             FN(naive_backward)(s, dout, q, k, v, dq, dk, dv, t / Hk, t % Hk,
                                scratch + thread_index() * per_thread);
         return;
     }
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
     for (int64_t t = 0; t < s->B * H; t++)
         FN(tiled_backward_D)(s, dout, out, D, t / H, t % H,
                              scratch + thread_index() * per_thread);
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
     for (int64_t t = 0; t < s->B * Hk; t++)
         FN(tiled_backward)(s, dout, q, k, v, lse, D, dq, dk, dv, t / Hk, t % Hk,
                            scratch + thread_index() * per_thread);

@@ -74,9 +74,17 @@ ft_status ft_device_parse(const char *name, ft_device *out)
     if (strcmp(name, "cuda") == 0 ||
         (sscanf(name, "cuda:%d%n", &index, &used) == 1 &&
          used == (int)strlen(name) && index >= 0)) {
-        /* The device seam: the CUDA backend fills this in. */
-        return ft_fail(FT_ERR_UNSUPPORTED, "ft_device_parse", 1,
-                       "device '%s': flashtile was built without CUDA", name);
+        if (!ft_cuda_built())
+            return ft_fail(FT_ERR_UNSUPPORTED, "ft_device_parse", 1,
+                           "device '%s': flashtile was built without CUDA", name);
+        ft_status st = ft_cuda_device_check("ft_device_parse", 1, index);
+        if (st != FT_OK) {
+            char why[256];
+            snprintf(why, sizeof why, "%s", ft_last_error_detail());
+            return ft_fail(st, "ft_device_parse", 1, "device '%s': %s", name, why);
+        }
+        *out = (ft_device){FT_CUDA, index};
+        return FT_OK;
     }
     return ft_fail(FT_ERR_ARGUMENT, "ft_device_parse", 1,
                    "unknown device '%s' (expected 'cpu', 'cuda' or 'cuda:N')", name);

@@ -87,8 +87,9 @@ typedef struct ft_device {
     int index; /* CUDA ordinal; 0 for the CPU */
 } ft_device;
 
-/* Parses "cpu", "cuda" or "cuda:N". Unknown names are FT_ERR_ARGUMENT; a
- * CUDA device in a build without CUDA is FT_ERR_UNSUPPORTED. */
+/* Parses "cpu", "cuda" (device 0) or "cuda:N". Unknown names are
+ * FT_ERR_ARGUMENT; a CUDA device in a build without CUDA, or one that does
+ * not exist on this machine, is FT_ERR_UNSUPPORTED. */
 FT_API ft_status ft_device_parse(const char *name, ft_device *out);
 /* Writes "cpu" or "cuda:N" into buf (at least 16 bytes). Returns buf. */
 FT_API char *ft_device_name(ft_device device, char *buf, size_t size);
@@ -319,6 +320,28 @@ FT_API ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk,
  * bf16 has no NumPy dtype and is rejected. Loading gives a CPU tensor. */
 FT_API ft_status ft_save_npy(const ft_tensor *t, const char *path);
 FT_API ft_status ft_load_npy(ft_tensor **out, const char *path);
+
+/* ---- CUDA devices -----------------------------------------------------------
+ * In a build without CUDA, or on a machine without a GPU, the count is 0 and
+ * the rest fail with a message saying which. */
+
+/* 1 if this build has the CUDA backend (whether or not a GPU is present). */
+FT_API int ft_cuda_built(void);
+/* Number of usable CUDA devices; 0 when none (or no driver). */
+FT_API int ft_cuda_device_count(void);
+/* Writes the device's name (e.g. "NVIDIA H200") into buf. */
+FT_API ft_status ft_cuda_device_name(int index, char *buf, size_t size);
+/* Waits for all work queued on the device. */
+FT_API ft_status ft_cuda_synchronize(int index);
+
+/* Timing events on a device's stream (CUDA events). */
+typedef struct ft_event ft_event;
+FT_API ft_status ft_event_create(ft_event **out, ft_device device);
+FT_API ft_status ft_event_record(ft_event *e);
+/* Milliseconds between two recorded events; waits for `end`. */
+FT_API ft_status ft_event_elapsed_ms(const ft_event *start, const ft_event *end,
+                                     double *ms);
+FT_API void ft_event_free(ft_event *e);
 
 /* ---- memory ------------------------------------------------------------ */
 

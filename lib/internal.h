@@ -8,8 +8,16 @@
 
 #include "flashtile.h"
 
-#include <stdatomic.h>
 #include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The storage record is C11 (atomics); CUDA sources, compiled as C++, see
+ * only pointers to it. */
+#ifndef __cplusplus
+#include <stdatomic.h>
 
 struct ft_storage {
     atomic_long refcount;
@@ -17,6 +25,7 @@ struct ft_storage {
     size_t nbytes;
     ft_device device;
 };
+#endif
 
 /* ---- errors (error.c) ---- */
 
@@ -43,6 +52,45 @@ ft_status ft_check_dim(const char *func, int arg, int dim, int ndim, int *out);
 
 /* Checks a tensor argument is non-NULL; the message names func and arg. */
 ft_status ft_check_tensor(const char *func, int arg, const ft_tensor *t);
+
+/* ---- CUDA (device.c) ---- */
+
+#ifdef FT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+/* Turns a failed CUDA runtime call into an ft_status with the call, the
+ * CUDA message, file and line; out of memory becomes FT_ERR_NOMEM so that
+ * callers can collect garbage and try again. */
+ft_status ft_cuda_fail(int err, const char *func, const char *expr,
+                       const char *file, int line);
+#define FT_CUDA_TRY(func, expr)                                                \
+    do {                                                                        \
+        cudaError_t ft_cuda_e_ = (expr);                                        \
+        if (ft_cuda_e_ != cudaSuccess)                                          \
+            return ft_cuda_fail((int)ft_cuda_e_, func, #expr, __FILE__, __LINE__); \
+    } while (0)
+/* Makes index the calling thread's current device. */
+ft_status ft_cuda_use_device(int index, const char *func);
+/* Checks the last kernel launch (launch errors and, when FT_CUDA_SYNC is
+ * set in the environment, execution errors). */
+ft_status ft_cuda_check_launch(const char *func, const char *file, int line);
+#define FT_CUDA_CHECK_LAUNCH(func) \
+    FT_TRY(ft_cuda_check_launch(func, __FILE__, __LINE__))
+#endif
+
+/* Device memory (device.c): a CUDA allocation from the device's pool, and
+ * its release. Fails clearly in a build without CUDA. */
+ft_status ft_device_alloc(void **p, size_t nbytes, ft_device device, const char *func);
+void ft_device_free(void *p, ft_device device);
+ft_status ft_cuda_memory_stats(int index, ft_memory_stats *out);
+ft_status ft_cuda_reset_peak(int index);
+/* Fails unless CUDA device index exists (and the build has CUDA). */
+ft_status ft_cuda_device_check(const char *func, int arg, int index);
+
+/* Checks that t is on a device this build can compute on (the CPU, or a
+ * CUDA device in a CUDA build) and on the same device as ref (if ref). */
+ft_status ft_check_device(const char *func, int arg, const ft_tensor *t,
+                          const ft_tensor *ref);
 
 /* ---- memory (memory.c) ---- */
 
@@ -134,6 +182,7 @@ static inline void *ft_elem_ptr(const ft_tensor *t, int64_t off)
  * q [B, Nq, H, d], k/v [B, Nk, Hk, d]. */
 typedef struct ft_attn_shape {
     int64_t B, Nq, Nk, H, Hk, d;
+    ft_dtype dtype; /* of q, k, v (and out, dout) */
     double scale;
     int causal;
     int64_t block_q, block_k;
@@ -151,5 +200,9 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
                                     const ft_tensor *out, const ft_tensor *lse,
                                     ft_tensor *dq, ft_tensor *dk,
                                     ft_tensor *dv);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* FT_INTERNAL_H */

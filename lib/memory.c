@@ -3,7 +3,8 @@
  * memory statistics (bytes in use and the peak since the last reset).
  *
  * The counters are per process, like the CUDA pool's: memory is a
- * process-wide resource, and every Lua state of a host shares it.
+ * process-wide resource, and every Lua state of a host shares it. CUDA
+ * storage comes from device.c, whose pool keeps its own counters.
  */
 #include "internal.h"
 
@@ -27,12 +28,21 @@ ft_status ft_storage_new(ft_storage **out, size_t nbytes, ft_device device,
                          const char *func)
 {
     *out = NULL;
-    if (device.type != FT_CPU)
-        return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
-                       "flashtile was built without CUDA");
     ft_storage *s = malloc(sizeof *s);
     if (!s)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    if (device.type == FT_CUDA) { /* counted by the device's pool */
+        ft_status st = ft_device_alloc(&s->data, nbytes, device, func);
+        if (st != FT_OK) {
+            free(s);
+            return st;
+        }
+        atomic_init(&s->refcount, 1);
+        s->nbytes = nbytes;
+        s->device = device;
+        *out = s;
+        return FT_OK;
+    }
     /* aligned_alloc wants a multiple of the alignment, and never 0. */
     size_t rounded = (nbytes + FT_ALIGNMENT - 1) / FT_ALIGNMENT * FT_ALIGNMENT;
     if (rounded < nbytes) {
@@ -59,16 +69,19 @@ void ft_storage_release(ft_storage *s)
 {
     if (!s || atomic_fetch_sub(&s->refcount, 1) != 1)
         return;
-    atomic_fetch_sub(&cpu_in_use, (long long)s->nbytes);
-    free(s->data);
+    if (s->device.type == FT_CUDA) {
+        ft_device_free(s->data, s->device);
+    } else {
+        atomic_fetch_sub(&cpu_in_use, (long long)s->nbytes);
+        free(s->data);
+    }
     free(s);
 }
 
 ft_status ft_memory_stats_get(ft_device device, ft_memory_stats *out)
 {
-    if (device.type != FT_CPU)
-        return ft_fail(FT_ERR_UNSUPPORTED, "ft_memory_stats_get", 1,
-                       "flashtile was built without CUDA");
+    if (device.type == FT_CUDA)
+        return ft_cuda_memory_stats(device.index, out);
     out->in_use = atomic_load(&cpu_in_use);
     out->peak = atomic_load(&cpu_peak);
     out->reserved = out->in_use;
@@ -77,9 +90,8 @@ ft_status ft_memory_stats_get(ft_device device, ft_memory_stats *out)
 
 ft_status ft_reset_peak_memory(ft_device device)
 {
-    if (device.type != FT_CPU)
-        return ft_fail(FT_ERR_UNSUPPORTED, "ft_reset_peak_memory", 1,
-                       "flashtile was built without CUDA");
+    if (device.type == FT_CUDA)
+        return ft_cuda_reset_peak(device.index);
     atomic_store(&cpu_peak, atomic_load(&cpu_in_use));
     return FT_OK;
 }

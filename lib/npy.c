@@ -13,9 +13,10 @@
  * and values flashtile understands are ASCII either way.
  *
  * flashtile writes version 1.0, little-endian, row-major, for f16, f32, f64,
- * i32 and i64 (bf16 has no NumPy dtype). It reads versions 1.0, 2.0 and 3.0
- * of those dtypes in either byte order and either memory order, and always
- * gives a contiguous row-major CPU tensor.
+ * i32 and i64 (bf16 has no NumPy dtype); a CUDA tensor is copied to the CPU
+ * first. It reads versions 1.0, 2.0 and 3.0 of those dtypes in either byte
+ * order and either memory order, and always gives a contiguous row-major CPU
+ * tensor.
  *
  * Error statuses: the OS failing to open, read or write a file, and files
  * that are not well-formed .npy (bad magic, truncated, malformed dict,
@@ -232,13 +233,21 @@ ft_status ft_save_npy(const ft_tensor *t, const char *path)
     FT_TRY(ft_check_tensor(SAVE, 1, t));
     if (path == NULL)
         return ft_fail(FT_ERR_ARGUMENT, SAVE, 2, "path is NULL");
-    FT_TRY(ft_check_cpu(SAVE, 1, t));
+    FT_TRY(ft_check_device(SAVE, 1, t, NULL));
     if (t->dtype == FT_BF16)
         return ft_fail(FT_ERR_ARGUMENT, SAVE, 1,
                        "bf16 has no .npy dtype; convert first (t:float())");
     if (npy_type_code(t->dtype) == NULL)
         return ft_fail(FT_ERR_ARGUMENT, SAVE, 1, "invalid dtype %d",
                        (int)t->dtype);
+    if (t->device.type != FT_CPU) {
+        /* The file is written from a contiguous CPU copy. */
+        ft_tensor *host = NULL;
+        FT_TRY(ft_to(&host, t, t->dtype, (ft_device){FT_CPU, 0}));
+        ft_status st = ft_save_npy(host, path);
+        ft_tensor_free(host);
+        return st;
+    }
 
     char header[NPY_HEADER_CAP];
     size_t header_total = npy_format_header(header, sizeof header, t);

@@ -2,12 +2,17 @@
  * ops.c - elementwise ops, reductions, softmax, matmul and comparisons.
  *
  * Every op validates its inputs, allocates its result with ft_empty_named
- * and then calls a static *_cpu function that does the loop, so that a CUDA
- * branch can be added beside each one later. Elements are read and written
- * through ft_load_f64/ft_store_f64 and the math is done in double; inputs
- * may be any strided view (stride 0, empty, 0-d), walked with ft_iter.
+ * on the inputs' device and then calls a static *_cpu function that does
+ * the loop, or, for CUDA tensors, the launcher of kernels/ (tensor_ops.cu,
+ * matmul.cu). Elements are read and written through ft_load_f64 /
+ * ft_store_f64 and the math is done in double; inputs may be any strided
+ * view (stride 0, empty, 0-d), walked with ft_iter. All tensor operands
+ * of one op must be on one device.
  */
 #include "internal.h"
+#ifdef FT_HAVE_CUDA
+#include "kernels.h"
+#endif
 
 #include <cblas.h>
 #include <limits.h>
@@ -39,12 +44,36 @@ static ft_status check_out(const char *func, const void *out)
     return FT_OK;
 }
 
-/* A non-NULL CPU tensor at input position arg. */
-static ft_status check_input(const char *func, int arg, const ft_tensor *t)
+/* A non-NULL tensor at input position arg, on a device this build
+ * computes on, and on ref's device when ref is given. */
+static ft_status check_input(const char *func, int arg, const ft_tensor *t,
+                             const ft_tensor *ref)
 {
     FT_TRY(ft_check_tensor(func, arg, t));
-    return ft_check_cpu(func, arg, t);
+    return ft_check_device(func, arg, t, ref);
 }
+
+#ifdef FT_HAVE_CUDA
+static int on_cuda(const ft_tensor *t)
+{
+    return t->device.type == FT_CUDA;
+}
+
+/* A launcher's status; on failure the result tensors are freed and
+ * cleared. */
+static ft_status finish(ft_status s, ft_tensor **out, ft_tensor **indices)
+{
+    if (s != FT_OK) {
+        ft_tensor_free(*out);
+        *out = NULL;
+        if (indices) {
+            ft_tensor_free(*indices);
+            *indices = NULL;
+        }
+    }
+    return s;
+}
+#endif
 
 static ft_status check_same_dtype(const char *func, int arg,
                                   const ft_tensor *a, const ft_tensor *b)
@@ -143,12 +172,16 @@ ft_status ft_binary(ft_tensor **out, ft_binop op, const ft_tensor *a,
     static const char *const F = "ft_binary";
     FT_TRY(check_out(F, out));
     *out = NULL;
-    FT_TRY(check_input(F, 2, a));
-    FT_TRY(check_input(F, 3, b));
+    FT_TRY(check_input(F, 2, a, NULL));
+    FT_TRY(check_input(F, 3, b, a));
     FT_TRY(check_same_dtype(F, 3, a, b));
     FT_TRY(ft_check_same_shape(F, 3, a, b));
     FT_TRY(check_binop(F, op, 2, a));
     FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a))
+        return finish(ft_cuda_binary(*out, op, a, b), out, NULL);
+#endif
     binary_cpu(*out, op, a, b, 0.0, 0);
     return FT_OK;
 }
@@ -159,9 +192,14 @@ ft_status ft_binary_scalar(ft_tensor **out, ft_binop op, const ft_tensor *a,
     static const char *const F = "ft_binary_scalar";
     FT_TRY(check_out(F, out));
     *out = NULL;
-    FT_TRY(check_input(F, 2, a));
+    FT_TRY(check_input(F, 2, a, NULL));
     FT_TRY(check_binop(F, op, 2, a));
     FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a))
+        return finish(ft_cuda_binary_scalar(*out, op, a, s, scalar_first), out,
+                      NULL);
+#endif
     binary_cpu(*out, op, a, NULL, s, scalar_first);
     return FT_OK;
 }
@@ -173,12 +211,16 @@ ft_status ft_unary(ft_tensor **out, ft_unop op, const ft_tensor *a)
     *out = NULL;
     if ((int)op < 0 || (int)op >= NUM_UNOPS)
         return ft_fail(FT_ERR_ARGUMENT, F, 1, "unknown unary op %d", (int)op);
-    FT_TRY(check_input(F, 2, a));
+    FT_TRY(check_input(F, 2, a, NULL));
     if (!ft_dtype_is_float(a->dtype) && op != FT_NEG && op != FT_ABS)
         return ft_fail(FT_ERR_ARGUMENT, F, 2,
                        "%s needs a floating-point tensor, got %s",
                        UNOP_NAMES[op], ft_dtype_name(a->dtype));
     FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a))
+        return finish(ft_cuda_unary(*out, op, a), out, NULL);
+#endif
     unary_cpu(*out, op, a);
     return FT_OK;
 }
@@ -318,10 +360,14 @@ ft_status ft_reduce_all(ft_reduce_op op, const ft_tensor *a, double *result)
     static const char *const F = "ft_reduce_all";
     FT_TRY(check_out(F, result));
     FT_TRY(check_reduce_op(F, op));
-    FT_TRY(check_input(F, 2, a));
+    FT_TRY(check_input(F, 2, a, NULL));
     if (is_extreme(op) && ft_numel(a) == 0)
         return ft_fail(FT_ERR_ARGUMENT, F, 2, "%s of an empty tensor",
                        REDUCE_NAMES[op]);
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a))
+        return ft_cuda_reduce_all(op, a, result);
+#endif
     *result = reduce_all_cpu(op, a);
     return FT_OK;
 }
@@ -339,7 +385,7 @@ ft_status ft_reduce_dim(ft_tensor **out, ft_tensor **indices, ft_reduce_op op,
         return ft_fail(FT_ERR_ARGUMENT, F, 1,
                        "%s gives no indices (only max and min do)",
                        REDUCE_NAMES[op]);
-    FT_TRY(check_input(F, 2, a));
+    FT_TRY(check_input(F, 2, a, NULL));
     int d;
     FT_TRY(ft_check_dim(F, 3, dim, a->ndim, &d));
     if ((op == FT_MEAN || op == FT_NORM) && !ft_dtype_is_float(a->dtype))
@@ -369,6 +415,12 @@ ft_status ft_reduce_dim(ft_tensor **out, ft_tensor **indices, ft_reduce_op op,
             return s;
         }
     }
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a))
+        return finish(ft_cuda_reduce_dim(*out, indices ? *indices : NULL, op,
+                                         a, d),
+                      out, indices);
+#endif
     reduce_dim_cpu(*out, indices ? *indices : NULL, op, a, d);
     return FT_OK;
 }
@@ -411,7 +463,7 @@ ft_status ft_softmax(ft_tensor **out, const ft_tensor *a, int dim)
     static const char *const F = "ft_softmax";
     FT_TRY(check_out(F, out));
     *out = NULL;
-    FT_TRY(check_input(F, 1, a));
+    FT_TRY(check_input(F, 1, a, NULL));
     int d;
     FT_TRY(ft_check_dim(F, 2, dim, a->ndim, &d));
     if (!ft_dtype_is_float(a->dtype))
@@ -419,6 +471,10 @@ ft_status ft_softmax(ft_tensor **out, const ft_tensor *a, int dim)
                        "softmax needs a floating-point tensor, got %s",
                        ft_dtype_name(a->dtype));
     FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a))
+        return finish(ft_cuda_softmax(*out, a, d), out, NULL);
+#endif
     softmax_cpu(*out, a, d);
     return FT_OK;
 }
@@ -544,8 +600,8 @@ static ft_status check_matmul(const ft_tensor *a, const ft_tensor *b)
 {
     static const char *const F = "ft_matmul";
     char sa[SHAPE_BUF], sb[SHAPE_BUF];
-    FT_TRY(check_input(F, 1, a));
-    FT_TRY(check_input(F, 2, b));
+    FT_TRY(check_input(F, 1, a, NULL));
+    FT_TRY(check_input(F, 2, b, a));
     FT_TRY(check_same_dtype(F, 2, a, b));
     if (!ft_dtype_is_float(a->dtype))
         return ft_fail(FT_ERR_ARGUMENT, F, 1,
@@ -597,6 +653,14 @@ ft_status ft_matmul(ft_tensor **out, const ft_tensor *a, const ft_tensor *b)
     int64_t numel = ft_numel(*out);
     if (numel == 0)
         return FT_OK;
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a)) {
+        /* k == 0: an empty sum; ft_fill writes +0 on the device. */
+        if (a->shape[r + 1] == 0)
+            return finish(ft_fill(*out, 0.0), out, NULL);
+        return finish(ft_cuda_matmul(*out, a, b), out, NULL);
+    }
+#endif
     if (a->shape[r + 1] == 0) {
         /* k == 0: an empty sum. All-zero bits are +0 in every float dtype. */
         memset((*out)->data, 0, (size_t)numel * ft_dtype_size((*out)->dtype));
@@ -615,8 +679,8 @@ ft_status ft_matmul(ft_tensor **out, const ft_tensor *a, const ft_tensor *b)
 static ft_status check_pair(const char *func, const ft_tensor *a,
                             const ft_tensor *b)
 {
-    FT_TRY(check_input(func, 1, a));
-    FT_TRY(check_input(func, 2, b));
+    FT_TRY(check_input(func, 1, a, NULL));
+    FT_TRY(check_input(func, 2, b, a));
     return ft_check_same_shape(func, 2, a, b);
 }
 
@@ -671,6 +735,10 @@ ft_status ft_max_abs_diff(const ft_tensor *a, const ft_tensor *b,
     static const char *const F = "ft_max_abs_diff";
     FT_TRY(check_out(F, result));
     FT_TRY(check_pair(F, a, b));
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a))
+        return ft_cuda_compare(a, b, 0.0, 0.0, result, NULL);
+#endif
     double m = 0.0;
     pairs_cpu(a, b, visit_max_diff, &m);
     *result = m;
@@ -687,6 +755,10 @@ ft_status ft_allclose(const ft_tensor *a, const ft_tensor *b, double rtol,
         return ft_fail(FT_ERR_ARGUMENT, F, 3, "rtol must be >= 0, got %g", rtol);
     if (!(atol >= 0.0))
         return ft_fail(FT_ERR_ARGUMENT, F, 4, "atol must be >= 0, got %g", atol);
+#ifdef FT_HAVE_CUDA
+    if (on_cuda(a))
+        return ft_cuda_compare(a, b, rtol, atol, NULL, result);
+#endif
     close_ctx c = {rtol, atol, 1};
     pairs_cpu(a, b, visit_close, &c);
     *result = c.close;

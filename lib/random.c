@@ -1,13 +1,17 @@
 /*
- * random.c - ft_rand, ft_randn and ft_random_counters on the CPU.
+ * random.c - ft_rand, ft_randn and ft_random_counters.
  *
  * The numbers come from the counter-based stream of philox.h: element i (in
  * row-major order of the tensor's shape, whatever its strides) depends only
- * on (seed, offset, i). The per-element arithmetic lives in philox.h so a
- * GPU kernel can share it and give the same values.
+ * on (seed, offset, i). The per-element arithmetic lives in philox.h, which
+ * the CUDA kernel (kernels/tensor_ops.cu, ft_cuda_random) shares, so a CUDA
+ * tensor gets the same values as a CPU one.
  */
 #include "internal.h"
 #include "philox.h"
+#ifdef FT_HAVE_CUDA
+#include "kernels.h"
+#endif
 
 /* The largest values below 1 of the narrow float dtypes: a uniform close
  * to 1 rounds up to 1.0 when stored in them, and rand promises [0, 1). */
@@ -42,11 +46,15 @@ static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
                              ft_distribution dist, const char *func)
 {
     FT_TRY(ft_check_tensor(func, 1, t));
-    FT_TRY(ft_check_cpu(func, 1, t));
+    FT_TRY(ft_check_device(func, 1, t, NULL));
     if (!ft_dtype_is_float(t->dtype))
         return ft_fail(FT_ERR_ARGUMENT, func, 1,
                        "needs a floating-point tensor, got %s",
                        ft_dtype_name(t->dtype));
+#ifdef FT_HAVE_CUDA
+    if (t->device.type == FT_CUDA)
+        return ft_cuda_random(t, seed, offset, dist == FT_DIST_NORMAL);
+#endif
 
     const int64_t n = ft_numel(t);
     const double clamp = below_one(t->dtype);

@@ -6,6 +6,9 @@
  * shared by every view and freed with the last one.
  */
 #include "internal.h"
+#ifdef FT_HAVE_CUDA
+#include "kernels.h"
+#endif
 
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +23,22 @@ ft_status ft_check_cpu(const char *func, int arg, const ft_tensor *t)
                        "tensor on %s: this build has only the cpu",
                        ft_device_name(t->device, dev, sizeof dev));
     }
+    return FT_OK;
+}
+
+ft_status ft_check_device(const char *func, int arg, const ft_tensor *t,
+                          const ft_tensor *ref)
+{
+    char a[16], b[16];
+    if (t->device.type == FT_CUDA && !ft_cuda_built())
+        return ft_fail(FT_ERR_UNSUPPORTED, func, arg,
+                       "tensor on %s: flashtile was built without CUDA",
+                       ft_device_name(t->device, a, sizeof a));
+    if (ref && !ft_device_equal(t->device, ref->device))
+        return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                       "tensors are on different devices (%s and %s)",
+                       ft_device_name(ref->device, a, sizeof a),
+                       ft_device_name(t->device, b, sizeof b));
     return FT_OK;
 }
 
@@ -418,12 +437,78 @@ static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
     }
 }
 
+#ifdef FT_HAVE_CUDA
+/* Bytes between a contiguous CPU tensor and a contiguous CUDA tensor of the
+ * same dtype and shape. */
+static ft_status memcpy_host_device(ft_tensor *dst, const ft_tensor *src)
+{
+    size_t n = (size_t)ft_numel(dst) * ft_dtype_size(dst->dtype);
+    const ft_tensor *dev = dst->device.type == FT_CUDA ? dst : src;
+    FT_TRY(ft_cuda_use_device(dev->device.index, "ft_copy"));
+    if (n)
+        FT_CUDA_TRY("ft_copy", cudaMemcpy(dst->data, src->data, n, cudaMemcpyDefault));
+    return FT_OK;
+}
+
+/* A new contiguous tensor shaped like t, of dtype, on device. */
+static ft_status empty_like(ft_tensor **out, const ft_tensor *t, ft_dtype dtype,
+                            ft_device device)
+{
+    return ft_empty_named(out, t->ndim, t->shape, dtype, device, "ft_copy");
+}
+
+/* Copies between devices: converts on the side that has the strided or
+ * differently-typed data, and moves contiguous bytes across. */
+static ft_status copy_across(ft_tensor *dst, const ft_tensor *src)
+{
+    ft_tensor *a = NULL, *b = NULL;
+    ft_status st = FT_OK;
+    if (dst->device.type == FT_CUDA && src->device.type == FT_CUDA) {
+        /* two GPUs: through the host */
+        st = empty_like(&a, src, dst->dtype, (ft_device){FT_CPU, 0});
+        if (st == FT_OK) st = ft_copy(a, src);
+        if (st == FT_OK) st = ft_copy(dst, a);
+    } else if (dst->device.type == FT_CUDA) { /* cpu -> cuda */
+        const int direct = ft_is_contiguous(src) && src->dtype == dst->dtype;
+        if (!direct) {
+            st = empty_like(&a, src, dst->dtype, src->device);
+            if (st == FT_OK) copy_cpu(a, src);
+        }
+        const ft_tensor *host = direct ? src : a;
+        if (st == FT_OK && ft_is_contiguous(dst)) {
+            st = memcpy_host_device(dst, host);
+        } else if (st == FT_OK) {
+            st = empty_like(&b, dst, dst->dtype, dst->device);
+            if (st == FT_OK) st = memcpy_host_device(b, host);
+            if (st == FT_OK) st = ft_cuda_copy(dst, b);
+        }
+    } else { /* cuda -> cpu */
+        const int direct = ft_is_contiguous(src) && src->dtype == dst->dtype;
+        if (!direct) {
+            st = empty_like(&a, src, dst->dtype, src->device);
+            if (st == FT_OK) st = ft_cuda_copy(a, src);
+        }
+        const ft_tensor *dev = direct ? src : a;
+        if (st == FT_OK && ft_is_contiguous(dst)) {
+            st = memcpy_host_device(dst, dev);
+        } else if (st == FT_OK) {
+            st = empty_like(&b, dst, dst->dtype, dst->device);
+            if (st == FT_OK) st = memcpy_host_device(b, dev);
+            if (st == FT_OK) copy_cpu(dst, b);
+        }
+    }
+    ft_tensor_free(a);
+    ft_tensor_free(b);
+    return st;
+}
+#endif
+
 ft_status ft_copy(ft_tensor *dst, const ft_tensor *src)
 {
     FT_TRY(ft_check_tensor("ft_copy", 1, dst));
     FT_TRY(ft_check_tensor("ft_copy", 2, src));
-    FT_TRY(ft_check_cpu("ft_copy", 1, dst));
-    FT_TRY(ft_check_cpu("ft_copy", 2, src));
+    FT_TRY(ft_check_device("ft_copy", 1, dst, NULL));
+    FT_TRY(ft_check_device("ft_copy", 2, src, NULL));
     FT_TRY(ft_check_same_shape("ft_copy", 2, dst, src));
     if (same_view(dst, src))
         return FT_OK;
@@ -431,10 +516,21 @@ ft_status ft_copy(ft_tensor *dst, const ft_tensor *src)
         /* Overlapping views: read everything before writing anything. */
         ft_tensor *tmp;
         FT_TRY(ft_clone(&tmp, src));
-        copy_cpu(dst, tmp);
+        ft_status st = ft_copy(dst, tmp);
         ft_tensor_free(tmp);
-        return FT_OK;
+        return st;
     }
+#ifdef FT_HAVE_CUDA
+    if (!ft_device_equal(dst->device, src->device) || dst->device.type == FT_CUDA) {
+        if (ft_numel(dst) == 0)
+            return FT_OK;
+        if (ft_device_equal(dst->device, src->device)) {
+            FT_TRY(ft_cuda_use_device(dst->device.index, "ft_copy"));
+            return ft_cuda_copy(dst, src);
+        }
+        return copy_across(dst, src);
+    }
+#endif
     copy_cpu(dst, src);
     return FT_OK;
 }
@@ -476,10 +572,16 @@ ft_status ft_contiguous(ft_tensor **out, const ft_tensor *t)
 ft_status ft_fill(ft_tensor *t, double value)
 {
     FT_TRY(ft_check_tensor("ft_fill", 1, t));
-    FT_TRY(ft_check_cpu("ft_fill", 1, t));
+    FT_TRY(ft_check_device("ft_fill", 1, t, NULL));
     int64_t n = ft_numel(t);
     if (n == 0)
         return FT_OK;
+#ifdef FT_HAVE_CUDA
+    if (t->device.type == FT_CUDA) {
+        FT_TRY(ft_cuda_use_device(t->device.index, "ft_fill"));
+        return ft_cuda_fill(t, value);
+    }
+#endif
     /* Convert once, then replicate the bytes. */
     unsigned char bytes[8];
     size_t es = ft_dtype_size(t->dtype);
@@ -497,7 +599,7 @@ static ft_status element_offset(const char *func, const ft_tensor *t,
                                 const int64_t *index, int64_t *off)
 {
     FT_TRY(ft_check_tensor(func, 1, t));
-    FT_TRY(ft_check_cpu(func, 1, t));
+    FT_TRY(ft_check_device(func, 1, t, NULL));
     if (t->ndim > 0 && !index)
         return ft_fail(FT_ERR_ARGUMENT, func, 2, "index expected");
     int64_t o = 0;
@@ -512,33 +614,68 @@ static ft_status element_offset(const char *func, const ft_tensor *t,
     return FT_OK;
 }
 
+/* Reads (or writes) the bytes of one element, wherever it lives. */
+static ft_status element_bytes(const char *func, const ft_tensor *t, int64_t off,
+                               void *bytes, int write)
+{
+    void *p = ft_elem_ptr(t, off);
+    size_t n = ft_dtype_size(t->dtype);
+#ifdef FT_HAVE_CUDA
+    if (t->device.type == FT_CUDA) {
+        FT_TRY(ft_cuda_use_device(t->device.index, func));
+        FT_CUDA_TRY(func, write ? cudaMemcpy(p, bytes, n, cudaMemcpyHostToDevice)
+                                : cudaMemcpy(bytes, p, n, cudaMemcpyDeviceToHost));
+        return FT_OK;
+    }
+#else
+    (void)func;
+#endif
+    if (write)
+        memcpy(p, bytes, n);
+    else
+        memcpy(bytes, p, n);
+    return FT_OK;
+}
+
 ft_status ft_get(const ft_tensor *t, const int64_t *index, double *value)
 {
     int64_t off;
+    unsigned char bytes[8];
     FT_TRY(element_offset("ft_get", t, index, &off));
-    *value = ft_load_f64(ft_elem_ptr(t, off), t->dtype);
+    FT_TRY(element_bytes("ft_get", t, off, bytes, 0));
+    *value = ft_load_f64(bytes, t->dtype);
     return FT_OK;
 }
 
 ft_status ft_set(ft_tensor *t, const int64_t *index, double value)
 {
     int64_t off;
+    unsigned char bytes[8];
     FT_TRY(element_offset("ft_set", t, index, &off));
-    ft_store_f64(ft_elem_ptr(t, off), t->dtype, value);
-    return FT_OK;
+    ft_store_f64(bytes, t->dtype, value);
+    return element_bytes("ft_set", t, off, bytes, 1);
 }
 
 ft_status ft_get_int(const ft_tensor *t, const int64_t *index, int64_t *value)
 {
     int64_t off;
+    unsigned char bytes[8];
     FT_TRY(element_offset("ft_get_int", t, index, &off));
-    const void *p = ft_elem_ptr(t, off);
     switch (t->dtype) {
-    case FT_I64: *value = *(const int64_t *)p; break;
-    case FT_I32: *value = *(const int32_t *)p; break;
+    case FT_I64: case FT_I32: break;
     default:
         return ft_fail(FT_ERR_ARGUMENT, "ft_get_int", 1,
                        "needs an integer tensor, got %s", ft_dtype_name(t->dtype));
+    }
+    FT_TRY(element_bytes("ft_get_int", t, off, bytes, 0));
+    if (t->dtype == FT_I64) {
+        int64_t v;
+        memcpy(&v, bytes, sizeof v);
+        *value = v;
+    } else {
+        int32_t v;
+        memcpy(&v, bytes, sizeof v);
+        *value = v;
     }
     return FT_OK;
 }
@@ -546,15 +683,16 @@ ft_status ft_get_int(const ft_tensor *t, const int64_t *index, int64_t *value)
 ft_status ft_set_int(ft_tensor *t, const int64_t *index, int64_t value)
 {
     int64_t off;
+    unsigned char bytes[8];
     FT_TRY(element_offset("ft_set_int", t, index, &off));
-    void *p = ft_elem_ptr(t, off);
     switch (t->dtype) {
-    case FT_I64: *(int64_t *)p = value; break;
-    case FT_I32:
-        *(int32_t *)p = (int32_t)(value > INT32_MAX ? INT32_MAX
-                                  : value < INT32_MIN ? INT32_MIN : value);
+    case FT_I64: memcpy(bytes, &value, sizeof value); break;
+    case FT_I32: {
+        int32_t v = (int32_t)(value > INT32_MAX ? INT32_MAX : value < INT32_MIN ? INT32_MIN : value);
+        memcpy(bytes, &v, sizeof v);
         break;
-    default: ft_store_f64(p, t->dtype, (double)value); break;
     }
-    return FT_OK;
+    default: ft_store_f64(bytes, t->dtype, (double)value); break;
+    }
+    return element_bytes("ft_set_int", t, off, bytes, 1);
 }

@@ -1168,6 +1168,112 @@ static int l_attention_backward(lua_State *L)
     return 3;
 }
 
+/* ---- CUDA ---- */
+
+#define EVENT_MT "flashtile.Event"
+
+static int cuda_is_available(lua_State *L)
+{
+    lua_pushboolean(L, ft_cuda_device_count() > 0);
+    return 1;
+}
+
+static int cuda_is_built(lua_State *L)
+{
+    lua_pushboolean(L, ft_cuda_built());
+    return 1;
+}
+
+static int cuda_device_count(lua_State *L)
+{
+    lua_pushinteger(L, ft_cuda_device_count());
+    return 1;
+}
+
+/* CUDA devices are numbered from 0 as in "cuda:0", also in Lua. */
+static int cuda_device_name(lua_State *L)
+{
+    int index = (int)luaL_optinteger(L, 1, 0);
+    char name[256];
+    int call_offset_ = 0;
+    CALL(L, ft_cuda_device_name(index, name, sizeof name));
+    lua_pushstring(L, name);
+    return 1;
+}
+
+static int cuda_synchronize(lua_State *L)
+{
+    int index = (int)luaL_optinteger(L, 1, 0);
+    int call_offset_ = 0;
+    CALL(L, ft_cuda_synchronize(index));
+    return 0;
+}
+
+typedef struct ud_event {
+    ft_event *e;
+} ud_event;
+
+static ft_event *check_event(lua_State *L, int idx)
+{
+    ud_event *u = luaL_checkudata(L, idx, EVENT_MT);
+    if (!u->e)
+        luaL_argerror(L, idx, "event has been freed");
+    return u->e;
+}
+
+/* ft.cuda.Event([device]) */
+static int cuda_event_new(lua_State *L)
+{
+    ft_device dev = {FT_CUDA, 0};
+    if (!lua_isnoneornil(L, 1)) {
+        if (ft_device_parse(luaL_checkstring(L, 1), &dev) != FT_OK)
+            luaL_argerror(L, 1, ft_last_error_detail());
+    }
+    ud_event *u = compat_newudata(L, sizeof *u);
+    u->e = NULL;
+    luaL_setmetatable(L, EVENT_MT);
+    int call_offset_ = 0;
+    CALL(L, ft_event_create(&u->e, dev));
+    return 1;
+}
+
+static int event_record(lua_State *L)
+{
+    ft_event *e = check_event(L, 1);
+    int call_offset_ = 0;
+    CALL(L, ft_event_record(e));
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* start:elapsed(end) -> milliseconds (waits for end) */
+static int event_elapsed(lua_State *L)
+{
+    ft_event *a = check_event(L, 1), *b = check_event(L, 2);
+    double ms = 0;
+    int call_offset_ = 0;
+    CALL(L, ft_event_elapsed_ms(a, b, &ms));
+    lua_pushnumber(L, ms);
+    return 1;
+}
+
+static int event_free(lua_State *L)
+{
+    ud_event *u = luaL_checkudata(L, 1, EVENT_MT);
+    ft_event_free(u->e);
+    u->e = NULL;
+    return 0;
+}
+
+static const luaL_Reg event_methods[] = {
+    {"record", event_record}, {"elapsed", event_elapsed}, {"free", event_free}, {NULL, NULL}};
+
+static const luaL_Reg cuda_functions[] = {
+    {"is_available", cuda_is_available}, {"is_built", cuda_is_built},
+    {"device_count", cuda_device_count}, {"device_name", cuda_device_name},
+    {"synchronize", cuda_synchronize},   {"Event", cuda_event_new},
+    {NULL, NULL}};
+
 /* ---- lifetime ---- */
 
 /* __gc, __close and t:free(): the memory goes now (or with the last view
@@ -1287,5 +1393,18 @@ FT_API int luaopen_flashtile_core(lua_State *L)
     lua_setfield(L, -2, "Tensor");
     lua_pushliteral(L, FT_VERSION);
     lua_setfield(L, -2, "version");
+
+    /* ft.cuda, and the event metatable */
+    luaL_newmetatable(L, EVENT_MT);
+    lua_newtable(L);
+    luaL_setfuncs(L, event_methods, 0);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, event_free);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, event_free);
+    lua_setfield(L, -2, "__close");
+    lua_pop(L, 1);
+    luaL_newlib(L, cuda_functions);
+    lua_setfield(L, -2, "cuda");
     return 1;
 }

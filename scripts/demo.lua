@@ -7,38 +7,46 @@
 local ft = require "flashtile"
 local bench = require "flashtile.bench"
 
+-- On a GPU: DESIGN.md's headline size (batch 8, 32 heads, seqlen 4096, head
+-- dim 128, f16). On the CPU: a size that runs in seconds.
+local on_gpu = ft.cuda.is_available()
+local device = on_gpu and "cuda" or "cpu"
 local B, H, N, d = 2, 4, 1024, 64
+local dtype = "f32"
+if on_gpu then B, H, N, d, dtype = 8, 32, 4096, 128, "f16" end
 if arg and #arg >= 4 then
   B, H, N, d = tonumber(arg[1]), tonumber(arg[2]), tonumber(arg[3]), tonumber(arg[4])
 end
-local device, dtype = "cpu", "f32"
+local fast = on_gpu and "flash" or "tiled"
 
 local function mib(bytes) return bytes / 2^20 end
 
 --- Peak bytes beyond what was in use before fn ran.
 local function peak_extra(fn)
   collectgarbage()
+  if device ~= "cpu" then ft.cuda.synchronize() end
   ft.reset_peak_memory(device)
   local before = ft.memory_stats(device).in_use
   local r = table.pack(fn())
+  if device ~= "cpu" then ft.cuda.synchronize() end
   return ft.memory_stats(device).peak - before, table.unpack(r, 1, r.n)
 end
 
 print(("flashtile %s: attention on %s, batch %d, heads %d, seqlen %d, head dim %d, %s")
       :format(ft.version, device, B, H, N, d, dtype))
-local q = ft.randn({B, N, H, d}, {dtype = dtype, seed = 1})
-local k = ft.randn({B, N, H, d}, {dtype = dtype, seed = 2})
-local v = ft.randn({B, N, H, d}, {dtype = dtype, seed = 3})
-local dout = ft.randn({B, N, H, d}, {dtype = dtype, seed = 4})
+local q = ft.randn({B, N, H, d}, {dtype = dtype, seed = 1}):to(device)
+local k = ft.randn({B, N, H, d}, {dtype = dtype, seed = 2}):to(device)
+local v = ft.randn({B, N, H, d}, {dtype = dtype, seed = 3}):to(device)
+local dout = ft.randn({B, N, H, d}, {dtype = dtype, seed = 4}):to(device)
+local timing = on_gpu and {warmup = 2, reps = 10, device = device} or {warmup = 1, reps = 3}
 
 local rows, outs = {}, {}
-for _, impl in ipairs {"naive", "tiled"} do
+for _, impl in ipairs {"naive", fast} do
   local opts = {impl = impl}
   local mem_f, out, lse = peak_extra(function() return ft.attention(q, k, v, opts) end)
   local mem_b = peak_extra(function() return ft.attention_backward(dout, q, k, v, out, lse, opts) end)
-  local fwd = bench.run(function() ft.attention(q, k, v, opts) end, {warmup = 1, reps = 3})
-  local bwd = bench.run(function() ft.attention_backward(dout, q, k, v, out, lse, opts) end,
-                        {warmup = 0, reps = 3})
+  local fwd = bench.run(function() ft.attention(q, k, v, opts) end, timing)
+  local bwd = bench.run(function() ft.attention_backward(dout, q, k, v, out, lse, opts) end, timing)
   outs[impl] = out
   rows[#rows + 1] = {impl, mib(mem_f), mib(mem_b), fwd.median, bwd.median,
     bench.tflops(bench.attention_flops(B, H, N, N, d, false, "fwd"), fwd.median) * 1e3,
@@ -46,17 +54,21 @@ for _, impl in ipairs {"naive", "tiled"} do
 end
 
 print()
-print("| implementation | peak memory fwd | peak memory bwd | forward | backward | fwd GFLOP/s | bwd GFLOP/s |")
+local unit = on_gpu and "TFLOP/s" or "GFLOP/s"
+local per = on_gpu and 1e-3 or 1
+print(("| implementation | peak memory fwd | peak memory bwd | forward | backward | fwd %s | bwd %s |")
+      :format(unit, unit))
 print("| --- | --- | --- | --- | --- | --- | --- |")
 for _, r in ipairs(rows) do
-  print(("| %s | %.1f MiB | %.1f MiB | %.1f ms | %.1f ms | %.1f | %.1f |"):format(table.unpack(r)))
+  r[6], r[7] = r[6] * per, r[7] * per
+  print(("| %s | %.1f MiB | %.1f MiB | %.2f ms | %.2f ms | %.1f | %.1f |"):format(table.unpack(r)))
 end
 print("(peak memory: beyond the inputs, outputs included: out and lse forward, dq, dk, dv backward)")
-print(("\nmax |naive - tiled| of the output: %.2e"):format(ft.max_abs_diff(outs.naive, outs.tiled)))
-print(("the naive path holds N x N scores and probabilities per head (%.1f MiB each);")
+print(("\nmax |naive - %s| of the output: %.2e"):format(fast, ft.max_abs_diff(outs.naive, outs[fast])))
+print(("the naive path holds N x N scores and probabilities (%.1f MiB per head in f32);")
       :format(mib(N * N * 4)))
-print("the tiled path holds one block of them, whatever N is.")
-print(("ran on: %s (%s)"):format(device, "CPU, OpenMP threads"))
+print(("the %s path holds one block of them, whatever N is."):format(fast))
+print(("ran on: %s (%s)"):format(device, on_gpu and ft.cuda.device_name(0) or "CPU, OpenMP threads"))
 
 -- ---- a short tour of the tensors ----
 print("\n== tensors ==")

@@ -20,11 +20,31 @@ local function median(xs)
   return (s[n // 2] + s[n // 2 + 1]) / 2
 end
 
+--- Times one run of fn on a CUDA device with events around it.
+local function cuda_time(fn, device)
+  local start, stop = ft.cuda.Event(device), ft.cuda.Event(device)
+  start:record()
+  fn()
+  stop:record()
+  local ms = start:elapsed(stop)
+  start:free()
+  stop:free()
+  return ms
+end
+
 --- Runs fn warmup times untimed, then reps times timed. Returns
 -- {median = ms, min = ms, max = ms, reps = n, times = {ms...}}.
+-- opts.device = "cuda" (or "cuda:N") times with CUDA events on that device:
+-- the time the GPU spent between two points of its stream, not the host's.
 function bench.run(fn, opts)
   if type(fn) ~= "function" then error("bench.run: fn must be a function", 2) end
+  if opts ~= nil and type(opts) ~= "table" then error("bench.run: opts must be a table", 2) end
   opts = opts or {}
+  for k in pairs(opts) do
+    if k ~= "warmup" and k ~= "reps" and k ~= "device" then
+      error(("bench.run: unknown option '%s' (expected warmup, reps or device)"):format(tostring(k)), 2)
+    end
+  end
   local warmup, reps = opts.warmup or 1, opts.reps or 5
   if math.type(warmup) ~= "integer" or warmup < 0 then
     error("bench.run: warmup must be an integer >= 0", 2)
@@ -32,12 +52,19 @@ function bench.run(fn, opts)
   if math.type(reps) ~= "integer" or reps < 1 then
     error("bench.run: reps must be an integer >= 1", 2)
   end
+  local device = opts.device or "cpu"
+  if type(device) ~= "string" then error("bench.run: device must be a string", 2) end
+  local on_gpu = device:sub(1, 4) == "cuda"
   for _ = 1, warmup do fn() end
   local times = {}
   for i = 1, reps do
-    local t0 = ft.clock()
-    fn()
-    times[i] = (ft.clock() - t0) * 1e3
+    if on_gpu then
+      times[i] = cuda_time(fn, device)
+    else
+      local t0 = ft.clock()
+      fn()
+      times[i] = (ft.clock() - t0) * 1e3
+    end
   end
   local mn, mx = math.huge, -math.huge
   for _, t in ipairs(times) do

@@ -46,14 +46,19 @@ local function index_string(idx)
   return "[" .. table.concat(idx, ", ") .. "]"
 end
 
-local function check_inputs(inputs)
-  assert(type(inputs) == "table" and #inputs > 0, "gradcheck: inputs must be a list of tensors")
+-- Errors name the caller's line: `level` is the stack level of the user's
+-- call (check and assert both pass their own).
+local function check_inputs(inputs, level)
+  if type(inputs) ~= "table" or #inputs == 0 then
+    error("gradcheck: inputs must be a list of tensors", level + 1)
+  end
   for i, x in ipairs(inputs) do
     if not ft.is_tensor(x) then
-      error(("gradcheck: input %d is a %s, not a tensor"):format(i, type(x)), 3)
+      error(("gradcheck: input %d is a %s, not a tensor"):format(i, type(x)), level + 1)
     end
     if x.dtype ~= "f64" then
-      error(("gradcheck: input %d is %s; finite differences need f64 (x:double())"):format(i, x.dtype), 3)
+      error(("gradcheck: input %d is %s; finite differences need f64 (x:double())"):format(i, x.dtype),
+            level + 1)
     end
   end
 end
@@ -78,19 +83,20 @@ local function numeric_column(forward, inputs, i, n, eps, dy)
   return (yp:double() - ym:double()) / (2 * eps), idx
 end
 
-function gradcheck.check(forward, backward, inputs, opts)
-  assert(type(forward) == "function", "gradcheck: forward must be a function")
-  assert(type(backward) == "function", "gradcheck: backward must be a function")
-  check_inputs(inputs)
+local function run_check(forward, backward, inputs, opts, level)
+  if type(forward) ~= "function" then error("gradcheck: forward must be a function", level + 1) end
+  if type(backward) ~= "function" then error("gradcheck: backward must be a function", level + 1) end
+  check_inputs(inputs, level + 1)
+  if opts ~= nil and type(opts) ~= "table" then error("gradcheck: opts must be a table", level + 1) end
   local o = {}
   for k, v in pairs(defaults) do o[k] = v end
   for k, v in pairs(opts or {}) do
-    if defaults[k] == nil then error(("gradcheck: unknown option '%s'"):format(k), 2) end
+    if defaults[k] == nil then error(("gradcheck: unknown option '%s'"):format(k), level + 1) end
     o[k] = v
   end
 
   local y = forward(table.unpack(inputs))
-  if not ft.is_tensor(y) then error("gradcheck: forward must return a tensor", 2) end
+  if not ft.is_tensor(y) then error("gradcheck: forward must return a tensor", level + 1) end
   local worst = { err = -1 }
   local failures = 0
   local function compare(a, num, i, idx, out_idx)
@@ -150,9 +156,15 @@ function gradcheck.check(forward, backward, inputs, opts)
   return false, report
 end
 
+function gradcheck.check(forward, backward, inputs, opts)
+  -- not a tail call: the error levels count this frame
+  local ok, report = run_check(forward, backward, inputs, opts, 2)
+  return ok, report
+end
+
 --- Like check, but raises the message on failure; returns the report.
 function gradcheck.assert(forward, backward, inputs, opts)
-  local ok, report = gradcheck.check(forward, backward, inputs, opts)
+  local ok, report = run_check(forward, backward, inputs, opts, 2)
   if not ok then error(report.message, 2) end
   return report
 end

@@ -26,6 +26,11 @@ end
 
 function methods:cpu() return self:to("cpu") end
 
+--- t:cuda([index]): the tensor on CUDA device index (default 0).
+function methods:cuda(index)
+  return self:to(index and ("cuda:" .. index) or "cuda")
+end
+
 --- The shape as a string, "{2, 3}".
 local function shape_string(t)
   return "{" .. table.concat(t.shape, ", ") .. "}"
@@ -101,6 +106,9 @@ local function render(t)
   local nd, n = t:dim(), t:numel()
   if n == 0 then return "[]" end
   local elide = n > SUMMARIZE
+  -- a small device tensor comes over in one copy; a big one element by
+  -- element, only the elements shown
+  if t.device ~= "cpu" and not elide then t = t:cpu() end
   local vals = collect(t, elide)
   local fmt = formatter(vals, t.dtype ~= "i32" and t.dtype ~= "i64")
   local width = 0

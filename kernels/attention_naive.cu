@@ -1,0 +1,609 @@
+/*
+ * attention_naive.cu - the traditional attention on CUDA, the baseline the
+ * flash kernels are measured against: the score matrix of every (batch,
+ * head) is materialised in device memory and cuBLAS does every product.
+ * Peak memory is O(B * H * Nq * Nk), which is the point: the buffers are
+ * tensors from the device pool, so its statistics (ft.memory_stats) see
+ * them.
+ *
+ * Forward, for each (b, h) with kv head hk = h / (H / Hk):
+ *   S = scale * Q K^T                    GEMM into an f32 buffer (f64 for f64)
+ *   P = softmax(S), causal mask, LSE     softmax_rows, one block per row
+ *   O = P V                              GEMM into out
+ * Backward, from P recomputed by a full softmax (out and lse are not read):
+ *   dP = dO V^T                          GEMM into a second buffer
+ *   dV = sum over the group of P^T dO    GEMMs, beta = 1 after the first head
+ *   D_i = sum_j P_ij dP_ij, dS = P * (dP - D)   ds_rows, in place of dP
+ *   dQ = scale dS K
+ *   dK = sum over the group of scale dS^T Q
+ * A row that sees no key has a zero P row and LSE = -inf; causal masks
+ * align bottom-right (query i sees key j iff j <= i + Nk - Nq).
+ *
+ * Precision. Products accumulate in f32 (CUBLAS_COMPUTE_32F, never TF32)
+ * for f32, f16 and bf16 inputs, and in f64 for f64; S, dP, the softmax and
+ * D are f32 (f64). For f16/bf16, P and dS are rounded to the input dtype
+ * before the GEMMs that read them (P V, P^T dO, dS K, dS^T Q), as PyTorch's
+ * math backend does, and dK/dV are summed over a GQA group in f32 buffers,
+ * then rounded once. f32 and f64 inputs keep P and dS in their own dtype.
+ *
+ * Layout. cuBLAS is column-major: a row-major [rows, cols] matrix with row
+ * stride ld is the column-major [cols, rows] matrix with leading dimension
+ * ld, so one head of q (row stride q->stride[1]) is used as it lies, and
+ * the score buffers [B, H, Nq, Nk] are read as S^T [Nk, Nq]. Each product
+ * is one cublasGemmStridedBatchedEx per (b, g), g the index of a query head
+ * within its GQA group, batched over the Hk kv heads (query head hk * G + g
+ * against kv head hk). A q/k/v/dout whose rows are closer than head_dim
+ * elements (an expanded or overlapping view) is first packed contiguous.
+ *
+ * Limits: seqlens, heads x head_dim and row strides up to INT_MAX (cuBLAS's
+ * int); everything runs on the legacy default stream with one cuBLAS handle
+ * per device, created on first use and kept for the process.
+ *
+ * Check: the CUDA specs compare impl "naive" on cuda against the CPU naive
+ * path (f64 to ~1e-12; f16/bf16 within their rounding), with causal, GQA,
+ * Nq != Nk, strided and expanded q/k/v, and Nq or Nk = 0. Run them with
+ * FT_CUDA_SYNC=1 (errors at the launch that caused them) and under
+ * compute-sanitizer.
+ */
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <pthread.h>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#ifndef FT_HAVE_CUDA
+#define FT_HAVE_CUDA 1 /* a .cu is only built with the CUDA backend */
+#endif
+
+#include "kernels.h"
+
+#define THREADS 256            /* every kernel's block: 8 warps */
+#define MAX_BLOCKS (1 << 20)   /* grid-stride loops beyond this */
+#define MAX_DEVICES 64
+
+/* ---- errors and the cuBLAS handles ---- */
+
+static ft_status cublas_fail(cublasStatus_t st, const char *func, const char *what,
+                             const char *file, int line)
+{
+    const char *base = strrchr(file, '/');
+    cudaGetLastError(); /* a CUDA error under a cuBLAS one is reported here */
+    return ft_fail(st == CUBLAS_STATUS_ALLOC_FAILED ? FT_ERR_NOMEM : FT_ERR_DEVICE, func, 0,
+                   "%s failed: %s (%s, %s:%d)", what, cublasGetStatusString(st),
+                   cublasGetStatusName(st), base ? base + 1 : file, line);
+}
+
+static pthread_mutex_t handle_lock = PTHREAD_MUTEX_INITIALIZER;
+static cublasHandle_t handles[MAX_DEVICES];
+
+/* The handle of device index, which must be the current device (a cuBLAS
+ * handle belongs to the device current at its creation). */
+static ft_status get_handle(int index, const char *func, cublasHandle_t *out)
+{
+    if (index < 0 || index >= MAX_DEVICES)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
+                       "cuda:%d: naive attention handles devices 0 to %d", index,
+                       MAX_DEVICES - 1);
+    ft_status st = FT_OK;
+    pthread_mutex_lock(&handle_lock);
+    if (!handles[index]) {
+        cublasHandle_t h = NULL;
+        cublasStatus_t e = cublasCreate(&h);
+        if (e != CUBLAS_STATUS_SUCCESS) {
+            st = cublas_fail(e, func, "cublasCreate", __FILE__, __LINE__);
+        } else if ((e = cublasSetStream(h, 0)) != CUBLAS_STATUS_SUCCESS) {
+            st = cublas_fail(e, func, "cublasSetStream", __FILE__, __LINE__);
+            cublasDestroy(h);
+        } else {
+            handles[index] = h;
+        }
+    }
+    *out = handles[index];
+    pthread_mutex_unlock(&handle_lock);
+    return st;
+}
+
+/* ---- kernels (in an anonymous namespace: other .cu files may use the
+ * same names) ---- */
+
+namespace {
+
+__device__ inline float acc_exp(float x) { return expf(x); }
+__device__ inline double acc_exp(double x) { return exp(x); }
+
+/* Element i of a f16 or bf16 array, rounded to nearest even. */
+__device__ inline void store_lo(void *p, int64_t i, int dtype, float v)
+{
+    if (dtype == FT_F16)
+        ((__half *)p)[i] = __float2half_rn(v);
+    else
+        ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+}
+
+/* The sum (or max) of v over the block, returned to every thread. shared
+ * holds one value per warp; blockDim.x is a multiple of 32. The max keeps
+ * the first operand on NaN, as the CPU's `x > m ? x : m` does. */
+template <typename T>
+__device__ T block_reduce(T v, bool is_max, T *shared)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        const T w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? (w > v ? w : v) : v + w;
+    }
+    __syncthreads(); /* readers of the previous reduction are done */
+    if ((threadIdx.x & 31) == 0)
+        shared[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = shared[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+        v = is_max ? (shared[w] > v ? shared[w] : v) : v + shared[w];
+    return v;
+}
+
+/* One block per row r = (b * H + h) * Nq + i of S [B, H, Nq, Nk] (already
+ * scaled): P = softmax over the keys row i sees, written over S, and into
+ * P_lo (f16/bf16, lo_dtype) when not NULL; lse[r] when lse is not NULL.
+ * With Nk = 0 (S unused) it only writes LSE = -inf. */
+template <typename T>
+__global__ void __launch_bounds__(THREADS)
+softmax_rows(T *S, void *P_lo, int lo_dtype, T *lse, int64_t rows, int64_t Nq,
+             int64_t Nk, int causal)
+{
+    __shared__ T shared[THREADS / 32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const int64_t i = r % Nq;
+        int64_t end = Nk; /* keys 0 .. end-1 are visible */
+        if (causal) {
+            end = i + Nk - Nq + 1;
+            end = end < 0 ? 0 : end > Nk ? Nk : end;
+        }
+        T *row = S + r * Nk;
+        T m = (T)-INFINITY;
+        for (int64_t j = threadIdx.x; j < end; j += blockDim.x)
+            m = row[j] > m ? row[j] : m;
+        m = block_reduce(m, true, shared);
+        const bool empty = m == (T)-INFINITY; /* no visible key */
+        T l = 0;
+        if (!empty)
+            for (int64_t j = threadIdx.x; j < end; j += blockDim.x) {
+                const T e = acc_exp(row[j] - m);
+                row[j] = e;
+                l += e;
+            }
+        l = block_reduce(l, false, shared);
+        for (int64_t j = threadIdx.x; j < Nk; j += blockDim.x) {
+            const T p = !empty && j < end ? row[j] / l : (T)0;
+            row[j] = p;
+            if (P_lo)
+                store_lo(P_lo, r * Nk + j, lo_dtype, (float)p);
+        }
+        if (lse && threadIdx.x == 0)
+            lse[r] = empty ? (T)-INFINITY : (T)((double)m + log((double)l));
+    }
+}
+
+/* One block per row r of P and dP [B, H, Nq, Nk]: D = sum_j P dP, then
+ * dS = P * (dP - D) over dP, and into dS_lo (f16/bf16) when not NULL. */
+template <typename T>
+__global__ void __launch_bounds__(THREADS)
+ds_rows(const T *P, T *dP, void *dS_lo, int lo_dtype, int64_t rows, int64_t Nk)
+{
+    __shared__ T shared[THREADS / 32];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T *p = P + r * Nk;
+        T *dp = dP + r * Nk;
+        T D = 0;
+        for (int64_t j = threadIdx.x; j < Nk; j += blockDim.x)
+            D += p[j] * dp[j];
+        D = block_reduce(D, false, shared);
+        for (int64_t j = threadIdx.x; j < Nk; j += blockDim.x) {
+            const T ds = p[j] * (dp[j] - D);
+            dp[j] = ds;
+            if (dS_lo)
+                store_lo(dS_lo, r * Nk + j, lo_dtype, (float)ds);
+        }
+    }
+}
+
+/* dst[i] = src[i] rounded to f16/bf16, n elements. */
+__global__ void __launch_bounds__(THREADS)
+f32_to_lo(const float *src, void *dst, int lo_dtype, int64_t n)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        store_lo(dst, i, lo_dtype, src[i]);
+}
+
+/* dst [B, N, Hx, d] contiguous = src with element strides sb, sn, sh (and
+ * 1 along d, or d = 1); elements of esize bytes (2, 4 or 8). */
+__global__ void __launch_bounds__(THREADS)
+pack_rows(const char *src, char *dst, int esize, int64_t N, int64_t Hx, int64_t d,
+          int64_t sb, int64_t sn, int64_t sh, int64_t n)
+{
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        int64_t t = idx;
+        const int64_t c = t % d;
+        t /= d;
+        const int64_t h = t % Hx;
+        t /= Hx;
+        const int64_t row = t % N, b = t / N;
+        const int64_t off = b * sb + row * sn + h * sh + c;
+        if (esize == 2)
+            ((uint16_t *)dst)[idx] = ((const uint16_t *)src)[off];
+        else if (esize == 4)
+            ((uint32_t *)dst)[idx] = ((const uint32_t *)src)[off];
+        else
+            ((uint64_t *)dst)[idx] = ((const uint64_t *)src)[off];
+    }
+}
+
+} /* namespace */
+
+static unsigned blocks_for(int64_t work)
+{
+    return (unsigned)(work < 1 ? 1 : work > MAX_BLOCKS ? MAX_BLOCKS : work);
+}
+
+static unsigned blocks_for_elems(int64_t n) { return blocks_for((n + THREADS - 1) / THREADS); }
+
+/* ---- one call's context: shape, handle, scratch ---- */
+
+#define MAX_SCRATCH 12 /* the backward: 4 packed inputs, 5 buffers */
+
+typedef struct naive_ctx {
+    const ft_attn_shape *s;
+    const char *func;
+    ft_device device;
+    ft_dtype dtype;  /* of every input and gradient */
+    ft_dtype acc;    /* of S, P, dP and LSE: f64 for f64 inputs, else f32 */
+    int lo;          /* f16/bf16 inputs: P and dS also kept in dtype */
+    cublasHandle_t handle;
+    ft_tensor *scratch[MAX_SCRATCH];
+    int nscratch;
+} naive_ctx;
+
+/* count elements of dtype from the device pool (a 1-d tensor, so that the
+ * pool's statistics count it), freed by release_scratch whatever happens. */
+static ft_status scratch_alloc(naive_ctx *c, void **p, int64_t count, ft_dtype dtype)
+{
+    if (c->nscratch == MAX_SCRATCH)
+        return ft_fail(FT_ERR_INTERNAL, c->func, 0, "naive attention: too many scratch buffers");
+    ft_tensor *t = NULL;
+    FT_TRY(ft_empty_named(&t, 1, &count, dtype, c->device, c->func));
+    c->scratch[c->nscratch++] = t;
+    *p = t->data;
+    return FT_OK;
+}
+
+static void release_scratch(naive_ctx *c)
+{
+    /* Frees are stream-ordered (cudaFreeAsync on stream 0): queued work
+     * that reads the buffers finishes first. */
+    for (int i = 0; i < c->nscratch; i++)
+        ft_tensor_free(c->scratch[i]);
+    c->nscratch = 0;
+}
+
+/* B * H * Nq * Nk, the elements of one score buffer. */
+static ft_status score_count(const naive_ctx *c, int64_t *out)
+{
+    const ft_attn_shape *s = c->s;
+    int64_t n;
+    if (__builtin_mul_overflow(s->B, s->H, &n) || __builtin_mul_overflow(n, s->Nq, &n) ||
+        __builtin_mul_overflow(n, s->Nk, &n))
+        return ft_fail(FT_ERR_NOMEM, c->func, 0,
+                       "naive attention: %lld x %lld x %lld x %lld scores do not fit in memory",
+                       (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk);
+    *out = n;
+    return FT_OK;
+}
+
+static ft_status check_limits(const naive_ctx *c)
+{
+    const ft_attn_shape *s = c->s;
+    if (s->Nq > INT_MAX || s->Nk > INT_MAX || s->H > INT_MAX / s->d)
+        return ft_fail(FT_ERR_UNSUPPORTED, c->func, 0,
+                       "naive CUDA attention: seqlen_q %lld, seqlen_k %lld and heads x head_dim "
+                       "%lld must be at most %d (cuBLAS's int)",
+                       (long long)s->Nq, (long long)s->Nk, (long long)(s->H * s->d), INT_MAX);
+    return FT_OK;
+}
+
+static cudaDataType_t cuda_type(ft_dtype t)
+{
+    switch (t) {
+    case FT_F64: return CUDA_R_64F;
+    case FT_F16: return CUDA_R_16F;
+    case FT_BF16: return CUDA_R_16BF;
+    default: return CUDA_R_32F;
+    }
+}
+
+/* ---- GEMM operands ---- */
+
+/* A matrix per (b, head): element (row, col) of batch b, head x lies at
+ * ptr + (b * sb + x * sh + row * ld + col) elements. kv: indexed by kv
+ * head (k, v, dk, dv), else by query head (q, dout, out, dq, scores). */
+typedef struct operand {
+    char *ptr;
+    size_t esize;
+    cudaDataType_t type;
+    int64_t ld, sb, sh;
+    int kv;
+} operand;
+
+static operand make_operand(void *p, ft_dtype dtype, int64_t ld, int64_t sb, int64_t sh, int kv)
+{
+    operand op;
+    op.ptr = (char *)p;
+    op.esize = ft_dtype_size(dtype);
+    op.type = cuda_type(dtype);
+    op.ld = ld, op.sb = sb, op.sh = sh, op.kv = kv;
+    return op;
+}
+
+/* A contiguous [B, N, Hx, d] tensor (out, the gradients, packed copies). */
+static operand contiguous_operand(void *p, ft_dtype dtype, int64_t N, int64_t Hx, int64_t d,
+                                  int kv)
+{
+    return make_operand(p, dtype, Hx * d, N * Hx * d, d, kv);
+}
+
+/* A score buffer [B, H, Nq, Nk]. */
+static operand scores_operand(const naive_ctx *c, void *p, ft_dtype dtype)
+{
+    const ft_attn_shape *s = c->s;
+    return make_operand(p, dtype, s->Nk, s->H * s->Nq * s->Nk, s->Nq * s->Nk, 0);
+}
+
+/* An input [B, N, Hx, d] as it lies when cuBLAS can read it (rows at least
+ * d and at most INT_MAX elements apart; a single row any), else a packed
+ * copy. */
+static ft_status input_operand(naive_ctx *c, const ft_tensor *t, int kv, operand *op)
+{
+    const int64_t N = t->shape[1], Hx = t->shape[2], d = t->shape[3];
+    if (N <= 1 || (t->stride[1] >= d && t->stride[1] <= INT_MAX)) {
+        *op = make_operand(t->data, t->dtype, N > 1 ? t->stride[1] : d, t->stride[0],
+                           t->stride[2], kv);
+        return FT_OK;
+    }
+    const int64_t n = ft_numel(t);
+    void *p = NULL;
+    FT_TRY(scratch_alloc(c, &p, n, t->dtype));
+    pack_rows<<<blocks_for_elems(n), THREADS>>>((const char *)t->data, (char *)p,
+                                                (int)ft_dtype_size(t->dtype),
+                                                N, Hx, d, t->stride[0], t->stride[1],
+                                                t->stride[2], n);
+    FT_CUDA_CHECK_LAUNCH(c->func);
+    *op = contiguous_operand(p, t->dtype, N, Hx, d, kv);
+    return FT_OK;
+}
+
+/* C = alpha op(A) op(B) (+ C) for every (b, h), column-major as cuBLAS
+ * sees the operands: one strided batch over the Hk kv heads per (b, g),
+ * query head hk * G + g. A kv-indexed C (dK, dV) sums the G heads of its
+ * group: beta = 0 for g = 0, then 1. */
+static ft_status gemm_heads(const naive_ctx *c, cublasOperation_t ta, cublasOperation_t tb,
+                            int64_t m, int64_t n, int64_t k, double alpha, const operand *A,
+                            const operand *B, const operand *C)
+{
+    const ft_attn_shape *s = c->s;
+    const int64_t G = s->H / s->Hk;
+    const int f64 = c->acc == FT_F64;
+    const operand *ops[3] = {A, B, C};
+    for (int64_t b = 0; b < s->B; b++)
+        for (int64_t g = 0; g < G; g++) {
+            char *ptr[3];
+            long long stride[3];
+            for (int i = 0; i < 3; i++) {
+                const operand *o = ops[i];
+                ptr[i] = o->ptr + (b * o->sb + (o->kv ? 0 : g * o->sh)) * (int64_t)o->esize;
+                stride[i] = o->kv ? o->sh : G * o->sh;
+            }
+            const int accumulate = C->kv && g > 0;
+            const float alpha32 = (float)alpha, beta32 = accumulate ? 1.0f : 0.0f;
+            const double alpha64 = alpha, beta64 = accumulate ? 1.0 : 0.0;
+            cublasStatus_t e = cublasGemmStridedBatchedEx(
+                c->handle, ta, tb, (int)m, (int)n, (int)k,
+                f64 ? (const void *)&alpha64 : (const void *)&alpha32,
+                ptr[0], A->type, (int)A->ld, stride[0],
+                ptr[1], B->type, (int)B->ld, stride[1],
+                f64 ? (const void *)&beta64 : (const void *)&beta32,
+                ptr[2], C->type, (int)C->ld, stride[2], (int)s->Hk,
+                f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+            if (e != CUBLAS_STATUS_SUCCESS)
+                return cublas_fail(e, c->func, "cublasGemmStridedBatchedEx", __FILE__, __LINE__);
+        }
+    return FT_OK;
+}
+
+/* ---- the passes ---- */
+
+/* S = scale Q K^T into S (acc dtype): column-major S^T [Nk, Nq] = K [Nk, d]
+ * Q^T [d, Nq]. Then P over S (and P_lo), LSE when lse is not NULL. */
+static ft_status scores_and_softmax(naive_ctx *c, const operand *Q, const operand *K, void *S,
+                                    void *P_lo, void *lse)
+{
+    const ft_attn_shape *s = c->s;
+    const operand Sop = scores_operand(c, S, c->acc);
+    FT_TRY(gemm_heads(c, CUBLAS_OP_T, CUBLAS_OP_N, s->Nk, s->Nq, s->d, s->scale, K, Q, &Sop));
+    const int64_t rows = s->B * s->H * s->Nq;
+    if (c->acc == FT_F64)
+        softmax_rows<double><<<blocks_for(rows), THREADS>>>(
+            (double *)S, NULL, 0, (double *)lse, rows, s->Nq, s->Nk, s->causal);
+    else
+        softmax_rows<float><<<blocks_for(rows), THREADS>>>(
+            (float *)S, P_lo, (int)c->dtype, (float *)lse, rows, s->Nq, s->Nk, s->causal);
+    FT_CUDA_CHECK_LAUNCH(c->func);
+    return FT_OK;
+}
+
+static ft_status forward_work(naive_ctx *c, const ft_tensor *q, const ft_tensor *k,
+                              const ft_tensor *v, ft_tensor *out, ft_tensor *lse)
+{
+    const ft_attn_shape *s = c->s;
+    int64_t scores;
+    FT_TRY(check_limits(c));
+    FT_TRY(score_count(c, &scores));
+    FT_TRY(get_handle(c->device.index, c->func, &c->handle));
+    operand Q, K, V;
+    FT_TRY(input_operand(c, q, 0, &Q));
+    FT_TRY(input_operand(c, k, 1, &K));
+    FT_TRY(input_operand(c, v, 1, &V));
+    void *S = NULL, *P_lo = NULL;
+    FT_TRY(scratch_alloc(c, &S, scores, c->acc));
+    if (c->lo)
+        FT_TRY(scratch_alloc(c, &P_lo, scores, c->dtype));
+
+    FT_TRY(scores_and_softmax(c, &Q, &K, S, P_lo, lse->data));
+
+    /* O = P V: column-major O^T [d, Nq] = V^T [d, Nk] P^T [Nk, Nq]. */
+    const operand P = c->lo ? scores_operand(c, P_lo, c->dtype) : scores_operand(c, S, c->acc);
+    const operand O = contiguous_operand(out->data, c->dtype, s->Nq, s->H, s->d, 0);
+    FT_TRY(gemm_heads(c, CUBLAS_OP_N, CUBLAS_OP_N, s->d, s->Nq, s->Nk, 1.0, &V, &P, &O));
+    return FT_OK;
+}
+
+static ft_status backward_work(naive_ctx *c, const ft_tensor *dout, const ft_tensor *q,
+                               const ft_tensor *k, const ft_tensor *v, ft_tensor *dq,
+                               ft_tensor *dk, ft_tensor *dv)
+{
+    const ft_attn_shape *s = c->s;
+    int64_t scores;
+    FT_TRY(check_limits(c));
+    FT_TRY(score_count(c, &scores));
+    FT_TRY(get_handle(c->device.index, c->func, &c->handle));
+    operand Q, K, V, dO;
+    FT_TRY(input_operand(c, q, 0, &Q));
+    FT_TRY(input_operand(c, k, 1, &K));
+    FT_TRY(input_operand(c, v, 1, &V));
+    FT_TRY(input_operand(c, dout, 0, &dO));
+    void *S = NULL, *dP = NULL, *lo = NULL, *dK32 = NULL, *dV32 = NULL;
+    FT_TRY(scratch_alloc(c, &S, scores, c->acc));
+    FT_TRY(scratch_alloc(c, &dP, scores, c->acc));
+    const int64_t kv_numel = ft_numel(dk);
+    if (c->lo) { /* P, then dS, in dtype; dK and dV summed in f32 */
+        FT_TRY(scratch_alloc(c, &lo, scores, c->dtype));
+        FT_TRY(scratch_alloc(c, &dK32, kv_numel, FT_F32));
+        FT_TRY(scratch_alloc(c, &dV32, kv_numel, FT_F32));
+    }
+
+    FT_TRY(scores_and_softmax(c, &Q, &K, S, lo, NULL));
+
+    /* dP = dO V^T: column-major dP^T [Nk, Nq] = V [Nk, d] dO^T [d, Nq]. */
+    const operand dPop = scores_operand(c, dP, c->acc);
+    FT_TRY(gemm_heads(c, CUBLAS_OP_T, CUBLAS_OP_N, s->Nk, s->Nq, s->d, 1.0, &V, &dO, &dPop));
+
+    /* dV = sum_g P^T dO: column-major dV^T [d, Nk] = dO^T [d, Nq] P [Nq, Nk]. */
+    const operand P = c->lo ? scores_operand(c, lo, c->dtype) : scores_operand(c, S, c->acc);
+    const operand dVop = c->lo ? contiguous_operand(dV32, FT_F32, s->Nk, s->Hk, s->d, 1)
+                               : contiguous_operand(dv->data, c->dtype, s->Nk, s->Hk, s->d, 1);
+    FT_TRY(gemm_heads(c, CUBLAS_OP_N, CUBLAS_OP_T, s->d, s->Nk, s->Nq, 1.0, &dO, &P, &dVop));
+
+    /* dS = P * (dP - D) over dP, and over P's dtype copy in lo (which the
+     * dV product above has read: same stream). */
+    const int64_t rows = s->B * s->H * s->Nq;
+    if (c->acc == FT_F64)
+        ds_rows<double><<<blocks_for(rows), THREADS>>>((const double *)S, (double *)dP, NULL,
+                                                       0, rows, s->Nk);
+    else
+        ds_rows<float><<<blocks_for(rows), THREADS>>>((const float *)S, (float *)dP, lo,
+                                                      (int)c->dtype, rows, s->Nk);
+    FT_CUDA_CHECK_LAUNCH(c->func);
+    const operand dS = c->lo ? scores_operand(c, lo, c->dtype) : dPop;
+
+    /* dQ = scale dS K: column-major dQ^T [d, Nq] = K^T [d, Nk] dS^T [Nk, Nq]. */
+    const operand dQop = contiguous_operand(dq->data, c->dtype, s->Nq, s->H, s->d, 0);
+    FT_TRY(gemm_heads(c, CUBLAS_OP_N, CUBLAS_OP_N, s->d, s->Nq, s->Nk, s->scale, &K, &dS, &dQop));
+
+    /* dK = sum_g scale dS^T Q: column-major dK^T [d, Nk] = Q^T [d, Nq] dS [Nq, Nk]. */
+    const operand dKop = c->lo ? contiguous_operand(dK32, FT_F32, s->Nk, s->Hk, s->d, 1)
+                               : contiguous_operand(dk->data, c->dtype, s->Nk, s->Hk, s->d, 1);
+    FT_TRY(gemm_heads(c, CUBLAS_OP_N, CUBLAS_OP_T, s->d, s->Nk, s->Nq, s->scale, &Q, &dS, &dKop));
+
+    if (c->lo) {
+        f32_to_lo<<<blocks_for_elems(kv_numel), THREADS>>>((const float *)dK32, dk->data,
+                                                           (int)c->dtype, kv_numel);
+        FT_CUDA_CHECK_LAUNCH(c->func);
+        f32_to_lo<<<blocks_for_elems(kv_numel), THREADS>>>((const float *)dV32, dv->data,
+                                                           (int)c->dtype, kv_numel);
+        FT_CUDA_CHECK_LAUNCH(c->func);
+    }
+    return FT_OK;
+}
+
+/* ---- the launchers ---- */
+
+static naive_ctx make_ctx(const ft_attn_shape *s, const ft_tensor *q, const char *func)
+{
+    naive_ctx c;
+    memset(&c, 0, sizeof c);
+    c.s = s;
+    c.func = func;
+    c.device = q->device;
+    c.dtype = q->dtype;
+    c.acc = q->dtype == FT_F64 ? FT_F64 : FT_F32;
+    c.lo = q->dtype == FT_F16 || q->dtype == FT_BF16;
+    return c;
+}
+
+/* Zeros over a contiguous tensor (all-zero bits are 0.0 in every dtype). */
+static ft_status zero_tensor(ft_tensor *t, const char *func)
+{
+    const size_t nbytes = (size_t)ft_numel(t) * ft_dtype_size(t->dtype);
+    if (nbytes > 0)
+        FT_CUDA_TRY(func, cudaMemsetAsync(t->data, 0, nbytes, 0));
+    return FT_OK;
+}
+
+ft_status ft_attention_forward_naive_cuda(const ft_attn_shape *s, const ft_tensor *q,
+                                          const ft_tensor *k, const ft_tensor *v,
+                                          ft_tensor *out, ft_tensor *lse)
+{
+    static const char func[] = "ft_attention_forward";
+    FT_TRY(ft_cuda_use_device(q->device.index, func));
+    if (s->B == 0 || s->H == 0 || s->Nq == 0) /* out and lse are empty */
+        return FT_OK;
+    naive_ctx c = make_ctx(s, q, func);
+    if (s->Nk == 0) { /* no keys: zero rows, LSE = log of an empty sum */
+        FT_TRY(zero_tensor(out, func));
+        const int64_t rows = s->B * s->H * s->Nq;
+        if (c.acc == FT_F64)
+            softmax_rows<double><<<blocks_for(rows), THREADS>>>(
+                NULL, NULL, 0, (double *)lse->data, rows, s->Nq, 0, s->causal);
+        else
+            softmax_rows<float><<<blocks_for(rows), THREADS>>>(
+                NULL, NULL, 0, (float *)lse->data, rows, s->Nq, 0, s->causal);
+        FT_CUDA_CHECK_LAUNCH(func);
+        return FT_OK;
+    }
+    ft_status st = forward_work(&c, q, k, v, out, lse);
+    release_scratch(&c);
+    return st;
+}
+
+ft_status ft_attention_backward_naive_cuda(const ft_attn_shape *s, const ft_tensor *dout,
+                                           const ft_tensor *q, const ft_tensor *k,
+                                           const ft_tensor *v, const ft_tensor *out,
+                                           const ft_tensor *lse, ft_tensor *dq,
+                                           ft_tensor *dk, ft_tensor *dv)
+{
+    static const char func[] = "ft_attention_backward";
+    (void)out, (void)lse; /* P comes from a full softmax, D from P and dP */
+    FT_TRY(ft_cuda_use_device(q->device.index, func));
+    if (s->B == 0 || s->H == 0 || s->Nq == 0 || s->Nk == 0) { /* no scores */
+        FT_TRY(zero_tensor(dq, func));
+        FT_TRY(zero_tensor(dk, func));
+        FT_TRY(zero_tensor(dv, func));
+        return FT_OK;
+    }
+    naive_ctx c = make_ctx(s, q, func);
+    ft_status st = backward_work(&c, dout, q, k, v, dq, dk, dv);
+    release_scratch(&c);
+    return st;
+}

@@ -1,0 +1,494 @@
+/*
+ * flash_bwd.cu - the flash backward pass on CUDA, with recomputation: P is
+ * rebuilt from Q, K and the saved LSE, never stored. Three steps, none of
+ * which uses atomics, so every gradient is bitwise reproducible (the
+ * `deterministic` option costs nothing here):
+ *
+ *   flash_bwd_dot_kernel     D = rowsum(dO * O)                  [B, H, Nq]
+ *   dK, dV for each K/V row or block: loop over the queries (and the
+ *       query heads of a GQA group) that see it
+ *   dQ for each Q row or block: loop over the keys it sees
+ *
+ * Kernels: *_simt_kernel, any dtype, one warp per row, lanes split the head
+ * dim (the simple path: f32, and layouts the others cannot take);
+ * *_mma_kernel<T, D, ...> for f16/bf16 on tensor cores (flash_mma.cuh),
+ * instantiated for D = 64, 128, 256 (head dims rounded up, zero columns):
+ * 6 instantiations of each of the two.
+ */
+#include "flash_mma.cuh"
+
+#include <math.h>
+
+#define SIMT_WARPS 4
+
+FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
+                         const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse);
+bool flash_rows_aligned(const ft_tensor *const *ts, int n);
+
+/* D[b, h, i] = dO_i . O_i, one warp per row. */
+__global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dot_kernel(FlashParams p)
+{
+    const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
+    const int row = blockIdx.x * SIMT_WARPS + warp, h = blockIdx.y, b = blockIdx.z;
+    if (row >= p.Nq)
+        return;
+    const int64_t oo = row_offset(p.out, b, row, h), go = row_offset(p.dout, b, row, h);
+    float part = 0.f;
+    for (int c = lane; c < p.d; c += FT_WARP)
+        part += load_elem(p.out.data, oo + c, p.dtype) * load_elem(p.dout.data, go + c, p.dtype);
+    part = warp_sum(part);
+    if (lane == 0)
+        p.D[((int64_t)b * p.H + h) * p.Nq + row] = part;
+}
+
+/* Loads this lane's columns of one row into x. */
+__device__ __forceinline__ void load_row(float *x, const FlashTensor &t, int b, int row,
+                                         int head, const FlashParams &p, int lane)
+{
+    const int64_t o = row_offset(t, b, row, head);
+#pragma unroll
+    for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++) {
+        const int c = lane + FT_WARP * c8;
+        x[c8] = c < p.d ? load_elem(t.data, o + c, p.dtype) : 0.f;
+    }
+}
+
+__device__ __forceinline__ float row_dot(const float *x, const float *y)
+{
+    float s = 0.f;
+#pragma unroll
+    for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++)
+        s += x[c8] * y[c8];
+    return warp_sum(s);
+}
+
+__device__ __forceinline__ void store_row(const FlashTensor &t, int b, int row, int head,
+                                          const float *x, float scale, const FlashParams &p,
+                                          int lane)
+{
+    const int64_t o = row_offset(t, b, row, head);
+#pragma unroll
+    for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++) {
+        const int c = lane + FT_WARP * c8;
+        if (c < p.d)
+            store_elem(t.data, o + c, p.dtype, x[c8] * scale);
+    }
+}
+
+/* P_ij from the saved LSE; 0 for a row that saw no key. */
+__device__ __forceinline__ float prob(float s_dot, float lse, const FlashParams &p)
+{
+    return lse == -INFINITY ? 0.f : exp2f(s_dot * p.scale_log2 - lse * FT_LOG2E);
+}
+
+/* dK_j, dV_j for key row j of kv head hk: one warp per row. */
+__global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dkdv_simt_kernel(FlashParams p)
+{
+    const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
+    const int j = blockIdx.x * SIMT_WARPS + warp, hk = blockIdx.y, b = blockIdx.z;
+    if (j >= p.Nk)
+        return;
+    const int G = p.H / p.Hk;
+    float k[FT_SIMT_MAX_COLS], v[FT_SIMT_MAX_COLS], dk[FT_SIMT_MAX_COLS] = {0},
+          dv[FT_SIMT_MAX_COLS] = {0}, q[FT_SIMT_MAX_COLS], dO[FT_SIMT_MAX_COLS];
+    load_row(k, p.k, b, j, hk, p, lane);
+    load_row(v, p.v, b, j, hk, p, lane);
+    for (int h = hk * G; h < (hk + 1) * G; h++) {
+        const float *lse = p.lse + ((int64_t)b * p.H + h) * p.Nq;
+        const float *D = p.D + ((int64_t)b * p.H + h) * p.Nq;
+        for (int i = flash_query_start(p, j); i < p.Nq; i++) {
+            load_row(q, p.q, b, i, h, p, lane);
+            load_row(dO, p.dout, b, i, h, p, lane);
+            const float pij = prob(row_dot(q, k), lse[i], p);
+            const float ds = pij * (row_dot(dO, v) - D[i]);
+#pragma unroll
+            for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++) {
+                dv[c8] += pij * dO[c8];
+                dk[c8] += ds * q[c8];
+            }
+        }
+    }
+    store_row(p.dk, b, j, hk, dk, p.scale, p, lane);
+    store_row(p.dv, b, j, hk, dv, 1.f, p, lane);
+}
+
+/* dQ_i for query row i of head h: one warp per row. */
+__global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel(FlashParams p)
+{
+    const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
+    const int i = blockIdx.x * SIMT_WARPS + warp, h = blockIdx.y, b = blockIdx.z;
+    if (i >= p.Nq)
+        return;
+    const int hk = h / (p.H / p.Hk);
+    float q[FT_SIMT_MAX_COLS], dO[FT_SIMT_MAX_COLS], dq[FT_SIMT_MAX_COLS] = {0},
+          k[FT_SIMT_MAX_COLS], v[FT_SIMT_MAX_COLS];
+    load_row(q, p.q, b, i, h, p, lane);
+    load_row(dO, p.dout, b, i, h, p, lane);
+    const float lse = p.lse[((int64_t)b * p.H + h) * p.Nq + i];
+    const float D = p.D[((int64_t)b * p.H + h) * p.Nq + i];
+    const int jend = flash_key_end(p, i);
+    for (int j = 0; j < jend; j++) {
+        load_row(k, p.k, b, j, hk, p, lane);
+        load_row(v, p.v, b, j, hk, p, lane);
+        const float pij = prob(row_dot(q, k), lse, p);
+        const float ds = pij * (row_dot(dO, v) - D);
+#pragma unroll
+        for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++)
+            dq[c8] += ds * k[c8];
+    }
+    store_row(p.dq, b, i, h, dq, p.scale, p, lane);
+}
+
+
+/* ---- tensor cores (f16/bf16) ----
+ *
+ * dK/dV: one CTA per BC keys of one kv head; warp w owns keys 16w..16w+15
+ * (times DSPLIT warps that split the head dim of the accumulators, for
+ * D = 256) and computes the transposed products S^T = K Q^T and
+ * dP^T = V dO^T for them, so P^T and dS^T come out in registers as the A
+ * fragments of dV += P^T dO and dK += dS^T Q.
+ * dQ: the forward's layout: one CTA per 64 query rows, warp w owns rows
+ * 16w..16w+15; S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K. */
+
+#define BWD_BR 64 /* query rows per tile */
+
+template <typename T, int D, int BC, int DSPLIT>
+__global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
+    flash_bwd_dkdv_mma_kernel(FlashParams p)
+{
+    constexpr int LD = D + 8, THREADS = (BC / 16) * DSPLIT * FT_WARP;
+    constexpr int NT_Q = BWD_BR / 8;        /* n-tiles of S^T over queries */
+    constexpr int DW = D / DSPLIT;          /* head-dim columns this warp accumulates */
+    constexpr int NT_D = DW / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *sK = reinterpret_cast<T *>(smem_raw);
+    T *sV = sK + BC * LD;
+    T *sQ = sV + BC * LD;
+    T *sdO = sQ + BWD_BR * LD;
+    float *sL = reinterpret_cast<float *>(sdO + BWD_BR * LD); /* lse * log2(e), per query */
+    float *sD = sL + BWD_BR;
+
+    const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
+    const int kw = warp / DSPLIT, dpart = warp % DSPLIT; /* key slice, column part */
+    const int g = lane / 4, t4 = lane % 4;
+    const int j0 = blockIdx.x * BC, hk = blockIdx.y, b = blockIdx.z;
+    const int G = p.H / p.Hk, nk = min(BC, p.Nk - j0);
+    const int key[2] = {j0 + kw * 16 + g, j0 + kw * 16 + g + 8};
+    const int shift = p.Nk - p.Nq;
+
+    load_tile<T, BC, D, LD, THREADS>(sK, p.k, b, hk, j0, nk, p.d);
+    load_tile<T, BC, D, LD, THREADS>(sV, p.v, b, hk, j0, nk, p.d);
+    cp_async_commit();
+
+    float dk[NT_D][4], dv[NT_D][4];
+#pragma unroll
+    for (int n = 0; n < NT_D; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            dk[n][e] = dv[n][e] = 0.f;
+
+    const int i_begin = flash_query_start(p, j0) / BWD_BR * BWD_BR;
+    for (int h = hk * G; h < (hk + 1) * G; h++) {
+        const float *lse = p.lse + ((int64_t)b * p.H + h) * p.Nq;
+        const float *Dh = p.D + ((int64_t)b * p.H + h) * p.Nq;
+        for (int i0 = i_begin; i0 < p.Nq; i0 += BWD_BR) {
+            const int nq = min(BWD_BR, p.Nq - i0);
+            __syncthreads(); /* the previous tile is no longer read */
+            load_tile<T, BWD_BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
+            load_tile<T, BWD_BR, D, LD, THREADS>(sdO, p.dout, b, h, i0, nq, p.d);
+            cp_async_commit();
+            for (int r = threadIdx.x; r < BWD_BR; r += THREADS) {
+                const bool ok = r < nq && lse[i0 + r] != -INFINITY;
+                sL[r] = ok ? lse[i0 + r] * FT_LOG2E : INFINITY; /* exp2(x - inf) = 0 */
+                sD[r] = r < nq ? Dh[i0 + r] : 0.f;
+            }
+            cp_async_wait_all();
+            __syncthreads();
+
+            /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys */
+            float st[NT_Q][4], dpt[NT_Q][4];
+#pragma unroll
+            for (int n = 0; n < NT_Q; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                uint32_t ak[4], av[4];
+                const int arow = (kw * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8;
+                ldmatrix_x4(ak, sK + arow);
+                ldmatrix_x4(av, sV + arow);
+#pragma unroll
+                for (int nn = 0; nn < NT_Q / 2; nn++) {
+                    const int brow = (nn * 16 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
+                                     ((lane / 8) % 2) * 8;
+                    uint32_t bq[4], bo[4];
+                    ldmatrix_x4(bq, sQ + brow);
+                    ldmatrix_x4(bo, sdO + brow);
+                    MmaType<T>::mma(st[2 * nn], ak, bq[0], bq[1]);
+                    MmaType<T>::mma(st[2 * nn + 1], ak, bq[2], bq[3]);
+                    MmaType<T>::mma(dpt[2 * nn], av, bo[0], bo[1]);
+                    MmaType<T>::mma(dpt[2 * nn + 1], av, bo[2], bo[3]);
+                }
+            }
+            /* P^T from the LSE (masked entries 0), dS^T = P^T (dP^T - D) */
+#pragma unroll
+            for (int n = 0; n < NT_Q; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int qc = n * 8 + t4 * 2 + (e % 2), qi = i0 + qc;
+                    const int kj = key[e / 2];
+                    const bool ok = qc < nq && kj < p.Nk && (!p.causal || kj <= qi + shift);
+                    const float pt = ok ? exp2f(st[n][e] * p.scale_log2 - sL[qc]) : 0.f;
+                    st[n][e] = pt;
+                    dpt[n][e] = pt * (dpt[n][e] - sD[qc]);
+                }
+            /* dV += P^T dO, dK += dS^T Q over this warp's columns */
+#pragma unroll
+            for (int kk = 0; kk < NT_Q / 2; kk++) {
+                uint32_t ap[4], as[4];
+                ap[0] = MmaType<T>::pack(st[2 * kk][0], st[2 * kk][1]);
+                ap[1] = MmaType<T>::pack(st[2 * kk][2], st[2 * kk][3]);
+                ap[2] = MmaType<T>::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+                ap[3] = MmaType<T>::pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+                as[0] = MmaType<T>::pack(dpt[2 * kk][0], dpt[2 * kk][1]);
+                as[1] = MmaType<T>::pack(dpt[2 * kk][2], dpt[2 * kk][3]);
+                as[2] = MmaType<T>::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+                as[3] = MmaType<T>::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+                for (int dn = 0; dn < NT_D / 2; dn++) {
+                    const int brow = (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
+                                     dpart * DW + dn * 16 + (lane / 16) * 8;
+                    uint32_t bo[4], bq[4];
+                    ldmatrix_x4_trans(bo, sdO + brow);
+                    ldmatrix_x4_trans(bq, sQ + brow);
+                    MmaType<T>::mma(dv[2 * dn], ap, bo[0], bo[1]);
+                    MmaType<T>::mma(dv[2 * dn + 1], ap, bo[2], bo[3]);
+                    MmaType<T>::mma(dk[2 * dn], as, bq[0], bq[1]);
+                    MmaType<T>::mma(dk[2 * dn + 1], as, bq[2], bq[3]);
+                }
+            }
+        }
+    }
+
+    /* store dK (scaled) and dV for this warp's keys and columns */
+    T *dkp = reinterpret_cast<T *>(p.dk.data), *dvp = reinterpret_cast<T *>(p.dv.data);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (key[r] >= p.Nk)
+            continue;
+        const int64_t ko = row_offset(p.dk, b, key[r], hk), vo = row_offset(p.dv, b, key[r], hk);
+#pragma unroll
+        for (int n = 0; n < NT_D; n++) {
+            const int col = dpart * DW + n * 8 + t4 * 2;
+            if (col < p.d) {
+                *reinterpret_cast<uint32_t *>(dkp + ko + col) =
+                    MmaType<T>::pack(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
+                *reinterpret_cast<uint32_t *>(dvp + vo + col) =
+                    MmaType<T>::pack(dv[n][2 * r], dv[n][2 * r + 1]);
+            }
+        }
+    }
+}
+
+template <typename T, int D, int BC>
+__global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashParams p)
+{
+    constexpr int LD = D + 8, THREADS = 4 * FT_WARP;
+    constexpr int NT_S = BC / 8, NT_D = D / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *sQ = reinterpret_cast<T *>(smem_raw);
+    T *sdO = sQ + BWD_BR * LD;
+    T *sK = sdO + BWD_BR * LD;
+    T *sV = sK + BC * LD;
+
+    const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
+    const int g = lane / 4, t4 = lane % 4;
+    const int i0 = blockIdx.x * BWD_BR, h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (p.H / p.Hk), nq = min(BWD_BR, p.Nq - i0);
+    const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    const int shift = p.Nk - p.Nq;
+
+    load_tile<T, BWD_BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
+    load_tile<T, BWD_BR, D, LD, THREADS>(sdO, p.dout, b, h, i0, nq, p.d);
+    cp_async_commit();
+    float L[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t at = ((int64_t)b * p.H + h) * p.Nq + row[r];
+        const float l = row[r] < p.Nq ? p.lse[at] : -INFINITY;
+        L[r] = l == -INFINITY ? INFINITY : l * FT_LOG2E; /* exp2(x - inf) = 0 */
+        Dr[r] = row[r] < p.Nq ? p.D[at] : 0.f;
+    }
+    float dq[NT_D][4];
+#pragma unroll
+    for (int n = 0; n < NT_D; n++)
+        dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+
+    const int jend = flash_key_end(p, i0 + nq - 1);
+    for (int j0 = 0; j0 < jend; j0 += BC) {
+        __syncthreads();
+        const int nk = min(BC, p.Nk - j0);
+        load_tile<T, BC, D, LD, THREADS>(sK, p.k, b, hk, j0, nk, p.d);
+        load_tile<T, BC, D, LD, THREADS>(sV, p.v, b, hk, j0, nk, p.d);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+
+        float s[NT_S][4], dp[NT_S][4];
+#pragma unroll
+        for (int n = 0; n < NT_S; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t aq[4], ao[4];
+            const int arow = (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8;
+            ldmatrix_x4(aq, sQ + arow);
+            ldmatrix_x4(ao, sdO + arow);
+#pragma unroll
+            for (int nn = 0; nn < NT_S / 2; nn++) {
+                const int brow = (nn * 16 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
+                                 ((lane / 8) % 2) * 8;
+                uint32_t bk[4], bv[4];
+                ldmatrix_x4(bk, sK + brow);
+                ldmatrix_x4(bv, sV + brow);
+                MmaType<T>::mma(s[2 * nn], aq, bk[0], bk[1]);
+                MmaType<T>::mma(s[2 * nn + 1], aq, bk[2], bk[3]);
+                MmaType<T>::mma(dp[2 * nn], ao, bv[0], bv[1]);
+                MmaType<T>::mma(dp[2 * nn + 1], ao, bv[2], bv[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT_S; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e / 2, col = j0 + n * 8 + t4 * 2 + (e % 2);
+                const bool ok = col < p.Nk && (!p.causal || col <= row[r] + shift);
+                const float pr = ok ? exp2f(s[n][e] * p.scale_log2 - L[r]) : 0.f;
+                dp[n][e] = pr * (dp[n][e] - Dr[r]); /* dS */
+            }
+        /* dQ += dS K */
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; kk++) {
+            uint32_t a[4];
+            a[0] = MmaType<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
+            a[1] = MmaType<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
+            a[2] = MmaType<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            a[3] = MmaType<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+#pragma unroll
+            for (int dn = 0; dn < NT_D / 2; dn++) {
+                uint32_t bk[4];
+                ldmatrix_x4_trans(bk, sK + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
+                                          dn * 16 + (lane / 16) * 8);
+                MmaType<T>::mma(dq[2 * dn], a, bk[0], bk[1]);
+                MmaType<T>::mma(dq[2 * dn + 1], a, bk[2], bk[3]);
+            }
+        }
+    }
+
+    T *dqp = reinterpret_cast<T *>(p.dq.data);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (row[r] >= p.Nq)
+            continue;
+        const int64_t o = row_offset(p.dq, b, row[r], h);
+#pragma unroll
+        for (int n = 0; n < NT_D; n++) {
+            const int col = n * 8 + t4 * 2;
+            if (col < p.d)
+                *reinterpret_cast<uint32_t *>(dqp + o + col) =
+                    MmaType<T>::pack(dq[n][2 * r] * p.scale, dq[n][2 * r + 1] * p.scale);
+        }
+    }
+}
+
+template <typename T, int D, int BC, int DSPLIT>
+static ft_status launch_bwd_mma(const FlashParams &p)
+{
+    const char *func = "ft_attention_backward";
+    const size_t tiles = (size_t)(2 * BC + 2 * BWD_BR) * (D + 8) * sizeof(T);
+    const size_t smem_kv = tiles + 2 * BWD_BR * sizeof(float);
+    auto kv = flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT>;
+    FT_CUDA_TRY(func, cudaFuncSetAttribute(kv, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)smem_kv));
+    if (p.Nk > 0) {
+        kv<<<dim3((p.Nk + BC - 1) / BC, p.Hk, p.B), (BC / 16) * DSPLIT * FT_WARP, smem_kv>>>(p);
+        FT_CUDA_CHECK_LAUNCH(func);
+    }
+    auto qk = flash_bwd_dq_mma_kernel<T, D, BC>;
+    FT_CUDA_TRY(func, cudaFuncSetAttribute(qk, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)tiles));
+    qk<<<dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B), 4 * FT_WARP, tiles>>>(p);
+    FT_CUDA_CHECK_LAUNCH(func);
+    return FT_OK;
+}
+
+template <typename T>
+static ft_status launch_bwd_mma_dtype(const FlashParams &p)
+{
+    if (p.d <= 64)
+        return launch_bwd_mma<T, 64, 64, 1>(p);
+    if (p.d <= 128)
+        return launch_bwd_mma<T, 128, 64, 1>(p);
+    return launch_bwd_mma<T, 256, 32, 2>(p);
+}
+
+extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
+                                                      const ft_tensor *dout,
+                                                      const ft_tensor *q, const ft_tensor *k,
+                                                      const ft_tensor *v, const ft_tensor *out,
+                                                      const ft_tensor *lse, ft_tensor *dq,
+                                                      ft_tensor *dk, ft_tensor *dv)
+{
+    const char *func = "ft_attention_backward";
+    FT_TRY(ft_cuda_use_device(q->device.index, func));
+    if (s->B == 0 || s->H == 0)
+        return FT_OK;
+    /* LSE as the kernels read it: contiguous f32 */
+    ft_tensor *lse_c = NULL, *D = NULL;
+    FT_TRY(ft_contiguous(&lse_c, lse));
+    int64_t dshape[3] = {s->B, s->H, s->Nq};
+    ft_status st = ft_empty_named(&D, 3, dshape, FT_F32, q->device, func);
+    if (st != FT_OK) {
+        ft_tensor_free(lse_c);
+        return st;
+    }
+    FlashParams p = flash_params(s, q, k, v, out, lse_c);
+    p.dout = flash_tensor(dout);
+    p.dq = flash_tensor(dq);
+    p.dk = flash_tensor(dk);
+    p.dv = flash_tensor(dv);
+    p.D = (float *)D->data;
+    const dim3 block(SIMT_WARPS * FT_WARP);
+    if (s->Nq > 0) {
+        flash_bwd_dot_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B), block>>>(p);
+        st = ft_cuda_check_launch(func, __FILE__, __LINE__);
+    }
+    const ft_tensor *ts[8] = {q, k, v, out, dout, dq, dk, dv};
+    const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
+                     flash_rows_aligned(ts, 8);
+    if (st == FT_OK && s->Nq > 0 && mma) {
+        st = q->dtype == FT_F16 ? launch_bwd_mma_dtype<__half>(p)
+                                : launch_bwd_mma_dtype<__nv_bfloat16>(p);
+    } else if (mma) {
+        /* no queries: dK = dV = 0 */
+        st = ft_fill(dk, 0.0);
+        if (st == FT_OK)
+            st = ft_fill(dv, 0.0);
+    }
+    if (!mma && st == FT_OK && s->Nk > 0) {
+        flash_bwd_dkdv_simt_kernel<<<dim3((p.Nk + SIMT_WARPS - 1) / SIMT_WARPS, p.Hk, p.B),
+                                     block>>>(p);
+        st = ft_cuda_check_launch(func, __FILE__, __LINE__);
+    }
+    if (!mma && st == FT_OK && s->Nq > 0) {
+        flash_bwd_dq_simt_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B),
+                                   block>>>(p);
+        st = ft_cuda_check_launch(func, __FILE__, __LINE__);
+    }
+    ft_tensor_free(lse_c);
+    ft_tensor_free(D);
+    return st;
+}

@@ -1,0 +1,102 @@
+/*
+ * flash_common.cuh - what flash_fwd.cu and flash_bwd.cu share: the kernel
+ * parameters (pointers, strides in elements, sizes, scale), element loads
+ * by a run-time dtype, warp reductions and the causal rule.
+ *
+ *   q, dq, out, dout [B, Nq, H, d]   k, v, dk, dv [B, Nk, Hk, d]
+ *   lse, D [B, H, Nq] contiguous f32
+ */
+#ifndef FT_FLASH_COMMON_CUH
+#define FT_FLASH_COMMON_CUH
+
+#include "kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define FT_LOG2E 1.4426950408889634f
+#define FT_WARP 32
+
+/* A [B, N, heads, d] tensor as the kernels see it. */
+struct FlashTensor {
+    void *data;
+    int64_t batch_stride, row_stride, head_stride; /* elements */
+};
+
+struct FlashParams {
+    FlashTensor q, k, v, out, dout, dq, dk, dv;
+    float *lse;       /* [B, H, Nq] */
+    float *D;         /* [B, H, Nq], backward: rowsum(dO * O) */
+    int B, H, Hk, Nq, Nk, d;
+    int dtype;        /* ft_dtype of every tensor above but lse and D */
+    int causal;
+    float scale;      /* softmax scale */
+    float scale_log2; /* scale * log2(e): exp(x * scale) = exp2(x * scale_log2) */
+};
+
+static inline FlashTensor flash_tensor(const ft_tensor *t)
+{
+    FlashTensor r;
+    r.data = t ? t->data : nullptr;
+    r.batch_stride = t ? t->stride[0] : 0;
+    r.row_stride = t ? t->stride[1] : 0;
+    r.head_stride = t ? t->stride[2] : 0;
+    return r;
+}
+
+/* Element offset of row `row` of head `head` in batch `b`. */
+__device__ __forceinline__ int64_t row_offset(const FlashTensor &t, int b, int row, int head)
+{
+    return (int64_t)b * t.batch_stride + (int64_t)row * t.row_stride +
+           (int64_t)head * t.head_stride;
+}
+
+__device__ __forceinline__ float load_elem(const void *p, int64_t i, int dtype)
+{
+    switch (dtype) {
+    case FT_F16: return __half2float(((const __half *)p)[i]);
+    case FT_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+/* Round to nearest even, as the CPU's conversions do. */
+__device__ __forceinline__ void store_elem(void *p, int64_t i, int dtype, float v)
+{
+    switch (dtype) {
+    case FT_F16: ((__half *)p)[i] = __float2half_rn(v); break;
+    case FT_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); break;
+    default: ((float *)p)[i] = v; break;
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float x)
+{
+    for (int o = FT_WARP / 2; o > 0; o /= 2)
+        x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+/* One past the last key query `row` sees (bottom-right causal). */
+__device__ __forceinline__ int flash_key_end(const FlashParams &p, int row)
+{
+    if (!p.causal)
+        return p.Nk;
+    int e = row + p.Nk - p.Nq + 1;
+    return e < 0 ? 0 : (e > p.Nk ? p.Nk : e);
+}
+
+/* The first query that sees key `j`. */
+__device__ __forceinline__ int flash_query_start(const FlashParams &p, int j)
+{
+    if (!p.causal)
+        return 0;
+    int s = j - (p.Nk - p.Nq);
+    return s < 0 ? 0 : (s > p.Nq ? p.Nq : s);
+}
+
+#define FT_SIMT_MAX_COLS 8 /* columns per lane: head_dim up to 8 * 32 = 256 */
+
+#endif

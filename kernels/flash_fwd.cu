@@ -1,0 +1,301 @@
+/*
+ * flash_fwd.cu - the flash forward pass on CUDA: online softmax over K/V
+ * blocks, O kept in registers, LSE saved; nothing of size Nq x Nk exists.
+ *
+ * Two kernels:
+ *   flash_fwd_mma_kernel<T, D, BC>  f16/bf16 on tensor cores (mma.sync
+ *       m16n8k16, ldmatrix, cp.async). One CTA of 4 warps per 64 query rows
+ *       of one (batch, head); each warp owns 16 rows. Q, K and V tiles sit
+ *       in shared memory with rows padded by 8 elements (16 bytes), which
+ *       keeps ldmatrix free of bank conflicts. D is the head dim rounded up
+ *       to 64, 128 or 256 (the extra columns are zeros): 6 instantiations.
+ *       Needs head_dim % 8 == 0 and 16-byte aligned rows.
+ *   flash_fwd_simt_kernel  any dtype (f32, and any layout the mma kernel
+ *       cannot take): one warp per query row, lanes split the head dim,
+ *       keys one at a time. The simple path.
+ *
+ * Check: the GPU specs (spec/cuda_spec.lua, busted --tags=gpu) compare both
+ * with the CPU f64 reference. Measured: see bench/ and README.md.
+ */
+#include "flash_mma.cuh"
+
+#include <math.h>
+
+#define SIMT_WARPS 4
+#define MMA_BR 64 /* query rows per CTA */
+#define MMA_WARPS 4
+
+/* ---- simple path ---- */
+
+__global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(FlashParams p)
+{
+    const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
+    const int row = blockIdx.x * SIMT_WARPS + warp, h = blockIdx.y, b = blockIdx.z;
+    if (row >= p.Nq)
+        return;
+    const int hk = h / (p.H / p.Hk);
+    float q[FT_SIMT_MAX_COLS], o[FT_SIMT_MAX_COLS];
+    const int64_t qo = row_offset(p.q, b, row, h);
+#pragma unroll
+    for (int t = 0; t < FT_SIMT_MAX_COLS; t++) {
+        const int c = lane + FT_WARP * t;
+        q[t] = c < p.d ? load_elem(p.q.data, qo + c, p.dtype) : 0.f;
+        o[t] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f; /* m in log2 units */
+    const int jend = flash_key_end(p, row);
+    for (int j = 0; j < jend; j++) {
+        const int64_t ko = row_offset(p.k, b, j, hk), vo = row_offset(p.v, b, j, hk);
+        float part = 0.f;
+#pragma unroll
+        for (int t = 0; t < FT_SIMT_MAX_COLS; t++) {
+            const int c = lane + FT_WARP * t;
+            if (c < p.d)
+                part += q[t] * load_elem(p.k.data, ko + c, p.dtype);
+        }
+        const float s = warp_sum(part) * p.scale_log2;
+        const float m_new = fmaxf(m, s);
+        const float alpha = exp2f(m - m_new), pj = exp2f(s - m_new);
+        l = l * alpha + pj;
+#pragma unroll
+        for (int t = 0; t < FT_SIMT_MAX_COLS; t++) {
+            const int c = lane + FT_WARP * t;
+            if (c < p.d)
+                o[t] = o[t] * alpha + pj * load_elem(p.v.data, vo + c, p.dtype);
+        }
+        m = m_new;
+    }
+    const int64_t oo = row_offset(p.out, b, row, h);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int t = 0; t < FT_SIMT_MAX_COLS; t++) {
+        const int c = lane + FT_WARP * t;
+        if (c < p.d)
+            store_elem(p.out.data, oo + c, p.dtype, o[t] * inv);
+    }
+    if (lane == 0)
+        p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
+            l > 0.f ? (m + log2f(l)) / FT_LOG2E : -INFINITY;
+}
+
+/* ---- tensor cores ---- */
+
+template <typename T, int D, int BC>
+__global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(FlashParams p)
+{
+    constexpr int LD = D + 8; /* padded row: conflict-free ldmatrix */
+    constexpr int NT_S = BC / 8, NT_O = D / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T *sQ = reinterpret_cast<T *>(smem_raw);
+    T *sK = sQ + MMA_BR * LD;
+    T *sV = sK + BC * LD;
+
+    const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
+    const int g = lane / 4, t4 = lane % 4;
+    const int i0 = blockIdx.x * MMA_BR, h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (p.H / p.Hk);
+    const int nq = min(MMA_BR, p.Nq - i0);
+
+    load_tile<T, MMA_BR, D, LD, MMA_WARPS * FT_WARP>(sQ, p.q, b, h, i0, nq, p.d);
+    cp_async_commit();
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int n = 0; n < NT_O; n++)
+        o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g, g+8; log2 units */
+    const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    const int shift = p.Nk - p.Nq; /* causal: key j visible to query i when j <= i + shift */
+    const int jend = flash_key_end(p, i0 + nq - 1);
+
+    for (int j0 = 0; j0 < jend; j0 += BC) {
+        __syncthreads(); /* the previous block's K/V are no longer read */
+        const int nk = min(BC, p.Nk - j0);
+        load_tile<T, BC, D, LD, MMA_WARPS * FT_WARP>(sK, p.k, b, hk, j0, nk, p.d);
+        load_tile<T, BC, D, LD, MMA_WARPS * FT_WARP>(sV, p.v, b, hk, j0, nk, p.d);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+
+        /* S = Q K^T for this warp's 16 rows */
+        float s[NT_S][4];
+#pragma unroll
+        for (int n = 0; n < NT_S; n++)
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t a[4];
+            ldmatrix_x4(a, sQ + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+            for (int nn = 0; nn < NT_S / 2; nn++) {
+                uint32_t bk[4];
+                ldmatrix_x4(bk, sK + (nn * 16 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
+                                    ((lane / 8) % 2) * 8);
+                MmaType<T>::mma(s[2 * nn], a, bk[0], bk[1]);
+                MmaType<T>::mma(s[2 * nn + 1], a, bk[2], bk[3]);
+            }
+        }
+
+        /* scale into log2 units, mask, online softmax for rows g and g+8 */
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < NT_S; n++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int col = j0 + n * 8 + t4 * 2 + e;
+                    float &v = s[n][2 * r + e];
+                    const bool ok = col < p.Nk && (!p.causal || col <= row[r] + shift);
+                    v = ok ? v * p.scale_log2 : -INFINITY;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[r], mx);
+            /* all masked so far: keep everything at zero without NaNs */
+            const float m_use = m_new == -INFINITY ? 0.f : m_new;
+            const float alpha = exp2f(m[r] - m_use);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_S; n++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float &v = s[n][2 * r + e];
+                    v = exp2f(v - m_use);
+                    sum += v;
+                }
+            l[r] = l[r] * alpha + sum; /* this thread's share; the quad adds up at the end */
+            m[r] = m_new;
+#pragma unroll
+            for (int n = 0; n < NT_O; n++) {
+                o[n][2 * r] *= alpha;
+                o[n][2 * r + 1] *= alpha;
+            }
+        }
+
+        /* O += P V: P's C fragments are A fragments in 16 bits */
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; kk++) {
+            uint32_t a[4];
+            a[0] = MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = MmaType<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = MmaType<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = MmaType<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dn = 0; dn < NT_O / 2; dn++) {
+                uint32_t bv[4];
+                ldmatrix_x4_trans(bv, sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
+                                          dn * 16 + (lane / 16) * 8);
+                MmaType<T>::mma(o[2 * dn], a, bv[0], bv[1]);
+                MmaType<T>::mma(o[2 * dn + 1], a, bv[2], bv[3]);
+            }
+        }
+    }
+
+    /* finish: the quad's partial sums, normalise, store O and LSE */
+    T *out = reinterpret_cast<T *>(p.out.data);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (row[r] >= p.Nq)
+            continue;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const int64_t base = row_offset(p.out, b, row[r], h);
+#pragma unroll
+        for (int n = 0; n < NT_O; n++) {
+            const int col = n * 8 + t4 * 2;
+            if (col < p.d) { /* d % 8 == 0: both columns or neither */
+                const uint32_t packed =
+                    MmaType<T>::pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+                *reinterpret_cast<uint32_t *>(out + base + col) = packed;
+            }
+        }
+        if (t4 == 0)
+            p.lse[((int64_t)b * p.H + h) * p.Nq + row[r]] =
+                sum > 0.f ? (m[r] + log2f(sum)) / FT_LOG2E : -INFINITY;
+    }
+}
+
+/* ---- launch ---- */
+
+FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
+                         const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse)
+{
+    FlashParams p;
+    memset(&p, 0, sizeof p);
+    p.q = flash_tensor(q);
+    p.k = flash_tensor(k);
+    p.v = flash_tensor(v);
+    p.out = flash_tensor(out);
+    p.lse = lse ? (float *)lse->data : nullptr;
+    p.B = (int)s->B, p.H = (int)s->H, p.Hk = (int)s->Hk;
+    p.Nq = (int)s->Nq, p.Nk = (int)s->Nk, p.d = (int)s->d;
+    p.dtype = q->dtype;
+    p.causal = s->causal;
+    p.scale = (float)s->scale;
+    p.scale_log2 = (float)(s->scale * 1.4426950408889634);
+    return p;
+}
+
+/* True when every tensor's rows start on 16 bytes, as cp.async needs. */
+bool flash_rows_aligned(const ft_tensor *const *ts, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const ft_tensor *t = ts[i];
+        const size_t es = ft_dtype_size(t->dtype);
+        if ((uintptr_t)t->data % 16 != 0)
+            return false;
+        for (int dim = 0; dim < 3; dim++)
+            if ((t->stride[dim] * (int64_t)es) % 16 != 0 && t->shape[dim] > 1)
+                return false;
+    }
+    return true;
+}
+
+template <typename T, int D, int BC>
+static ft_status launch_fwd_mma(const FlashParams &p)
+{
+    const size_t smem = (size_t)(MMA_BR + 2 * BC) * (D + 8) * sizeof(T);
+    auto kernel = flash_fwd_mma_kernel<T, D, BC>;
+    FT_CUDA_TRY("ft_attention_forward",
+                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem));
+    dim3 grid((p.Nq + MMA_BR - 1) / MMA_BR, p.H, p.B);
+    kernel<<<grid, MMA_WARPS * FT_WARP, smem>>>(p);
+    FT_CUDA_CHECK_LAUNCH("ft_attention_forward");
+    return FT_OK;
+}
+
+template <typename T>
+static ft_status launch_fwd_mma_dtype(const FlashParams &p)
+{
+    if (p.d <= 64)
+        return launch_fwd_mma<T, 64, 64>(p);
+    if (p.d <= 128)
+        return launch_fwd_mma<T, 128, 64>(p);
+    return launch_fwd_mma<T, 256, 32>(p);
+}
+
+extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
+                                                     const ft_tensor *q, const ft_tensor *k,
+                                                     const ft_tensor *v, ft_tensor *out,
+                                                     ft_tensor *lse)
+{
+    FT_TRY(ft_cuda_use_device(q->device.index, "ft_attention_forward"));
+    if (s->B == 0 || s->H == 0 || s->Nq == 0)
+        return FT_OK;
+    FlashParams p = flash_params(s, q, k, v, out, lse);
+    const ft_tensor *ts[4] = {q, k, v, out};
+    const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
+                     flash_rows_aligned(ts, 4);
+    if (mma)
+        return q->dtype == FT_F16 ? launch_fwd_mma_dtype<__half>(p)
+                                  : launch_fwd_mma_dtype<__nv_bfloat16>(p);
+    dim3 grid((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B);
+    flash_fwd_simt_kernel<<<grid, SIMT_WARPS * FT_WARP>>>(p);
+    FT_CUDA_CHECK_LAUNCH("ft_attention_forward");
+    return FT_OK;
+}

@@ -1,0 +1,100 @@
+/*
+ * flash_mma.cuh - the tensor-core building blocks of the flash kernels
+ * (sm_80+): mma.sync m16n8k16 with f32 accumulators, ldmatrix (and .trans)
+ * fragment loads from shared memory, cp.async tile copies. Fragment layouts
+ * are those of the PTX ISA for m16n8k16 (.row.col):
+ *
+ *   A 16x16 (4 regs):  a0,a1 row g,   cols 2t..2t+1     (g = lane/4,
+ *                      a2,a3 row g+8, cols 2t..2t+1      t = lane%4)
+ *                      a4..a7 the same with cols + 8
+ *   B 16x8  (2 regs):  b0,b1 rows 2t..2t+1, col g; b2,b3 rows + 8
+ *   C 16x8  (4 f32):   c0,c1 row g, cols 2t..2t+1; c2,c3 row g+8
+ *
+ * so the C fragments of two adjacent n-tiles of S, converted to 16 bits,
+ * are exactly the A fragment of P for the next product (no shuffles).
+ */
+#ifndef FT_FLASH_MMA_CUH
+#define FT_FLASH_MMA_CUH
+
+#include "flash_common.cuh"
+
+template <typename T> struct MmaType;
+template <> struct MmaType<__half> {
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi)
+    {
+        __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+    static __device__ __forceinline__ void mma(float *c, const uint32_t *a, uint32_t b0,
+                                               uint32_t b1)
+    {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct MmaType<__nv_bfloat16> {
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi)
+    {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+    static __device__ __forceinline__ void mma(float *c, const uint32_t *a, uint32_t b0,
+                                               uint32_t b1)
+    {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i. */
+__device__ __forceinline__ void ldmatrix_x4(uint32_t *r, const void *p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t *r, const void *p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+/* 16 bytes global -> shared, zero-filled when !valid. */
+__device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool valid)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+/* Copies rows row0 .. row0+ROWS-1 of head `head` of t (batch b) into a
+ * shared tile [ROWS][LD], 8 elements per cp.async; rows past n and columns
+ * past d are zeros. d is a multiple of 8 and rows are 16-byte aligned. */
+template <typename T, int ROWS, int D, int LD, int THREADS>
+__device__ __forceinline__ void load_tile(T *tile, const FlashTensor &t, int b, int head,
+                                          int row0, int n, int d)
+{
+    constexpr int CHUNKS = D / 8;
+    const T *base = (const T *)t.data;
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+        const bool valid = r < n && c < d;
+        const T *src = valid ? base + row_offset(t, b, row0 + r, head) + c : base;
+        cp_async_16(tile + r * LD + c, src, valid);
+    }
+}
+
+#endif

@@ -1,0 +1,73 @@
+/*
+ * kernels.h - the C launchers of flashtile's CUDA kernels, one family per
+ * file of kernels/. lib/ checks every argument before calling them (shapes,
+ * dtypes, devices: all CUDA tensors of one device here); a launcher only
+ * launches, and turns CUDA and cuBLAS failures into ft_status with a
+ * message (FT_CUDA_TRY). All work goes on the legacy default stream, so it
+ * is ordered with the host copies of lib/tensor.c.
+ */
+#ifndef FT_KERNELS_H
+#define FT_KERNELS_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "internal.h"
+
+/* ---- tensor_ops.cu: elementwise work on strided tensors of any dtype ---- */
+
+/* dst = src converted; same shape, same device, any strides and dtypes. */
+ft_status ft_cuda_copy(ft_tensor *dst, const ft_tensor *src);
+ft_status ft_cuda_fill(ft_tensor *t, double value);
+/* Philox 4x32-10 exactly as ft_rand/ft_randn on the CPU (philox.h). */
+ft_status ft_cuda_random(ft_tensor *t, uint64_t seed, uint64_t offset, int normal);
+/* out is allocated, contiguous, a's shape and dtype. */
+ft_status ft_cuda_binary(ft_tensor *out, ft_binop op, const ft_tensor *a,
+                         const ft_tensor *b);
+ft_status ft_cuda_binary_scalar(ft_tensor *out, ft_binop op, const ft_tensor *a,
+                                double s, int scalar_first);
+ft_status ft_cuda_unary(ft_tensor *out, ft_unop op, const ft_tensor *a);
+ft_status ft_cuda_reduce_all(ft_reduce_op op, const ft_tensor *a, double *result);
+/* out (and indices, i64, 0-based, when not NULL) hold a's shape with dim
+ * removed or kept as 1, contiguous; they are allocated. */
+ft_status ft_cuda_reduce_dim(ft_tensor *out, ft_tensor *indices, ft_reduce_op op,
+                             const ft_tensor *a, int dim);
+ft_status ft_cuda_softmax(ft_tensor *out, const ft_tensor *a, int dim);
+/* max |a - b| and whether |a - b| <= atol + rtol |b| everywhere. */
+ft_status ft_cuda_compare(const ft_tensor *a, const ft_tensor *b, double rtol,
+                          double atol, double *max_abs_diff, int *all_close);
+
+/* ---- matmul.cu: cuBLAS ---- */
+
+/* out [B, m, n] (or [m, n]) = a x b, allocated and contiguous; f32, f16 and
+ * bf16 with f32 accumulation, f64 in f64. */
+ft_status ft_cuda_matmul(ft_tensor *out, const ft_tensor *a, const ft_tensor *b);
+
+/* ---- attention_naive.cu: S and P materialised, through cuBLAS ---- */
+
+ft_status ft_attention_forward_naive_cuda(const ft_attn_shape *s, const ft_tensor *q,
+                                          const ft_tensor *k, const ft_tensor *v,
+                                          ft_tensor *out, ft_tensor *lse);
+ft_status ft_attention_backward_naive_cuda(const ft_attn_shape *s, const ft_tensor *dout,
+                                           const ft_tensor *q, const ft_tensor *k,
+                                           const ft_tensor *v, const ft_tensor *out,
+                                           const ft_tensor *lse, ft_tensor *dq,
+                                           ft_tensor *dk, ft_tensor *dv);
+
+/* ---- flash_fwd.cu / flash_bwd.cu: the tiled kernels on tensor cores ---- */
+
+ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s, const ft_tensor *q,
+                                          const ft_tensor *k, const ft_tensor *v,
+                                          ft_tensor *out, ft_tensor *lse);
+ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s, const ft_tensor *dout,
+                                           const ft_tensor *q, const ft_tensor *k,
+                                           const ft_tensor *v, const ft_tensor *out,
+                                           const ft_tensor *lse, ft_tensor *dq,
+                                           ft_tensor *dk, ft_tensor *dv);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FT_KERNELS_H */

@@ -1,0 +1,202 @@
+/*
+ * matmul.cu - ft_cuda_matmul through cuBLAS.
+ *
+ * f64 runs cublasDgemmStridedBatched; f32, f16 and bf16 run
+ * cublasGemmStridedBatchedEx with CUBLAS_COMPUTE_32F (f32 accumulation;
+ * for f32 inputs full f32 arithmetic, not TF32, so results stay close to
+ * the CPU's sgemm). The output has the input dtype; cuBLAS rounds the f32
+ * result to f16/bf16 to nearest even, as the CPU path does.
+ *
+ * Row-major trick: cuBLAS is column-major, and a row-major matrix read as
+ * column-major is its transpose. C = A B (row-major) is computed as
+ * C^T = B^T A^T (column-major): cuBLAS gets b first, then a, with m and n
+ * swapped, and writes C with leading dimension n.
+ *
+ * Operands: an operand whose last stride is 1 (rows of the row-major
+ * matrix contiguous, leading dimension = the row stride) goes to cuBLAS
+ * as is (op N); one whose second-to-last stride is 1 (a transposed view,
+ * leading dimension = the column stride) goes with op T. The batch stride
+ * of a 3-d operand is its first stride (any value: strided-batched takes
+ * one stride per operand). Anything else (both strides above 1, a leading
+ * dimension cuBLAS cannot take) is first copied with ft_contiguous.
+ *
+ * Handles: one cuBLAS handle per CUDA device, created on first use on that
+ * device and kept for the life of the process (never destroyed: the
+ * library stays loaded, and destroying handles at exit races with the
+ * CUDA runtime's own teardown). The table is guarded by a pthread mutex,
+ * held only while a handle is looked up or created. The handle's
+ * configuration (stream 0, the legacy default stream; default math mode)
+ * is set once at creation and never changed, so that several host threads
+ * may use one handle, which cuBLAS allows.
+ */
+#include <limits.h>
+#include <pthread.h>
+#include <stdint.h>
+
+/* kernels.h brings internal.h in with C linkage: include it first. */
+#include "kernels.h"
+
+#include <cublas_v2.h>
+
+#define F "ft_matmul"
+#define MAX_HANDLES 64 /* CUDA devices with a cached handle */
+
+static pthread_mutex_t handle_lock = PTHREAD_MUTEX_INITIALIZER;
+static cublasHandle_t handles[MAX_HANDLES];
+
+static ft_status cublas_fail(cublasStatus_t s, const char *expr, int line)
+{
+    return ft_fail(s == CUBLAS_STATUS_ALLOC_FAILED ? FT_ERR_NOMEM : FT_ERR_DEVICE,
+                   F, 0, "%s failed: %s (%s, matmul.cu:%d)", expr,
+                   cublasGetStatusString(s), cublasGetStatusName(s), line);
+}
+
+#define CUBLAS_TRY(expr)                                 \
+    do {                                                 \
+        cublasStatus_t cublas_s_ = (expr);               \
+        if (cublas_s_ != CUBLAS_STATUS_SUCCESS)          \
+            return cublas_fail(cublas_s_, #expr, __LINE__); \
+    } while (0)
+
+/* The handle of device index (the current device), created on first use. */
+static ft_status get_handle(int index, cublasHandle_t *out)
+{
+    if (index < 0 || index >= MAX_HANDLES)
+        return ft_fail(FT_ERR_UNSUPPORTED, F, 1,
+                       "CUDA device %d: cuBLAS handles are kept for devices "
+                       "0..%d only", index, MAX_HANDLES - 1);
+    pthread_mutex_lock(&handle_lock);
+    cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+    const char *expr = NULL;
+    if (handles[index] == NULL) {
+        cublasHandle_t h = NULL;
+        s = cublasCreate(&h);
+        expr = "cublasCreate(&handle)";
+        if (s == CUBLAS_STATUS_SUCCESS) {
+            s = cublasSetStream(h, 0);
+            expr = "cublasSetStream(handle, 0)";
+            if (s == CUBLAS_STATUS_SUCCESS)
+                handles[index] = h;
+            else
+                cublasDestroy(h);
+        }
+    }
+    *out = handles[index];
+    pthread_mutex_unlock(&handle_lock);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        cudaGetLastError(); /* a failed create may leave a runtime error */
+        return cublas_fail(s, expr, __LINE__);
+    }
+    return FT_OK;
+}
+
+/* One operand as cuBLAS reads it: a [batch?, rows, cols] row-major view
+ * with element (i, j) of batch b at data + b*bstride + i*rs + j*cs. */
+typedef struct {
+    const ft_tensor *t;
+    int64_t bstride;
+    cublasOperation_t op; /* applied to the column-major reading */
+    int ld;
+} mm_operand;
+
+static int fits_ld(int64_t ld, int64_t minimum)
+{
+    return ld >= (minimum > 1 ? minimum : 1) && ld <= (int64_t)INT_MAX;
+}
+
+/* Fills o for t if cuBLAS can read t's strides; 0 if t needs a copy. */
+static int describe(mm_operand *o, const ft_tensor *t)
+{
+    const int r = t->ndim - 2;
+    const int64_t rows = t->shape[r], cols = t->shape[r + 1];
+    /* A stride over a dim of size 1 is never used: treat it as compact. */
+    const int64_t rs = rows == 1 ? cols : t->stride[r];
+    const int64_t cs = cols == 1 ? rows : t->stride[r + 1];
+    o->t = t;
+    o->bstride = t->ndim == 3 && t->shape[0] > 1 ? t->stride[0] : 0;
+    /* The column-major reading of t's memory is t^T (cs == 1) or t
+     * (rs == 1); the product wants t^T. */
+    if (cs == 1 && fits_ld(rs, cols)) {
+        o->op = CUBLAS_OP_N;
+        o->ld = (int)rs;
+        return 1;
+    }
+    if (rs == 1 && fits_ld(cs, rows)) {
+        o->op = CUBLAS_OP_T;
+        o->ld = (int)cs;
+        return 1;
+    }
+    return 0;
+}
+
+static ft_status gemm(cublasHandle_t h, ft_tensor *out, const mm_operand *A,
+                      const mm_operand *B)
+{
+    const ft_tensor *a = A->t, *b = B->t;
+    const int r = a->ndim - 2;
+    const int64_t batches = a->ndim == 3 ? a->shape[0] : 1;
+    const int m = (int)a->shape[r], k = (int)a->shape[r + 1];
+    const int n = (int)b->shape[r + 1];
+    const long long sc = (long long)m * n;
+    const size_t es = ft_dtype_size(a->dtype);
+    cudaDataType_t type;
+    switch (a->dtype) {
+    case FT_F32: type = CUDA_R_32F; break;
+    case FT_F16: type = CUDA_R_16F; break;
+    case FT_BF16: type = CUDA_R_16BF; break;
+    default: type = CUDA_R_64F; break;
+    }
+    /* batchCount is an int: larger batches go in several calls. */
+    for (int64_t done = 0; done < batches; done += INT_MAX) {
+        const int count = (int)(batches - done < INT_MAX ? batches - done : INT_MAX);
+        const char *pa = (const char *)a->data + done * A->bstride * (int64_t)es;
+        const char *pb = (const char *)b->data + done * B->bstride * (int64_t)es;
+        char *pc = (char *)out->data + done * sc * (int64_t)es;
+        if (a->dtype == FT_F64) {
+            const double one = 1.0, zero = 0.0;
+            CUBLAS_TRY(cublasDgemmStridedBatched(
+                h, B->op, A->op, n, m, k, &one, (const double *)pb, B->ld,
+                B->bstride, (const double *)pa, A->ld, A->bstride, &zero,
+                (double *)pc, n, sc, count));
+        } else {
+            const float one = 1.0f, zero = 0.0f;
+            CUBLAS_TRY(cublasGemmStridedBatchedEx(
+                h, B->op, A->op, n, m, k, &one, pb, type, B->ld, B->bstride,
+                pa, type, A->ld, A->bstride, &zero, pc, type, n, sc, count,
+                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }
+    }
+    return FT_OK;
+}
+
+ft_status ft_cuda_matmul(ft_tensor *out, const ft_tensor *a, const ft_tensor *b)
+{
+    FT_TRY(ft_cuda_use_device(a->device.index, F));
+    if (ft_numel(out) == 0)
+        return FT_OK;
+    cublasHandle_t h;
+    FT_TRY(get_handle(a->device.index, &h));
+    /* Operands cuBLAS cannot read as they are become contiguous copies. */
+    ft_tensor *ca = NULL, *cb = NULL;
+    mm_operand A, B;
+    ft_status st = FT_OK;
+    if (!describe(&A, a)) {
+        st = ft_contiguous(&ca, a);
+        if (st == FT_OK && !describe(&A, ca))
+            st = ft_fail(FT_ERR_INTERNAL, F, 1, "a contiguous copy is not "
+                         "readable by cuBLAS");
+    }
+    if (st == FT_OK && !describe(&B, b)) {
+        st = ft_contiguous(&cb, b);
+        if (st == FT_OK && !describe(&B, cb))
+            st = ft_fail(FT_ERR_INTERNAL, F, 2, "a contiguous copy is not "
+                         "readable by cuBLAS");
+    }
+    if (st == FT_OK)
+        st = gemm(h, out, &A, &B);
+    /* The copies are freed with cudaFreeAsync on stream 0, after the
+     * products queued there have read them. */
+    ft_tensor_free(ca);
+    ft_tensor_free(cb);
+    return st;
+}

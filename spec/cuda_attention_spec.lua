@@ -1,0 +1,168 @@
+-- Attention on CUDA (tag #gpu): the flash kernels and the naive cuBLAS path
+-- against the CPU's f64 reference on fresh random inputs, by DESIGN.md's
+-- standard: a 16-bit (or f32) result passes when its error against f64 is
+-- at most twice the error of the naive path run in the same input precision
+-- (plus a floor at the input's rounding unit), and is never NaN. Pending,
+-- with the reason, where there is no GPU.
+local h = require "helper"
+local ft = h.ft
+
+local function no_gpu()
+  if not (ft.cuda and ft.cuda.is_available()) then
+    return "no CUDA device: " .. (ft.cuda and ft.cuda.is_built() and
+      "ft.cuda.is_available() is false" or "this build has no CUDA backend")
+  end
+end
+
+local function gpu_it(name, body)
+  it(name, function()
+    local reason = no_gpu()
+    if reason then pending(reason) return end
+    body()
+  end)
+end
+
+-- the smallest error worth comparing: a few units of the input's rounding
+local FLOOR = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }
+
+local function err(x, ref) return ft.max_abs_diff(x:cpu():double(), ref) end
+
+--- Runs forward and backward with impl on the GPU in dtype, from the f64
+-- CPU inputs; returns out, lse, dq, dk, dv on the CPU in f64.
+local function run_gpu(impl, dtype, q, k, v, dout, opts)
+  local o = { impl = impl, causal = opts.causal }
+  local qg, kg, vg = q:to(dtype):cuda(), k:to(dtype):cuda(), v:to(dtype):cuda()
+  local out, lse = ft.attention(qg, kg, vg, o)
+  local dq, dk, dv = ft.attention_backward(dout:to(dtype):cuda(), qg, kg, vg, out, lse, o)
+  return out, lse, dq, dk, dv
+end
+
+local function reference(q, k, v, dout, opts)
+  local o = { impl = "tiled", causal = opts.causal }
+  local out, lse = ft.attention(q, k, v, o)
+  local dq, dk, dv = ft.attention_backward(dout, q, k, v, out, lse, o)
+  return { out = out, dq = dq, dk = dk, dv = dv }, lse
+end
+
+local function inputs(B, Nq, Nk, H, Hk, d)
+  local q = ft.randn({ B, Nq, H, d }, { dtype = "f64", seed = h.next_seed() })
+  local k = ft.randn({ B, Nk, Hk, d }, { dtype = "f64", seed = h.next_seed() })
+  local v = ft.randn({ B, Nk, Hk, d }, { dtype = "f64", seed = h.next_seed() })
+  local dout = ft.randn({ B, Nq, H, d }, { dtype = "f64", seed = h.next_seed() })
+  return q, k, v, dout
+end
+
+local function check_against_naive(dtype, B, Nq, Nk, H, Hk, d, causal)
+  local q, k, v, dout = inputs(B, Nq, Nk, H, Hk, d)
+  local opts = { causal = causal }
+  local ref, ref_lse = reference(q, k, v, dout, opts)
+  local f = table.pack(run_gpu("flash", dtype, q, k, v, dout, opts))
+  local n = table.pack(run_gpu("naive", dtype, q, k, v, dout, opts))
+  local names = { "out", "lse", "dq", "dk", "dv" }
+  local where = ("%s B=%d Nq=%d Nk=%d H=%d Hk=%d d=%d causal=%s"):format(
+    dtype, B, Nq, Nk, H, Hk, d, tostring(causal))
+  for i, name in ipairs(names) do
+    local r = name == "lse" and ref_lse or ref[name]
+    local ef, en
+    if name == "lse" then
+      -- rows that see no key have lse = -inf in both; compare the rest
+      ef = ft.max_abs_diff(f[i]:cpu():double(), r)
+      en = ft.max_abs_diff(n[i]:cpu():double(), r)
+    else
+      ef, en = err(f[i], r), err(n[i], r)
+    end
+    assert.is_true(ef == ef, ("%s: flash %s has NaN"):format(where, name))
+    assert.is_true(ef <= 2 * en + FLOOR[dtype] * (name == "lse" and 1 or 4),
+      ("%s: flash %s error %.3e > 2 x naive error %.3e"):format(where, name, ef, en))
+  end
+end
+
+describe("attention on CUDA #gpu", function()
+  describe("flash and naive against the f64 reference", function()
+    for _, dtype in ipairs { "f16", "bf16", "f32" } do
+      for _, d in ipairs { 32, 64, 96, 128, 192, 256 } do
+        for _, causal in ipairs { false, true } do
+          gpu_it(("%s d=%d causal=%s, odd lengths, GQA and MHA, Nq ~= Nk"):format(dtype, d, tostring(causal)),
+            function()
+              check_against_naive(dtype, 2, 77, 93, 4, 2, d, causal)
+              check_against_naive(dtype, 1, 93, 77, 4, 4, d, causal)
+              check_against_naive(dtype, 1, 130, 130, 2, 1, d, causal)
+            end)
+        end
+      end
+    end
+    gpu_it("head dims the tensor-core path does not take (d = 36, 8) run on the simple path", function()
+      check_against_naive("f16", 1, 50, 70, 2, 1, 36, true)
+      check_against_naive("bf16", 1, 70, 50, 2, 2, 8, false)
+    end)
+  end)
+
+  gpu_it("strided q, k, v (views of one packed qkv tensor) give the contiguous results", function()
+    local B, N, H, d = 2, 100, 4, 64
+    local qkv = ft.randn({ B, N, 3, H, d }, { dtype = "f16", seed = h.next_seed() }):cuda()
+    local q, k, v = qkv:select(3, 1), qkv:select(3, 2), qkv:select(3, 3)
+    assert.is_false(q:is_contiguous())
+    local a = ft.attention(q, k, v, { causal = true })
+    local b = ft.attention(q:contiguous(), k:contiguous(), v:contiguous(), { causal = true })
+    assert.are.equal(0, ft.max_abs_diff(a, b))
+    local dout = ft.randn(a.shape, { dtype = "f16", seed = h.next_seed() }):cuda()
+    local _, lse = ft.attention(q, k, v, { causal = true })
+    local g1 = table.pack(ft.attention_backward(dout, q, k, v, a, lse, { causal = true }))
+    local g2 = table.pack(ft.attention_backward(dout, q:contiguous(), k:contiguous(), v:contiguous(), a, lse, { causal = true }))
+    for i = 1, 3 do assert.are.equal(0, ft.max_abs_diff(g1[i], g2[i])) end
+  end)
+
+  gpu_it("rows that see no key (causal, Nq > Nk) give zeros and lse = -inf", function()
+    local q, k, v = inputs(1, 40, 10, 2, 2, 64)
+    local out, lse = ft.attention(q:half():cuda(), k:half():cuda(), v:half():cuda(), { causal = true })
+    out, lse = out:cpu(), lse:cpu()
+    for i = 1, 30 do -- query i (1-based) sees keys up to i - 30
+      assert.are.equal(-math.huge, lse:get(1, 1, i))
+      assert.are.equal(0, out:select(2, i):abs():max())
+    end
+    assert.is_true(lse:get(1, 1, 31) > -math.huge)
+  end)
+
+  gpu_it("deterministic: the backward gives bitwise-identical gradients run after run", function()
+    local q, k, v, dout = inputs(2, 300, 300, 4, 2, 128)
+    local opts = { causal = true, deterministic = true }
+    local qg, kg, vg, dg = q:bf16():cuda(), k:bf16():cuda(), v:bf16():cuda(), dout:bf16():cuda()
+    local out, lse = ft.attention(qg, kg, vg, opts)
+    local first = table.pack(ft.attention_backward(dg, qg, kg, vg, out, lse, opts))
+    for _ = 1, 3 do
+      local again = table.pack(ft.attention_backward(dg, qg, kg, vg, out, lse, opts))
+      for i = 1, 3 do assert.are.equal(0, ft.max_abs_diff(first[i], again[i])) end
+    end
+  end)
+
+  gpu_it("flash's peak extra memory grows linearly with seqlen, naive's quadratically", function()
+    local function peak(impl, N)
+      local q = ft.randn({ 1, N, 8, 64 }, { dtype = "f16", seed = 1 }):cuda()
+      local k = ft.randn({ 1, N, 8, 64 }, { dtype = "f16", seed = 2 }):cuda()
+      local v = ft.randn({ 1, N, 8, 64 }, { dtype = "f16", seed = 3 }):cuda()
+      collectgarbage()
+      ft.cuda.synchronize()
+      ft.reset_peak_memory("cuda")
+      local before = ft.memory_stats("cuda").in_use
+      local out, lse = ft.attention(q, k, v, { impl = impl })
+      ft.cuda.synchronize()
+      local p = ft.memory_stats("cuda").peak - before
+      out:free(); lse:free(); q:free(); k:free(); v:free()
+      return p
+    end
+    local f1, f2 = peak("flash", 2048), peak("flash", 4096)
+    local n1, n2 = peak("naive", 2048), peak("naive", 4096)
+    assert.is_true(f2 / f1 < 2.6, ("flash peak ratio %.2f (%d -> %d bytes)"):format(f2 / f1, f1, f2))
+    assert.is_true(n2 / n1 > 3.2, ("naive peak ratio %.2f (%d -> %d bytes)"):format(n2 / n1, n1, n2))
+    assert.is_true(n2 > 8 * f2)
+  end)
+
+  gpu_it("bad input on CUDA is a clear error and the session goes on", function()
+    local q = ft.randn({ 1, 8, 2, 64 }, { dtype = "f16" }):cuda()
+    h.assert_error(function() ft.attention(q, q:cpu(), q) end, "k is on cpu but q is on cuda:0")
+    h.assert_error(function() ft.attention(q, q, q, { impl = "tiled" }) end, "cpu implementation")
+    h.assert_error(function() ft.attention(q:double(), q:double(), q:double()) end, "naive")
+    local out = ft.attention(q, q, q)
+    assert.are.same({ 1, 8, 2, 64 }, out.shape)
+  end)
+end)
