@@ -22,8 +22,7 @@
 #include <math.h>
 
 #define SIMT_WARPS 4
-#define MMA_BR 64 /* query rows per CTA */
-#define MMA_WARPS 4
+#define MMA_WARPS 4 /* per CTA; rows per CTA: 16 x MT x MMA_WARPS */
 
 /* ---- simple path ---- */
 
@@ -80,143 +79,197 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
 
 /* ---- tensor cores ---- */
 
-template <typename T, int D, int BC>
+/* wait until at most n of this thread's cp.async groups are pending */
+template <int N> __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* MT m-tiles of 16 rows per warp: each K or V fragment read from shared
+ * memory feeds MT mma instructions, which halves the shared-memory traffic
+ * per FLOP at MT = 2 (the limit at MT = 1 was ldmatrix, not the tensor
+ * cores). K and V are double-buffered: the copy of block j+1 runs while
+ * block j is multiplied. */
+template <typename T, int D, int BC, int MT>
 __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(FlashParams p)
 {
     constexpr int LD = D + 8; /* padded row: conflict-free ldmatrix */
+    constexpr int BR = 16 * MT * MMA_WARPS, THREADS = MMA_WARPS * FT_WARP;
     constexpr int NT_S = BC / 8, NT_O = D / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    /* Q [BR][LD], then K buffers 0 and 1, then V buffers 0 and 1 [BC][LD] */
     T *sQ = reinterpret_cast<T *>(smem_raw);
-    T *sK = sQ + MMA_BR * LD;
-    T *sV = sK + BC * LD;
+    T *const sK = sQ + BR * LD, *const sV = sK + 2 * BC * LD;
 
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int g = lane / 4, t4 = lane % 4;
-    const int i0 = blockIdx.x * MMA_BR, h = blockIdx.y, b = blockIdx.z;
+    const int i0 = blockIdx.x * BR, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
-    const int nq = min(MMA_BR, p.Nq - i0);
-
-    load_tile<T, MMA_BR, D, LD, MMA_WARPS * FT_WARP>(sQ, p.q, b, h, i0, nq, p.d);
-    cp_async_commit();
-
-    float o[NT_O][4];
-#pragma unroll
-    for (int n = 0; n < NT_O; n++)
-        o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g, g+8; log2 units */
-    const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    const int nq = min(BR, p.Nq - i0);
     const int shift = p.Nk - p.Nq; /* causal: key j visible to query i when j <= i + shift */
     const int jend = flash_key_end(p, i0 + nq - 1);
+    const int wrow0 = i0 + warp * 16 * MT; /* this warp's first row */
 
-    for (int j0 = 0; j0 < jend; j0 += BC) {
-        __syncthreads(); /* the previous block's K/V are no longer read */
-        const int nk = min(BC, p.Nk - j0);
-        load_tile<T, BC, D, LD, MMA_WARPS * FT_WARP>(sK, p.k, b, hk, j0, nk, p.d);
-        load_tile<T, BC, D, LD, MMA_WARPS * FT_WARP>(sV, p.v, b, hk, j0, nk, p.d);
-        cp_async_commit();
-        cp_async_wait_all();
-        __syncthreads();
+    /* prologue: Q and K_0 in one group, V_0 in the next */
+    load_tile<T, BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
+    if (jend > 0)
+        load_tile<T, BC, D, LD, THREADS>(sK, p.k, b, hk, 0, min(BC, p.Nk), p.d);
+    cp_async_commit();
+    if (jend > 0)
+        load_tile<T, BC, D, LD, THREADS>(sV, p.v, b, hk, 0, min(BC, p.Nk), p.d);
+    cp_async_commit();
 
-        /* S = Q K^T for this warp's 16 rows */
-        float s[NT_S][4];
+    float o[MT][NT_O][4];
+    float m[MT][2], l[MT][2]; /* rows g and g+8 of each m-tile; log2 units */
 #pragma unroll
-        for (int n = 0; n < NT_S; n++)
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int n = 0; n < NT_O; n++)
+            o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
+
+    for (int j0 = 0, buf = 0; j0 < jend; j0 += BC, buf ^= 1) {
+        const bool more = j0 + BC < jend;
+        const int nk_next = more ? min(BC, p.Nk - j0 - BC) : 0;
+        cp_async_wait<1>(); /* K_j (and Q) landed; V_j may be in flight */
+        __syncthreads();    /* ... for every thread; K_{j-1}'s buffer is free */
+        if (more)
+            load_tile<T, BC, D, LD, THREADS>(sK + (buf ^ 1) * BC * LD, p.k, b, hk, j0 + BC, nk_next, p.d);
+        cp_async_commit();
+
+        /* S = Q K^T for this warp's MT x 16 rows */
+        float s[MT][NT_S][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int n = 0; n < NT_S; n++)
+                s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+        const T *kb = sK + buf * BC * LD;
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t a[4];
-            ldmatrix_x4(a, sQ + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                ldmatrix_x4(a[mt], sQ + (warp * 16 * MT + mt * 16 + lane % 16) * LD + kk * 16 +
+                                       (lane / 16) * 8);
 #pragma unroll
             for (int nn = 0; nn < NT_S / 2; nn++) {
                 uint32_t bk[4];
-                ldmatrix_x4(bk, sK + (nn * 16 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
+                ldmatrix_x4(bk, kb + (nn * 16 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
                                     ((lane / 8) % 2) * 8);
-                MmaType<T>::mma(s[2 * nn], a, bk[0], bk[1]);
-                MmaType<T>::mma(s[2 * nn + 1], a, bk[2], bk[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    MmaType<T>::mma(s[mt][2 * nn], a[mt], bk[0], bk[1]);
+                    MmaType<T>::mma(s[mt][2 * nn + 1], a[mt], bk[2], bk[3]);
+                }
             }
         }
 
-        /* scale into log2 units, mask, online softmax for rows g and g+8 */
+        /* scale into log2 units, mask where needed, online softmax */
+        const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float mx = -INFINITY;
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int n = 0; n < NT_S; n++)
+            for (int r = 0; r < 2; r++) {
+                const int row = wrow0 + mt * 16 + g + 8 * r;
+                float mx = -INFINITY;
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int col = j0 + n * 8 + t4 * 2 + e;
-                    float &v = s[n][2 * r + e];
-                    const bool ok = col < p.Nk && (!p.causal || col <= row[r] + shift);
-                    v = ok ? v * p.scale_log2 : -INFINITY;
-                    mx = fmaxf(mx, v);
+                for (int n = 0; n < NT_S; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float &v = s[mt][n][2 * r + e];
+                        v *= p.scale_log2;
+                        if (edge) {
+                            const int col = j0 + n * 8 + t4 * 2 + e;
+                            if (col >= p.Nk || (p.causal && col > row + shift))
+                                v = -INFINITY;
+                        }
+                        mx = fmaxf(mx, v);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m[mt][r], mx);
+                /* all masked so far: keep everything at zero without NaNs */
+                const float m_use = m_new == -INFINITY ? 0.f : m_new;
+                const float alpha = exp2f(m[mt][r] - m_use);
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_S; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float &v = s[mt][n][2 * r + e];
+                        v = exp2f(v - m_use);
+                        sum += v;
+                    }
+                l[mt][r] = l[mt][r] * alpha + sum; /* this thread's share; the quad adds up at the end */
+                m[mt][r] = m_new;
+#pragma unroll
+                for (int n = 0; n < NT_O; n++) {
+                    o[mt][n][2 * r] *= alpha;
+                    o[mt][n][2 * r + 1] *= alpha;
                 }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[r], mx);
-            /* all masked so far: keep everything at zero without NaNs */
-            const float m_use = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = exp2f(m[r] - m_use);
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_S; n++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float &v = s[n][2 * r + e];
-                    v = exp2f(v - m_use);
-                    sum += v;
-                }
-            l[r] = l[r] * alpha + sum; /* this thread's share; the quad adds up at the end */
-            m[r] = m_new;
-#pragma unroll
-            for (int n = 0; n < NT_O; n++) {
-                o[n][2 * r] *= alpha;
-                o[n][2 * r + 1] *= alpha;
             }
-        }
+
+        cp_async_wait<1>(); /* V_j landed; K_{j+1} may be in flight */
+        __syncthreads();    /* ... for every thread; V_{j-1}'s buffer is free */
+        if (more)
+            load_tile<T, BC, D, LD, THREADS>(sV + (buf ^ 1) * BC * LD, p.v, b, hk, j0 + BC, nk_next, p.d);
+        cp_async_commit();
 
         /* O += P V: P's C fragments are A fragments in 16 bits */
+        const T *vb = sV + buf * BC * LD;
 #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
-            uint32_t a[4];
-            a[0] = MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = MmaType<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = MmaType<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = MmaType<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                a[mt][0] = MmaType<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = MmaType<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = MmaType<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = MmaType<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dn = 0; dn < NT_O / 2; dn++) {
                 uint32_t bv[4];
-                ldmatrix_x4_trans(bv, sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
+                ldmatrix_x4_trans(bv, vb + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
                                           dn * 16 + (lane / 16) * 8);
-                MmaType<T>::mma(o[2 * dn], a, bv[0], bv[1]);
-                MmaType<T>::mma(o[2 * dn + 1], a, bv[2], bv[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    MmaType<T>::mma(o[mt][2 * dn], a[mt], bv[0], bv[1]);
+                    MmaType<T>::mma(o[mt][2 * dn + 1], a[mt], bv[2], bv[3]);
+                }
             }
         }
     }
+    cp_async_wait<0>();
 
     /* finish: the quad's partial sums, normalise, store O and LSE */
     T *out = reinterpret_cast<T *>(p.out.data);
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (row[r] >= p.Nq)
-            continue;
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        const int64_t base = row_offset(p.out, b, row[r], h);
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int n = 0; n < NT_O; n++) {
-            const int col = n * 8 + t4 * 2;
-            if (col < p.d) { /* d % 8 == 0: both columns or neither */
-                const uint32_t packed =
-                    MmaType<T>::pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-                *reinterpret_cast<uint32_t *>(out + base + col) = packed;
+        for (int r = 0; r < 2; r++) {
+            const int row = wrow0 + mt * 16 + g + 8 * r;
+            float sum = l[mt][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (row >= p.Nq)
+                continue;
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            const int64_t base = row_offset(p.out, b, row, h);
+#pragma unroll
+            for (int n = 0; n < NT_O; n++) {
+                const int col = n * 8 + t4 * 2;
+                if (col < p.d) /* d % 8 == 0: both columns or neither */
+                    *reinterpret_cast<uint32_t *>(out + base + col) =
+                        MmaType<T>::pack(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
             }
+            if (t4 == 0)
+                p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
+                    sum > 0.f ? (m[mt][r] + log2f(sum)) / FT_LOG2E : -INFINITY;
         }
-        if (t4 == 0)
-            p.lse[((int64_t)b * p.H + h) * p.Nq + row[r]] =
-                sum > 0.f ? (m[r] + log2f(sum)) / FT_LOG2E : -INFINITY;
-    }
 }
 
 /* ---- launch ---- */
@@ -255,15 +308,16 @@ bool flash_rows_aligned(const ft_tensor *const *ts, int n)
     return true;
 }
 
-template <typename T, int D, int BC>
+template <typename T, int D, int BC, int MT>
 static ft_status launch_fwd_mma(const FlashParams &p)
 {
-    const size_t smem = (size_t)(MMA_BR + 2 * BC) * (D + 8) * sizeof(T);
-    auto kernel = flash_fwd_mma_kernel<T, D, BC>;
+    constexpr int BR = 16 * MT * MMA_WARPS;
+    const size_t smem = (size_t)(BR + 4 * BC) * (D + 8) * sizeof(T); /* Q, 2 x K, 2 x V */
+    auto kernel = flash_fwd_mma_kernel<T, D, BC, MT>;
     FT_CUDA_TRY("ft_attention_forward",
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      (int)smem));
-    dim3 grid((p.Nq + MMA_BR - 1) / MMA_BR, p.H, p.B);
+    dim3 grid((p.Nq + BR - 1) / BR, p.H, p.B);
     kernel<<<grid, MMA_WARPS * FT_WARP, smem>>>(p);
     FT_CUDA_CHECK_LAUNCH("ft_attention_forward");
     return FT_OK;
@@ -273,10 +327,10 @@ template <typename T>
 static ft_status launch_fwd_mma_dtype(const FlashParams &p)
 {
     if (p.d <= 64)
-        return launch_fwd_mma<T, 64, 64>(p);
+        return launch_fwd_mma<T, 64, 64, 2>(p);
     if (p.d <= 128)
-        return launch_fwd_mma<T, 128, 64>(p);
-    return launch_fwd_mma<T, 256, 32>(p);
+        return launch_fwd_mma<T, 128, 64, 2>(p);
+    return launch_fwd_mma<T, 256, 32, 1>(p);
 }
 
 extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,

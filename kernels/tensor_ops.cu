@@ -45,6 +45,7 @@
 
 #define BLOCK 256          /* threads per block, every kernel here */
 #define MAX_GRID 4096      /* blocks of a grid-stride elementwise launch */
+#define UNROLL 4           /* elements a thread loads before it computes */
 #define REDUCE_GRID 1024   /* partial results of a two-pass reduction */
 #define WARP 32
 
@@ -323,6 +324,124 @@ __device__ __forceinline__ double round_to_dtype(double v, int dtype)
     }
 }
 
+/* ---- unrolled element access ---------------------------------------------
+ * An elementwise thread takes UNROLL elements per step of its grid-stride
+ * loop, base + u * step for u < UNROLL (each u coalesced across the warp),
+ * and issues all their loads before it uses any: the dtype switch is
+ * outside the unrolled loops, so the loads are independent and in flight
+ * together. */
+
+/* The offsets of elements base + u * step (u < UNROLL) below n; returns
+ * how many there are (a prefix). */
+template <int NOPS>
+__device__ __forceinline__ int unrolled_offsets(const geo &g, int64_t base,
+                                                int64_t step, int64_t n,
+                                                int64_t (&off)[UNROLL][NOPS])
+{
+    int cnt = 0;
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+        const int64_t i = base + u * step;
+        if (i < n) {
+            geo_offsets<NOPS>(g, i, off[u]);
+            cnt = u + 1;
+        } else {
+#pragma unroll
+            for (int k = 0; k < NOPS; k++)
+                off[u][k] = 0;
+        }
+    }
+    return cnt;
+}
+
+template <typename T, int NOPS>
+__device__ __forceinline__ void gather(const void *base,
+                                       const int64_t (&off)[UNROLL][NOPS],
+                                       int k, int cnt, T (&raw)[UNROLL])
+{
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++)
+        raw[u] = u < cnt ? ((const T *)base)[off[u][k]] : (T)0;
+}
+
+template <typename T, int NOPS>
+__device__ __forceinline__ void scatter(void *base,
+                                        const int64_t (&off)[UNROLL][NOPS],
+                                        int k, int cnt, const T (&raw)[UNROLL])
+{
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++)
+        if (u < cnt)
+            ((T *)base)[off[u][k]] = raw[u];
+}
+
+/* load_f64 of cnt elements of operand k. */
+template <int NOPS>
+__device__ __forceinline__ void load_many(const void *base, int dtype,
+                                          const int64_t (&off)[UNROLL][NOPS],
+                                          int k, int cnt, double (&v)[UNROLL])
+{
+    switch (dtype) {
+    case FT_F64: {
+        gather<double, NOPS>(base, off, k, cnt, v);
+        break;
+    }
+    case FT_F32: {
+        float r[UNROLL];
+        gather<float, NOPS>(base, off, k, cnt, r);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            v[u] = (double)r[u];
+        break;
+    }
+    case FT_F16:
+    case FT_BF16: {
+        uint16_t r[UNROLL];
+        gather<uint16_t, NOPS>(base, off, k, cnt, r);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            v[u] = dtype == FT_F16
+                       ? small_to_f64(r[u], F16_EXP_BITS, F16_MANT_BITS)
+                       : small_to_f64(r[u], BF16_EXP_BITS, BF16_MANT_BITS);
+        break;
+    }
+    case FT_I32: {
+        int32_t r[UNROLL];
+        gather<int32_t, NOPS>(base, off, k, cnt, r);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            v[u] = (double)r[u];
+        break;
+    }
+    case FT_I64: {
+        int64_t r[UNROLL];
+        gather<int64_t, NOPS>(base, off, k, cnt, r);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            v[u] = (double)r[u];
+        break;
+    }
+    default:
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            v[u] = NAN;
+        break;
+    }
+}
+
+/* store_f64 of cnt elements of operand k. */
+template <int NOPS>
+__device__ __forceinline__ void store_many(void *base, int dtype,
+                                           const int64_t (&off)[UNROLL][NOPS],
+                                           int k, int cnt,
+                                           const double (&v)[UNROLL])
+{
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++)
+        if (u < cnt)
+            store_f64(base, off[u][k], dtype, v[u]);
+}
+
 /* ---- copy and fill ------------------------------------------------------ */
 
 enum copy_mode {
@@ -337,28 +456,50 @@ copy_kernel(geo g, void *dst, int ddt, const void *src, int sdt, int mode,
             int esize, int64_t n)
 {
     const int64_t step = (int64_t)gridDim.x * BLOCK;
-    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n;
-         i += step) {
-        int64_t off[2];
-        geo_offsets<2>(g, i, off);
+    for (int64_t base = (int64_t)blockIdx.x * BLOCK + threadIdx.x; base < n;
+         base += step * UNROLL) {
+        int64_t off[UNROLL][2];
+        const int cnt = unrolled_offsets<2>(g, base, step, n, off);
         if (mode == COPY_RAW) {
-            if (esize == 8)
-                ((uint64_t *)dst)[off[0]] = ((const uint64_t *)src)[off[1]];
-            else if (esize == 4)
-                ((uint32_t *)dst)[off[0]] = ((const uint32_t *)src)[off[1]];
-            else
-                ((uint16_t *)dst)[off[0]] = ((const uint16_t *)src)[off[1]];
+            if (esize == 8) {
+                uint64_t r[UNROLL];
+                gather<uint64_t, 2>(src, off, 1, cnt, r);
+                scatter<uint64_t, 2>(dst, off, 0, cnt, r);
+            } else if (esize == 4) {
+                uint32_t r[UNROLL];
+                gather<uint32_t, 2>(src, off, 1, cnt, r);
+                scatter<uint32_t, 2>(dst, off, 0, cnt, r);
+            } else {
+                uint16_t r[UNROLL];
+                gather<uint16_t, 2>(src, off, 1, cnt, r);
+                scatter<uint16_t, 2>(dst, off, 0, cnt, r);
+            }
         } else if (mode == COPY_INT) {
-            int64_t v = sdt == FT_I64 ? ((const int64_t *)src)[off[1]]
-                                      : (int64_t)((const int32_t *)src)[off[1]];
-            if (ddt == FT_I64)
-                ((int64_t *)dst)[off[0]] = v;
-            else
-                ((int32_t *)dst)[off[0]] =
-                    (int32_t)(v > INT32_MAX ? INT32_MAX
-                              : v < INT32_MIN ? INT32_MIN : v);
+            int64_t v[UNROLL];
+            if (sdt == FT_I64) {
+                gather<int64_t, 2>(src, off, 1, cnt, v);
+            } else {
+                int32_t r[UNROLL];
+                gather<int32_t, 2>(src, off, 1, cnt, r);
+#pragma unroll
+                for (int u = 0; u < UNROLL; u++)
+                    v[u] = r[u];
+            }
+            if (ddt == FT_I64) {
+                scatter<int64_t, 2>(dst, off, 0, cnt, v);
+            } else {
+                int32_t r[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; u++)
+                    r[u] = (int32_t)(v[u] > INT32_MAX   ? INT32_MAX
+                                     : v[u] < INT32_MIN ? INT32_MIN
+                                                        : v[u]);
+                scatter<int32_t, 2>(dst, off, 0, cnt, r);
+            }
         } else {
-            store_f64(dst, off[0], ddt, load_f64(src, off[1], sdt));
+            double v[UNROLL];
+            load_many<2>(src, sdt, off, 1, cnt, v);
+            store_many<2>(dst, ddt, off, 0, cnt, v);
         }
     }
 }
@@ -402,7 +543,7 @@ ft_status ft_cuda_copy(ft_tensor *dst, const ft_tensor *src)
         mode = COPY_RAW;
     else if (!ft_dtype_is_float(dst->dtype) && !ft_dtype_is_float(src->dtype))
         mode = COPY_INT;
-    copy_kernel<<<grid_for(n, BLOCK, MAX_GRID), BLOCK>>>(
+    copy_kernel<<<grid_for(n, BLOCK * UNROLL, MAX_GRID), BLOCK>>>(
         g, dst->data, (int)dst->dtype, src->data, (int)src->dtype, mode,
         (int)esize, n);
     FT_CUDA_CHECK_LAUNCH(F);
@@ -493,6 +634,40 @@ ft_status ft_cuda_random(ft_tensor *t, uint64_t seed, uint64_t offset,
 
 /* ---- elementwise ops ------------------------------------------------------ */
 
+/* x^y that is exact whenever y is a small integer and x^y is a double
+ * (a power of an f16, bf16 or small f32 often is): such a result is
+ * computed by repeated squaring, every product checked exact with an fma.
+ * The host's pow returns exact results exactly; CUDA's pow may be an ulp
+ * off them, which an f16/bf16 store at a rounding tie turns into a whole
+ * ulp of the narrow type. Everything else goes to CUDA's pow. */
+__device__ __forceinline__ double pow_exact(double x, double y)
+{
+    if (isfinite(x) && x != 0.0 && y != 0.0 && fabs(y) <= 64.0 &&
+        y == rint(y)) {
+        unsigned n = (unsigned)fabs(y);
+        double result = 1.0, base = x;
+        bool exact = true;
+        for (;;) {
+            if (n & 1) {
+                const double p = __dmul_rn(result, base);
+                exact = exact && isfinite(p) && fabs(p) >= 0x1p-969 &&
+                        __fma_rn(result, base, -p) == 0.0;
+                result = p;
+            }
+            n >>= 1;
+            if (n == 0)
+                break;
+            const double sq = __dmul_rn(base, base);
+            exact = exact && isfinite(sq) && fabs(sq) >= 0x1p-969 &&
+                    __fma_rn(base, base, -sq) == 0.0;
+            base = sq;
+        }
+        if (exact) /* x^-n: one correctly rounded division of an exact x^n */
+            return y > 0.0 ? result : __ddiv_rn(1.0, result);
+    }
+    return pow(x, y);
+}
+
 /* ops.c's apply_binop and apply_unop, in double. */
 __device__ __forceinline__ double apply_binop(int op, double x, double y)
 {
@@ -501,7 +676,7 @@ __device__ __forceinline__ double apply_binop(int op, double x, double y)
     case FT_SUB: return x - y;
     case FT_MUL: return x * y;
     case FT_DIV: return x / y;
-    case FT_POW: return pow(x, y);
+    case FT_POW: return pow_exact(x, y);
     /* maximum/minimum propagate NaN, as torch.maximum does. */
     case FT_MAXIMUM: return isnan(x) || isnan(y) ? x + y : (x > y ? x : y);
     case FT_MINIMUM: return isnan(x) || isnan(y) ? x + y : (x < y ? x : y);
@@ -536,19 +711,24 @@ binary_kernel(geo g, void *out, int odt, const void *a, int adt,
               const void *b, int bdt, int op, double s, int smode, int64_t n)
 {
     const int64_t step = (int64_t)gridDim.x * BLOCK;
-    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n;
-         i += step) {
-        int64_t off[3];
-        geo_offsets<3>(g, i, off);
-        const double x = load_f64(a, off[1], adt);
-        double r;
+    for (int64_t base = (int64_t)blockIdx.x * BLOCK + threadIdx.x; base < n;
+         base += step * UNROLL) {
+        int64_t off[UNROLL][3];
+        const int cnt = unrolled_offsets<3>(g, base, step, n, off);
+        double x[UNROLL], y[UNROLL];
+        load_many<3>(a, adt, off, 1, cnt, x);
         if (smode == SCALAR_NONE)
-            r = apply_binop(op, x, load_f64(b, off[2], bdt));
-        else if (smode == SCALAR_AFTER)
-            r = apply_binop(op, x, s);
-        else
-            r = apply_binop(op, s, x);
-        store_f64(out, off[0], odt, r);
+            load_many<3>(b, bdt, off, 2, cnt, y);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            if (smode == SCALAR_NONE)
+                x[u] = apply_binop(op, x[u], y[u]);
+            else if (smode == SCALAR_AFTER)
+                x[u] = apply_binop(op, x[u], s);
+            else
+                x[u] = apply_binop(op, s, x[u]);
+        }
+        store_many<3>(out, odt, off, 0, cnt, x);
     }
 }
 
@@ -558,11 +738,16 @@ unary_kernel(geo g, void *out, int odt, const void *a, int adt, int op,
              int64_t n)
 {
     const int64_t step = (int64_t)gridDim.x * BLOCK;
-    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n;
-         i += step) {
-        int64_t off[2];
-        geo_offsets<2>(g, i, off);
-        store_f64(out, off[0], odt, apply_unop(op, load_f64(a, off[1], adt)));
+    for (int64_t base = (int64_t)blockIdx.x * BLOCK + threadIdx.x; base < n;
+         base += step * UNROLL) {
+        int64_t off[UNROLL][2];
+        const int cnt = unrolled_offsets<2>(g, base, step, n, off);
+        double x[UNROLL];
+        load_many<2>(a, adt, off, 1, cnt, x);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            x[u] = apply_unop(op, x[u]);
+        store_many<2>(out, odt, off, 0, cnt, x);
     }
 }
 
@@ -578,7 +763,7 @@ static ft_status binary_launch(const char *F, ft_tensor *out, ft_binop op,
                                  b ? b->stride : out->stride};
     /* A scalar's operand row stays all zeros: geo_make sees two operands. */
     const geo g = geo_make(a->ndim, a->shape, b ? 3 : 2, strides);
-    binary_kernel<<<grid_for(n, BLOCK, MAX_GRID), BLOCK>>>(
+    binary_kernel<<<grid_for(n, BLOCK * UNROLL, MAX_GRID), BLOCK>>>(
         g, out->data, (int)out->dtype, a->data, (int)a->dtype,
         b ? b->data : NULL, b ? (int)b->dtype : (int)a->dtype, (int)op, s,
         smode, n);
@@ -608,7 +793,7 @@ ft_status ft_cuda_unary(ft_tensor *out, ft_unop op, const ft_tensor *a)
         return FT_OK;
     const int64_t *strides[2] = {out->stride, a->stride};
     const geo g = geo_make(a->ndim, a->shape, 2, strides);
-    unary_kernel<<<grid_for(n, BLOCK, MAX_GRID), BLOCK>>>(
+    unary_kernel<<<grid_for(n, BLOCK * UNROLL, MAX_GRID), BLOCK>>>(
         g, out->data, (int)out->dtype, a->data, (int)a->dtype, (int)op, n);
     FT_CUDA_CHECK_LAUNCH(F);
     return FT_OK;
@@ -749,7 +934,7 @@ __device__ __forceinline__ acc acc_combine(int mode, acc x, const acc &y)
 /* The combined value of every thread's x, valid in all threads; the block
  * has BLOCK threads and all of them call it. Deterministic: the tree is
  * fixed. */
-__device__ acc block_reduce(int mode, acc x)
+__device__ __forceinline__ acc block_reduce(int mode, acc x)
 {
     __shared__ acc sh[BLOCK];
     const int t = threadIdx.x;
@@ -773,15 +958,23 @@ reduce_partial_kernel(geo g, const void *a, int adt, const void *b, int bdt,
 {
     acc x = acc_empty(mode);
     const int64_t step = (int64_t)gridDim.x * BLOCK;
-    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n;
-         i += step) {
-        int64_t off[2];
-        geo_offsets<2>(g, i, off);
-        const double v = load_f64(a, off[0], adt);
+    for (int64_t base = (int64_t)blockIdx.x * BLOCK + threadIdx.x; base < n;
+         base += step * UNROLL) {
+        int64_t off[UNROLL][2];
+        const int cnt = unrolled_offsets<2>(g, base, step, n, off);
+        double v[UNROLL], w[UNROLL];
+        load_many<2>(a, adt, off, 0, cnt, v);
         if (mode == ACC_CMP)
-            acc_add_pair(x, v, load_f64(b, off[1], bdt), rtol, atol);
-        else
-            acc_add(mode, x, v, i);
+            load_many<2>(b, bdt, off, 1, cnt, w);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            if (u >= cnt)
+                break;
+            if (mode == ACC_CMP)
+                acc_add_pair(x, v[u], w[u], rtol, atol);
+            else
+                acc_add(mode, x, v[u], base + u * step);
+        }
     }
     x = block_reduce(mode, x);
     if (threadIdx.x == 0)
@@ -840,7 +1033,7 @@ static ft_status reduce_all_elements(const char *F, const ft_tensor *a,
     const int64_t n = ft_numel(a);
     const int64_t *strides[2] = {a->stride, b ? b->stride : a->stride};
     const geo g = geo_make(a->ndim, a->shape, b ? 2 : 1, strides);
-    const unsigned grid = grid_for(n, BLOCK, REDUCE_GRID);
+    const unsigned grid = grid_for(n, BLOCK * UNROLL, REDUCE_GRID);
     acc *buf = NULL;
     FT_CUDA_TRY(F, cudaMallocAsync((void **)&buf, (grid + 1) * sizeof *buf, 0));
     ft_status st = reduce_run(F, g, a, b, mode, rtol, atol, n, grid, buf,
@@ -917,22 +1110,50 @@ __device__ __forceinline__ void store_line(int op, const acc &x, int64_t len,
         idx[line] = x.at;
 }
 
-/* Thread per line, the elements in order: the CPU's arithmetic exactly.
- * g walks the line starts of a (a's shape without the reduced dim). */
+/* The warp's combined x in lane 0 (all 32 lanes call it). */
+__device__ __forceinline__ acc warp_reduce(int mode, acc x)
+{
+    for (int s = WARP / 2; s > 0; s >>= 1) {
+        acc other;
+        other.a = __shfl_down_sync(0xffffffffu, x.a, s);
+        other.b = __shfl_down_sync(0xffffffffu, x.b, s);
+        other.at = __shfl_down_sync(0xffffffffu, x.at, s);
+        x = acc_combine(mode, x, other);
+    }
+    return x;
+}
+
+/* log2 of a line group: 1 thread, or a warp. */
+#define GROUP_THREAD 0
+#define GROUP_WARP 5
+
+/* A group of 2^shift threads per line (one thread, or a warp); g walks
+ * the line starts of a (a's shape without the reduced dim). With one
+ * thread the elements are added in order: the CPU's arithmetic exactly.
+ * With a warp the lanes stride along the line (coalesced when it is
+ * contiguous) and combine in a tree: MAX/MIN and their positions are still
+ * the CPU's, sums may differ from it in the last bit. */
 __global__ void __launch_bounds__(BLOCK)
 reduce_lines_kernel(geo g, const void *a, int adt, int64_t len, int64_t step,
                     int op, int mode, void *out, int odt, int64_t *idx,
-                    int64_t lines)
+                    int64_t lines, int shift)
 {
-    const int64_t gstep = (int64_t)gridDim.x * BLOCK;
-    for (int64_t line = (int64_t)blockIdx.x * BLOCK + threadIdx.x;
-         line < lines; line += gstep) {
+    const int64_t thread = (int64_t)blockIdx.x * BLOCK + threadIdx.x;
+    const int group = 1 << shift;
+    const int lane = (int)(threadIdx.x & (group - 1));
+    const int64_t lstep = ((int64_t)gridDim.x * BLOCK) >> shift;
+    /* With a warp per line all its lanes have the same line: the loop and
+     * the shuffles are warp-uniform. */
+    for (int64_t line = thread >> shift; line < lines; line += lstep) {
         int64_t off[1];
         geo_offsets<1>(g, line, off);
         acc x = acc_empty(mode);
-        for (int64_t j = 0; j < len; j++)
+        for (int64_t j = lane; j < len; j += group)
             acc_add(mode, x, load_f64(a, off[0] + j * step, adt), j);
-        store_line(op, x, len, out, odt, idx, line);
+        if (shift == GROUP_WARP)
+            x = warp_reduce(mode, x);
+        if (lane == 0)
+            store_line(op, x, len, out, odt, idx, line);
     }
 }
 
@@ -956,12 +1177,33 @@ reduce_lines_block_kernel(geo g, const void *a, int adt, int64_t len,
     }
 }
 
-/* A line of at least this many elements gets a block when it is
- * contiguous (coalesced reads) or when there are too few lines to fill
- * the GPU with one thread each. */
+/* How many threads work on one line of a reduction or softmax:
+ *   - a block (BLOCK threads) for a long line (LONG_LINE elements or more)
+ *     when the line is contiguous, or when there are too few lines for a
+ *     thread each to fill the GPU (neighbouring lines are then read by
+ *     neighbouring blocks, which shares their cache lines in L2);
+ *   - a warp for a contiguous line of at least WARP elements (coalesced);
+ *   - otherwise a thread: many short lines, or strided lines whose
+ *     neighbours are neighbours in memory (coalesced across threads). */
 #define LONG_LINE 1024
-#define FEW_LINES 4096
+#define FEW_LINES 65536
 #define MAX_LINE_BLOCKS 65535
+
+enum line_group { LINE_THREAD, LINE_WARP, LINE_BLOCK };
+
+static int line_group_for(int64_t len, int64_t step, int64_t lines)
+{
+    if (len >= LONG_LINE && (step == 1 || lines < FEW_LINES))
+        return LINE_BLOCK;
+    if (step == 1 && len >= WARP)
+        return LINE_WARP;
+    return LINE_THREAD;
+}
+
+static unsigned line_blocks(int64_t lines)
+{
+    return (unsigned)(lines < MAX_LINE_BLOCKS ? lines : MAX_LINE_BLOCKS);
+}
 
 /* The line starts of a along dim d (its shape and strides without d),
  * for nops operands of a's shape. */
@@ -999,16 +1241,17 @@ ft_status ft_cuda_reduce_dim(ft_tensor *out, ft_tensor *indices,
     const int64_t len = a->shape[dim], step = a->stride[dim];
     int64_t *idx = indices ? (int64_t *)indices->data : NULL;
     const int mode = acc_mode_of(op);
-    if (len >= LONG_LINE && (step == 1 || lines < FEW_LINES)) {
-        const unsigned grid =
-            (unsigned)(lines < MAX_LINE_BLOCKS ? lines : MAX_LINE_BLOCKS);
-        reduce_lines_block_kernel<<<grid, BLOCK>>>(
+    const int group = line_group_for(len, step, lines);
+    if (group == LINE_BLOCK) {
+        reduce_lines_block_kernel<<<line_blocks(lines), BLOCK>>>(
             g, a->data, (int)a->dtype, len, step, (int)op, mode, out->data,
             (int)out->dtype, idx, lines);
     } else {
-        reduce_lines_kernel<<<grid_for(lines, BLOCK, MAX_GRID), BLOCK>>>(
-            g, a->data, (int)a->dtype, len, step, (int)op, mode, out->data,
-            (int)out->dtype, idx, lines);
+        const int shift = group == LINE_WARP ? GROUP_WARP : GROUP_THREAD;
+        reduce_lines_kernel<<<grid_for(lines << shift, BLOCK, MAX_GRID),
+                              BLOCK>>>(g, a->data, (int)a->dtype, len, step,
+                                       (int)op, mode, out->data,
+                                       (int)out->dtype, idx, lines, shift);
     }
     FT_CUDA_CHECK_LAUNCH(F);
     return FT_OK;
@@ -1026,19 +1269,19 @@ __device__ __forceinline__ double nan_max(double m, double v)
     return v > m ? v : m;
 }
 
-/* A group of `group` threads (1, or a whole warp) per line; g walks the
+/* A group of 2^shift threads (1, or a whole warp) per line; g walks the
  * line starts of a (operand 0) and out (operand 1). Each line: m = max
  * (NaN if any is NaN), then exp(x - m) / sum exp(x - m), as ops.c's
- * softmax_cpu; with group 1 the sum is in the CPU's order. */
+ * softmax_cpu; with one thread the sum is in the CPU's order. */
 __global__ void __launch_bounds__(BLOCK)
 softmax_kernel(geo g, const void *a, int adt, void *out, int odt, int64_t len,
-               int64_t sa, int64_t so, int64_t lines, int group)
+               int64_t sa, int64_t so, int64_t lines, int shift)
 {
     const int64_t thread = (int64_t)blockIdx.x * BLOCK + threadIdx.x;
-    const int shift = group == WARP ? 5 : 0; /* log2(group) */
-    const int lane = group == WARP ? (int)(threadIdx.x % WARP) : 0;
+    const int group = 1 << shift;
+    const int lane = (int)(threadIdx.x & (group - 1));
     const int64_t lstep = ((int64_t)gridDim.x * BLOCK) >> shift;
-    /* With group == WARP every lane of a warp has the same line, so the
+    /* With a warp per line every lane of it has the same line, so the
      * loop and the shuffles are warp-uniform. */
     for (int64_t line = thread >> shift; line < lines; line += lstep) {
         int64_t off[2];
@@ -1048,7 +1291,7 @@ softmax_kernel(geo g, const void *a, int adt, void *out, int odt, int64_t len,
         double m = -INFINITY;
         for (int64_t j = lane; j < len; j += group)
             m = nan_max(m, load_f64(a, ia + j * sa, adt));
-        if (group == WARP) {
+        if (shift == GROUP_WARP) {
             for (int s = WARP / 2; s > 0; s >>= 1)
                 m = nan_max(m, __shfl_down_sync(0xffffffffu, m, s));
             m = __shfl_sync(0xffffffffu, m, 0);
@@ -1057,14 +1300,8 @@ softmax_kernel(geo g, const void *a, int adt, void *out, int odt, int64_t len,
         acc total = {0.0, 0.0, 0};
         for (int64_t j = lane; j < len; j += group)
             ksum_add(total, exp(load_f64(a, ia + j * sa, adt) - m));
-        if (group == WARP) {
-            for (int s = WARP / 2; s > 0; s >>= 1) {
-                acc other;
-                other.a = __shfl_down_sync(0xffffffffu, total.a, s);
-                other.b = __shfl_down_sync(0xffffffffu, total.b, s);
-                other.at = 0;
-                total = acc_combine(ACC_SUM, total, other);
-            }
+        if (shift == GROUP_WARP) {
+            total = warp_reduce(ACC_SUM, total);
             total.a = __shfl_sync(0xffffffffu, total.a, 0);
             total.b = __shfl_sync(0xffffffffu, total.b, 0);
         }
@@ -1073,6 +1310,53 @@ softmax_kernel(geo g, const void *a, int adt, void *out, int odt, int64_t len,
         const double inv = __drcp_rn(ksum_result(total));
 
         for (int64_t j = lane; j < len; j += group)
+            store_f64(out, io + j * so, odt,
+                      __dmul_rn(exp(load_f64(a, ia + j * sa, adt) - m), inv));
+    }
+}
+
+/* nan_max over the block, valid in all threads (all BLOCK call it). */
+__device__ __forceinline__ double block_max(double m)
+{
+    __shared__ double sh[BLOCK];
+    const int t = threadIdx.x;
+    sh[t] = m;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s >>= 1) {
+        if (t < s)
+            sh[t] = nan_max(sh[t], sh[t + s]);
+        __syncthreads();
+    }
+    m = sh[0];
+    __syncthreads(); /* sh may be reused by the next call */
+    return m;
+}
+
+/* Block per line, for few long lines: the same three passes, the max and
+ * the sum combined across the block. */
+__global__ void __launch_bounds__(BLOCK)
+softmax_block_kernel(geo g, const void *a, int adt, void *out, int odt,
+                     int64_t len, int64_t sa, int64_t so, int64_t lines)
+{
+    for (int64_t line = blockIdx.x; line < lines; line += gridDim.x) {
+        int64_t off[2];
+        geo_offsets<2>(g, line, off);
+        const int64_t ia = off[0], io = off[1];
+
+        double m = -INFINITY;
+        for (int64_t j = threadIdx.x; j < len; j += BLOCK)
+            m = nan_max(m, load_f64(a, ia + j * sa, adt));
+        m = block_max(m); /* NaN if any is */
+
+        acc total = {0.0, 0.0, 0};
+        /* Not unrolled: unrolled, this loop made ptxas spill. */
+#pragma unroll 1
+        for (int64_t j = threadIdx.x; j < len; j += BLOCK)
+            ksum_add(total, exp(load_f64(a, ia + j * sa, adt) - m));
+        total = block_reduce(ACC_SUM, total);
+        const double inv = __drcp_rn(ksum_result(total));
+
+        for (int64_t j = threadIdx.x; j < len; j += BLOCK)
             store_f64(out, io + j * so, odt,
                       __dmul_rn(exp(load_f64(a, ia + j * sa, adt) - m), inv));
     }
@@ -1089,13 +1373,17 @@ ft_status ft_cuda_softmax(ft_tensor *out, const ft_tensor *a, int dim)
     const geo g = lines_geo(a, dim, 2, strides, &lines);
     const int64_t len = a->shape[dim];
     const int64_t sa = a->stride[dim], so = out->stride[dim];
-    /* A warp per line when the line is contiguous and long enough to use
-     * it; otherwise a thread per line (neighbouring lines are then
-     * neighbours in memory, or the lines are short). */
-    const int group = sa == 1 && len >= WARP ? WARP : 1;
-    softmax_kernel<<<grid_for(lines * group, BLOCK, MAX_GRID), BLOCK>>>(
-        g, a->data, (int)a->dtype, out->data, (int)out->dtype, len, sa, so,
-        lines, group);
+    const int group = line_group_for(len, sa, lines);
+    if (group == LINE_BLOCK) {
+        softmax_block_kernel<<<line_blocks(lines), BLOCK>>>(
+            g, a->data, (int)a->dtype, out->data, (int)out->dtype, len, sa, so,
+            lines);
+    } else {
+        const int shift = group == LINE_WARP ? GROUP_WARP : GROUP_THREAD;
+        softmax_kernel<<<grid_for(lines << shift, BLOCK, MAX_GRID), BLOCK>>>(
+            g, a->data, (int)a->dtype, out->data, (int)out->dtype, len, sa, so,
+            lines, shift);
+    }
     FT_CUDA_CHECK_LAUNCH(F);
     return FT_OK;
 }
