@@ -3,19 +3,35 @@
  * blocks, O kept in registers, LSE saved; nothing of size Nq x Nk exists.
  *
  * Two kernels:
- *   flash_fwd_mma_kernel<T, D, BC>  f16/bf16 on tensor cores (mma.sync
- *       m16n8k16, ldmatrix, cp.async). One CTA of 4 warps per 64 query rows
- *       of one (batch, head); each warp owns 16 rows. Q, K and V tiles sit
- *       in shared memory with rows padded by 8 elements (16 bytes), which
- *       keeps ldmatrix free of bank conflicts. D is the head dim rounded up
- *       to 64, 128 or 256 (the extra columns are zeros): 6 instantiations.
- *       Needs head_dim % 8 == 0 and 16-byte aligned rows.
+ *   flash_fwd_mma_kernel<T, D, BC, MT>  f16/bf16 on tensor cores (mma.sync
+ *       m16n8k16, ldmatrix, cp.async). One CTA of 4 warps per 16 x MT x 4
+ *       query rows of one (batch, head); each warp owns MT m-tiles of 16
+ *       rows, so every K/V fragment read from shared memory feeds MT mma.
+ *       Q, K and V tiles sit in shared memory with rows padded by 8
+ *       elements (16 bytes), which keeps ldmatrix free of bank conflicts;
+ *       K and V are double-buffered (the copy of block j+1 overlaps the
+ *       products of block j). The causal mask is applied only to blocks
+ *       that cross the diagonal; blocks wholly above it are never loaded.
+ *       D is the head dim rounded up to 64, 128 or 256 (zero columns):
+ *       6 instantiations. Needs head_dim % 8 == 0 and 16-byte aligned rows.
  *   flash_fwd_simt_kernel  any dtype (f32, and any layout the mma kernel
  *       cannot take): one warp per query row, lanes split the head dim,
  *       keys one at a time. The simple path.
  *
- * Check: the GPU specs (spec/cuda_spec.lua, busted --tags=gpu) compare both
- * with the CPU f64 reference. Measured: see bench/ and README.md.
+ * Check: spec/cuda_attention_spec.lua (busted, tag gpu) compares both with
+ * the CPU f64 reference; scripts/bench.lua checks, then times.
+ *
+ * Measured on the H200 (2026-11-30, f16, N = 16384, B x H = 1 x 2048/d,
+ * non-causal, TFLOP/s; FlashAttention-2 on the same card: 302 at d = 64,
+ * 340 at d = 128; bench/h200.md has every row):
+ *   v1  one m-tile per warp, 64 x 64 blocks, K/V loaded then waited:
+ *       d = 64: 174, d = 128: 201. ldmatrix-bound: one B fragment per 2 mma.
+ *   v2  two m-tiles per warp (128 rows per CTA) and double-buffered K/V:
+ *       d = 64: 178, d = 128: 235. d = 256 keeps one m-tile (registers).
+ *   ptxas: D = 128, MT = 2 uses 255 registers and spills 16 bytes (a few
+ *   reloads per block, cost not separated); the others do not spill.
+ *   Next: 128-key blocks at d = 64, softmax overlapped with the next
+ *   block's products, and wgmma on sm_90a (its own file).
  */
 #include "flash_mma.cuh"
 
