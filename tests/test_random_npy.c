@@ -23,37 +23,7 @@
 #define UNIFORM_MEAN_TOL 0.01
 #define PATH_CAP 4096
 
-static const ft_device CPU = {FT_CPU, 0};
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__,         \
-                    __LINE__, #cond);                                      \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-            failures++;                                                    \
-        }                                                                  \
-    } while (0)
-
-#define CHECK_OK(expr)                                                     \
-    do {                                                                   \
-        ft_status s_ = (expr);                                             \
-        CHECK(s_ == FT_OK, "status %d: %s", (int)s_, ft_last_error());     \
-    } while (0)
-
-/* expr fails with status st, argument arg and a message containing text. */
-#define CHECK_FAIL(expr, st, arg, text)                                    \
-    do {                                                                   \
-        ft_status s_ = (expr);                                             \
-        CHECK(s_ == (st), "status %d, want %d (%s)", (int)s_, (int)(st),   \
-              ft_last_error());                                            \
-        CHECK(strstr(ft_last_error(), (text)) != NULL,                     \
-              "message \"%s\" lacks \"%s\"", ft_last_error(), (text));     \
-        CHECK(ft_last_error_arg() == (arg), "arg %d, want %d (%s)",        \
-              ft_last_error_arg(), (arg), ft_last_error());                \
-    } while (0)
+#include "check.h"
 
 /* ---- helpers ---- */
 
