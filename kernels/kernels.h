@@ -38,6 +38,16 @@ ft_status ft_cuda_softmax(ft_tensor *out, const ft_tensor *a, int dim);
 ft_status ft_cuda_compare(const ft_tensor *a, const ft_tensor *b, double rtol,
                           double atol, double *max_abs_diff, int *all_close);
 
+/* ---- index_ops.cu: gathers and scatter-adds along one dim ---- */
+
+/* out (allocated, contiguous) = t gathered along dim by index (0-based
+ * i32/i64 on the device); entries out of range make it fail. */
+ft_status ft_cuda_index_select(ft_tensor *out, const ft_tensor *t, int dim,
+                               const ft_tensor *index);
+/* t (contiguous, f32/f64) += src scattered along dim, with atomics. */
+ft_status ft_cuda_index_add(ft_tensor *t, int dim, const ft_tensor *index,
+                            const ft_tensor *src);
+
 /* ---- matmul.cu: cuBLAS ---- */
 
 /* out [B, m, n] (or [m, n]) = a x b, allocated and contiguous; f32, f16 and

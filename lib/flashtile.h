@@ -151,6 +151,11 @@ FT_API ft_status ft_select(ft_tensor **out, const ft_tensor *t, int dim,
                            int64_t index);
 /* A new handle on t itself if t is contiguous, else a contiguous copy. */
 FT_API ft_status ft_contiguous(ft_tensor **out, const ft_tensor *t);
+/* A broadcast view with the given shape: t's dims align to the right; a
+ * dim of size 1, and every new leading dim, repeats with stride 0; -1
+ * keeps t's size. Elementwise ops take such views (e.g. a bias). */
+FT_API ft_status ft_expand(ft_tensor **out, const ft_tensor *t, int ndim,
+                           const int64_t *shape);
 /* Shares storage with t: a new handle with the same view. */
 FT_API ft_status ft_alias(ft_tensor **out, const ft_tensor *t);
 
@@ -185,6 +190,19 @@ FT_API uint16_t ft_f64_to_f16(double x);
 FT_API double ft_f16_to_f64(uint16_t h);
 FT_API uint16_t ft_f64_to_bf16(double x);
 FT_API double ft_bf16_to_f64(uint16_t h);
+
+/* Gathers along dim: out has t's shape with dim's size replaced by
+ * numel(index), and out[.., i, ..] = t[.., index[i], ..]. index: a 1-d
+ * i32/i64 tensor of 0-based positions on t's device. A new contiguous
+ * tensor. (An embedding lookup is index_select along dim 0.) */
+FT_API ft_status ft_index_select(ft_tensor **out, const ft_tensor *t, int dim,
+                                 const ft_tensor *index);
+/* Scatter-adds along dim, in place: t[.., index[i], ..] += src[.., i, ..].
+ * Repeated positions add up. src has t's shape with dim's size replaced by
+ * numel(index). CPU: any float dtype; CUDA: f32 or f64, t contiguous (the
+ * order of the additions on CUDA is not fixed). */
+FT_API ft_status ft_index_add(ft_tensor *t, int dim, const ft_tensor *index,
+                              const ft_tensor *src);
 
 /* ---- random numbers ---------------------------------------------------- */
 

@@ -185,6 +185,42 @@ static ft_status make_view(ft_tensor **out, const ft_tensor *t, void *data,
                           stride, func);
 }
 
+ft_status ft_expand(ft_tensor **out, const ft_tensor *t, int ndim,
+                    const int64_t *shape)
+{
+    *out = NULL;
+    FT_TRY(ft_check_tensor("ft_expand", 1, t));
+    char sr[SHAPE_TEXT], st[SHAPE_TEXT];
+    if (ndim < t->ndim || ndim > FT_MAX_DIMS || (ndim > 0 && !shape))
+        return ft_fail(FT_ERR_ARGUMENT, "ft_expand", 2,
+                       "cannot expand a %d-d tensor to %d dims", t->ndim, ndim);
+    int64_t size[FT_MAX_DIMS], stride[FT_MAX_DIMS];
+    const int lead = ndim - t->ndim;
+    for (int d = 0; d < ndim; d++) {
+        const int64_t want = shape[d];
+        if (d < lead) { /* a new leading dim */
+            if (want < 0)
+                return ft_fail(FT_ERR_ARGUMENT, "ft_expand", 2,
+                               "size %lld of a new dim must be >= 0", (long long)want);
+            size[d] = want, stride[d] = 0;
+            continue;
+        }
+        const int64_t have = t->shape[d - lead];
+        if (want == -1 || want == have) {
+            size[d] = have, stride[d] = t->stride[d - lead];
+        } else if (have == 1 && want >= 0) {
+            size[d] = want, stride[d] = 0;
+        } else {
+            return ft_fail(FT_ERR_ARGUMENT, "ft_expand", 2,
+                           "cannot expand %s to %s: size %lld is not 1 and differs from %lld",
+                           ft_format_shape(st, sizeof st, t->ndim, t->shape),
+                           ft_format_shape(sr, sizeof sr, ndim, shape), (long long)have,
+                           (long long)want);
+        }
+    }
+    return make_view(out, t, t->data, ndim, size, stride, "ft_expand");
+}
+
 ft_status ft_alias(ft_tensor **out, const ft_tensor *t)
 {
     *out = NULL;

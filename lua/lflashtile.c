@@ -667,6 +667,70 @@ static int t_select(lua_State *L)
     return 1;
 }
 
+/* t:expand(shape): a broadcast view (stride 0 where a dim repeats). */
+static int t_expand(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int64_t shape[FT_MAX_DIMS];
+    int next;
+    int ndim = check_shape_ex(L, 2, shape, &next, 1);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_expand(slot, t, ndim, shape));
+    return 1;
+}
+
+/* The 1-based index tensor at idx as a new 0-based one (pushed on the
+ * stack): entries of a CPU index are checked here so that the message
+ * speaks of 1-based positions. */
+static ft_tensor *zero_based_index(lua_State *L, int idx, int64_t size)
+{
+    ft_tensor *index = check_tensor(L, idx);
+    if (index->dtype != FT_I64 && index->dtype != FT_I32)
+        luaL_argerror(L, idx, lua_pushfstring(L, "index must be an i64 or i32 tensor, got %s",
+                                              ft_dtype_name(index->dtype)));
+    if (index->ndim != 1)
+        luaL_argerror(L, idx, lua_pushfstring(L, "index must be 1-d, got %d-d", index->ndim));
+    if (index->device.type == FT_CPU)
+        for (int64_t i = 0; i < index->shape[0]; i++) {
+            int64_t v = 0;
+            ft_get_int(index, &i, &v);
+            if (v < 1 || v > size)
+                luaL_argerror(L, idx, lua_pushfstring(L, "index[%I] = %I is out of range 1..%I",
+                                                      (lua_Integer)i + 1, (lua_Integer)v,
+                                                      (lua_Integer)size));
+        }
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = -1;
+    CALL(L, ft_binary_scalar(slot, FT_SUB, index, 1.0, 0));
+    return *slot;
+}
+
+/* t:index_select(dim, index): rows (1-based) of t along dim. */
+static int t_index_select(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int d = check_dim(L, 2, t->ndim);
+    ft_tensor *index = zero_based_index(L, 3, t->shape[d]);
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_index_select(slot, t, d, index));
+    return 1;
+}
+
+/* t:index_add(dim, index, src): t[.., index[i], ..] += src[.., i, ..]. */
+static int t_index_add(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int d = check_dim(L, 2, t->ndim);
+    const ft_tensor *src = check_tensor(L, 4);
+    ft_tensor *index = zero_based_index(L, 3, t->shape[d]);
+    int call_offset_ = 0;
+    CALL(L, ft_index_add(t, d, index, src));
+    lua_settop(L, 1);
+    return 1;
+}
+
 static int t_contiguous(lua_State *L)
 {
     ft_tensor *t = check_tensor(L, 1);
@@ -1341,6 +1405,7 @@ static const luaL_Reg tensor_methods[] = {
     {"to", t_to},           {"view", t_view},         {"reshape", t_reshape},
     {"transpose", t_transpose}, {"permute", t_permute}, {"narrow", t_narrow},
     {"select", t_select},   {"contiguous", t_contiguous}, {"clone", t_clone},
+    {"expand", t_expand},   {"index_select", t_index_select}, {"index_add", t_index_add},
     {"copy", t_copy},       {"fill", t_fill},         {"get", t_get},
     {"set", t_set},         {"item", t_item},         {"totable", t_totable},
     {"add", t_add},         {"sub", t_sub},           {"mul", t_mul},

@@ -1,0 +1,146 @@
+/*
+ * index.c - gathers and scatter-adds along one dim: ft_index_select and
+ * ft_index_add (an embedding's lookup and its gradient). Checks here; the
+ * CPU works slice by slice through views, CUDA in kernels/index_ops.cu.
+ */
+#include "internal.h"
+#ifdef FT_HAVE_CUDA
+#include "kernels.h"
+#endif
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SHAPE_TEXT 160
+
+/* index: 1-d i32/i64 on t's device with every entry in [0, size). Only CPU
+ * indices are read here; CUDA kernels check their entries themselves. */
+static ft_status check_index(const char *func, int arg, const ft_tensor *index,
+                             const ft_tensor *t, int64_t size)
+{
+    FT_TRY(ft_check_tensor(func, arg, index));
+    if (index->dtype != FT_I64 && index->dtype != FT_I32)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "index must be i64 or i32, got %s",
+                       ft_dtype_name(index->dtype));
+    if (index->ndim != 1)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "index must be 1-d, got %d-d",
+                       index->ndim);
+    FT_TRY(ft_check_device(func, arg, index, t));
+    if (index->device.type != FT_CPU)
+        return FT_OK;
+    for (int64_t i = 0; i < index->shape[0]; i++) {
+        int64_t v = 0;
+        FT_TRY(ft_get_int(index, &i, &v));
+        if (v < 0 || v >= size)
+            return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                           "index[%lld] = %lld is out of range for a dim of size %lld",
+                           (long long)i, (long long)v, (long long)size);
+    }
+    return FT_OK;
+}
+
+/* t's shape with dim's size replaced by n. */
+static void replaced_shape(const ft_tensor *t, int dim, int64_t n, int64_t *shape)
+{
+    memcpy(shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+    shape[dim] = n;
+}
+
+/* out.select(dim, i) op= t.select(dim, index[i]) for every i, on the CPU. */
+static ft_status slices_cpu(ft_tensor *dst, const ft_tensor *src, int dim,
+                            const ft_tensor *index, int add, const char *func)
+{
+    for (int64_t i = 0; i < index->shape[0]; i++) {
+        int64_t pos = 0;
+        FT_TRY(ft_get_int(index, &i, &pos));
+        /* select: gather reads t at pos into out at i; add writes t at pos */
+        ft_tensor *d = NULL, *s = NULL, *sum = NULL;
+        ft_status st = ft_select(&d, dst, dim, add ? pos : i);
+        if (st == FT_OK)
+            st = ft_select(&s, src, dim, add ? i : pos);
+        if (st == FT_OK && add)
+            st = ft_binary(&sum, FT_ADD, d, s);
+        if (st == FT_OK)
+            st = ft_copy(d, add ? sum : s);
+        ft_tensor_free(d);
+        ft_tensor_free(s);
+        ft_tensor_free(sum);
+        if (st != FT_OK) {
+            char why[256]; /* ft_fail writes over the last error's text */
+            snprintf(why, sizeof why, "%s", ft_last_error_detail());
+            return ft_fail(st, func, 0, "%s", why);
+        }
+    }
+    return FT_OK;
+}
+
+ft_status ft_index_select(ft_tensor **out, const ft_tensor *t, int dim,
+                          const ft_tensor *index)
+{
+    static const char func[] = "ft_index_select";
+    *out = NULL;
+    FT_TRY(ft_check_tensor(func, 1, t));
+    FT_TRY(ft_check_device(func, 1, t, NULL));
+    int d;
+    FT_TRY(ft_check_dim(func, 2, dim, t->ndim, &d));
+    FT_TRY(check_index(func, 3, index, t, t->shape[d]));
+    int64_t shape[FT_MAX_DIMS];
+    replaced_shape(t, d, index->shape[0], shape);
+    ft_tensor *r;
+    FT_TRY(ft_empty_named(&r, t->ndim, shape, t->dtype, t->device, func));
+    ft_status st;
+#ifdef FT_HAVE_CUDA
+    if (t->device.type == FT_CUDA)
+        st = ft_numel(r) ? ft_cuda_index_select(r, t, d, index) : FT_OK;
+    else
+#endif
+        st = slices_cpu(r, t, d, index, 0, func);
+    if (st != FT_OK) {
+        ft_tensor_free(r);
+        return st;
+    }
+    *out = r;
+    return FT_OK;
+}
+
+ft_status ft_index_add(ft_tensor *t, int dim, const ft_tensor *index, const ft_tensor *src)
+{
+    static const char func[] = "ft_index_add";
+    char a[SHAPE_TEXT], b[SHAPE_TEXT];
+    FT_TRY(ft_check_tensor(func, 1, t));
+    FT_TRY(ft_check_device(func, 1, t, NULL));
+    if (!ft_dtype_is_float(t->dtype))
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "needs a floating-point tensor, got %s",
+                       ft_dtype_name(t->dtype));
+    int d;
+    FT_TRY(ft_check_dim(func, 2, dim, t->ndim, &d));
+    FT_TRY(check_index(func, 3, index, t, t->shape[d]));
+    FT_TRY(ft_check_tensor(func, 4, src));
+    FT_TRY(ft_check_device(func, 4, src, t));
+    if (src->dtype != t->dtype)
+        return ft_fail(FT_ERR_ARGUMENT, func, 4, "src is %s but the tensor is %s",
+                       ft_dtype_name(src->dtype), ft_dtype_name(t->dtype));
+    int64_t shape[FT_MAX_DIMS];
+    replaced_shape(t, d, index->shape[0], shape);
+    int ok = src->ndim == t->ndim;
+    for (int k = 0; ok && k < t->ndim; k++)
+        ok = src->shape[k] == shape[k];
+    if (!ok)
+        return ft_fail(FT_ERR_ARGUMENT, func, 4, "src must have shape %s, got %s",
+                       ft_format_shape(a, sizeof a, t->ndim, shape),
+                       ft_format_shape(b, sizeof b, src->ndim, src->shape));
+#ifdef FT_HAVE_CUDA
+    if (t->device.type == FT_CUDA) {
+        if (t->dtype != FT_F32 && t->dtype != FT_F64)
+            return ft_fail(FT_ERR_UNSUPPORTED, func, 1,
+                           "index_add on CUDA takes f32 or f64, got %s",
+                           ft_dtype_name(t->dtype));
+        if (!ft_is_contiguous(t))
+            return ft_fail(FT_ERR_UNSUPPORTED, func, 1,
+                           "index_add on CUDA needs a contiguous tensor");
+        return ft_numel(src) ? ft_cuda_index_add(t, d, index, src) : FT_OK;
+    }
+#endif
+    return slices_cpu(t, src, d, index, 1, func);
+}
