@@ -171,12 +171,12 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     constexpr int DW = D / DSPLIT;          /* head-dim columns this warp accumulates */
     constexpr int NT_D = DW / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    /* K, V [BC][LD]; then two buffers of (Q, dO) [BWD_BR][LD]; then two
+     * buffers of (lse * log2(e), D) [BWD_BR] floats */
     T *sK = reinterpret_cast<T *>(smem_raw);
     T *sV = sK + BC * LD;
-    T *sQ = sV + BC * LD;
-    T *sdO = sQ + BWD_BR * LD;
-    float *sL = reinterpret_cast<float *>(sdO + BWD_BR * LD); /* lse * log2(e), per query */
-    float *sD = sL + BWD_BR;
+    T *const sQ0 = sV + BC * LD;
+    float *const sL0 = reinterpret_cast<float *>(sQ0 + 4 * BWD_BR * LD);
 
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int kw = warp / DSPLIT, dpart = warp % DSPLIT; /* key slice, column part */
@@ -186,8 +186,33 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     const int key[2] = {j0 + kw * 16 + g, j0 + kw * 16 + g + 8};
     const int shift = p.Nk - p.Nq;
 
+    /* the (query head, query block) tiles this key block meets, in order */
+    const int i_begin = flash_query_start(p, j0) / BWD_BR * BWD_BR;
+    const int nqb = i_begin < p.Nq ? (p.Nq - i_begin + BWD_BR - 1) / BWD_BR : 0;
+    const int tiles = G * nqb;
+
+    /* Starts the copy of tile t into buffer buf: Q and dO by cp.async, the
+     * row statistics by plain stores (read after the next barrier). */
+    auto issue = [&](int t, int buf) {
+        const int h = hk * G + t / nqb, i0 = i_begin + (t % nqb) * BWD_BR;
+        const int nq = min(BWD_BR, p.Nq - i0);
+        T *q = sQ0 + buf * 2 * BWD_BR * LD;
+        load_tile<T, BWD_BR, D, LD, THREADS>(q, p.q, b, h, i0, nq, p.d);
+        load_tile<T, BWD_BR, D, LD, THREADS>(q + BWD_BR * LD, p.dout, b, h, i0, nq, p.d);
+        const float *lse = p.lse + ((int64_t)b * p.H + h) * p.Nq;
+        const float *Dh = p.D + ((int64_t)b * p.H + h) * p.Nq;
+        float *sl = sL0 + buf * 2 * BWD_BR;
+        for (int r = threadIdx.x; r < BWD_BR; r += THREADS) {
+            const bool ok = r < nq && lse[i0 + r] != -INFINITY;
+            sl[r] = ok ? lse[i0 + r] * FT_LOG2E : INFINITY; /* exp2(x - inf) = 0 */
+            sl[BWD_BR + r] = r < nq ? Dh[i0 + r] : 0.f;
+        }
+    };
+
     load_tile<T, BC, D, LD, THREADS>(sK, p.k, b, hk, j0, nk, p.d);
     load_tile<T, BC, D, LD, THREADS>(sV, p.v, b, hk, j0, nk, p.d);
+    if (tiles > 0)
+        issue(0, 0);
     cp_async_commit();
 
     float dk[NT_D][4], dv[NT_D][4];
@@ -197,23 +222,17 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
         for (int e = 0; e < 4; e++)
             dk[n][e] = dv[n][e] = 0.f;
 
-    const int i_begin = flash_query_start(p, j0) / BWD_BR * BWD_BR;
-    for (int h = hk * G; h < (hk + 1) * G; h++) {
-        const float *lse = p.lse + ((int64_t)b * p.H + h) * p.Nq;
-        const float *Dh = p.D + ((int64_t)b * p.H + h) * p.Nq;
-        for (int i0 = i_begin; i0 < p.Nq; i0 += BWD_BR) {
-            const int nq = min(BWD_BR, p.Nq - i0);
-            __syncthreads(); /* the previous tile is no longer read */
-            load_tile<T, BWD_BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
-            load_tile<T, BWD_BR, D, LD, THREADS>(sdO, p.dout, b, h, i0, nq, p.d);
+    for (int t = 0, buf = 0; t < tiles; t++, buf ^= 1) {
+        {
+            cp_async_wait_all(); /* tile t landed ... */
+            __syncthreads();     /* ... for all, and tile t-1's buffer is free */
+            if (t + 1 < tiles)
+                issue(t + 1, buf ^ 1); /* overlaps the products below */
             cp_async_commit();
-            for (int r = threadIdx.x; r < BWD_BR; r += THREADS) {
-                const bool ok = r < nq && lse[i0 + r] != -INFINITY;
-                sL[r] = ok ? lse[i0 + r] * FT_LOG2E : INFINITY; /* exp2(x - inf) = 0 */
-                sD[r] = r < nq ? Dh[i0 + r] : 0.f;
-            }
-            cp_async_wait_all();
-            __syncthreads();
+            const int i0 = i_begin + (t % nqb) * BWD_BR;
+            const int nq = min(BWD_BR, p.Nq - i0);
+            const T *sQ = sQ0 + buf * 2 * BWD_BR * LD, *sdO = sQ + BWD_BR * LD;
+            const float *sL = sL0 + buf * 2 * BWD_BR, *sD = sL + BWD_BR;
 
             /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys */
             float st[NT_Q][4], dpt[NT_Q][4];
@@ -309,8 +328,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *sQ = reinterpret_cast<T *>(smem_raw);
     T *sdO = sQ + BWD_BR * LD;
-    T *sK = sdO + BWD_BR * LD;
-    T *sV = sK + BC * LD;
+    T *const sK0 = sdO + BWD_BR * LD; /* two buffers of (K, V) [BC][LD] */
 
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int g = lane / 4, t4 = lane % 4;
@@ -319,8 +337,13 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
     const int shift = p.Nk - p.Nq;
 
+    const int jend = flash_key_end(p, i0 + nq - 1);
     load_tile<T, BWD_BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
     load_tile<T, BWD_BR, D, LD, THREADS>(sdO, p.dout, b, h, i0, nq, p.d);
+    if (jend > 0) {
+        load_tile<T, BC, D, LD, THREADS>(sK0, p.k, b, hk, 0, min(BC, p.Nk), p.d);
+        load_tile<T, BC, D, LD, THREADS>(sK0 + BC * LD, p.v, b, hk, 0, min(BC, p.Nk), p.d);
+    }
     cp_async_commit();
     float L[2], Dr[2];
 #pragma unroll
@@ -335,15 +358,17 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     for (int n = 0; n < NT_D; n++)
         dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
 
-    const int jend = flash_key_end(p, i0 + nq - 1);
-    for (int j0 = 0; j0 < jend; j0 += BC) {
-        __syncthreads();
-        const int nk = min(BC, p.Nk - j0);
-        load_tile<T, BC, D, LD, THREADS>(sK, p.k, b, hk, j0, nk, p.d);
-        load_tile<T, BC, D, LD, THREADS>(sV, p.v, b, hk, j0, nk, p.d);
+    for (int j0 = 0, buf = 0; j0 < jend; j0 += BC, buf ^= 1) {
+        cp_async_wait_all(); /* block j landed ... */
+        __syncthreads();     /* ... for all, and block j-1's buffer is free */
+        if (j0 + BC < jend) { /* block j+1 loads while block j is multiplied */
+            T *next = sK0 + (buf ^ 1) * 2 * BC * LD;
+            const int nk_next = min(BC, p.Nk - j0 - BC);
+            load_tile<T, BC, D, LD, THREADS>(next, p.k, b, hk, j0 + BC, nk_next, p.d);
+            load_tile<T, BC, D, LD, THREADS>(next + BC * LD, p.v, b, hk, j0 + BC, nk_next, p.d);
+        }
         cp_async_commit();
-        cp_async_wait_all();
-        __syncthreads();
+        const T *sK = sK0 + buf * 2 * BC * LD, *sV = sK + BC * LD;
 
         float s[NT_S][4], dp[NT_S][4];
 #pragma unroll
@@ -418,8 +443,11 @@ template <typename T, int D, int BC, int DSPLIT>
 static ft_status launch_bwd_mma(const FlashParams &p)
 {
     const char *func = "ft_attention_backward";
-    const size_t tiles = (size_t)(2 * BC + 2 * BWD_BR) * (D + 8) * sizeof(T);
-    const size_t smem_kv = tiles + 2 * BWD_BR * sizeof(float);
+    /* dK/dV: K, V and two (Q, dO) buffers, two (lse, D) buffers;
+     * dQ: Q, dO and two (K, V) buffers */
+    const size_t smem_kv = (size_t)(2 * BC + 4 * BWD_BR) * (D + 8) * sizeof(T) +
+                           4 * BWD_BR * sizeof(float);
+    const size_t smem_q = (size_t)(2 * BWD_BR + 4 * BC) * (D + 8) * sizeof(T);
     auto kv = flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT>;
     FT_CUDA_TRY(func, cudaFuncSetAttribute(kv, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)smem_kv));
@@ -429,8 +457,8 @@ static ft_status launch_bwd_mma(const FlashParams &p)
     }
     auto qk = flash_bwd_dq_mma_kernel<T, D, BC>;
     FT_CUDA_TRY(func, cudaFuncSetAttribute(qk, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)tiles));
-    qk<<<dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B), 4 * FT_WARP, tiles>>>(p);
+                                           (int)smem_q));
+    qk<<<dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B), 4 * FT_WARP, smem_q>>>(p);
     FT_CUDA_CHECK_LAUNCH(func);
     return FT_OK;
 }
