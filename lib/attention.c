@@ -126,10 +126,10 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
         return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
                        "impl 'tiled' is the cpu implementation; on CUDA use 'flash' "
                        "(or 'naive')");
-    if ((p->impl == FT_ATTN_FLASH || p->impl == FT_ATTN_AUTO) && cuda && q->dtype == FT_F64)
+    if (p->impl == FT_ATTN_FLASH && cuda && q->dtype == FT_F64)
         return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
                        "the flash kernels take f16, bf16 or f32; for f64 on CUDA use "
-                       "impl = 'naive' (or the cpu)");
+                       "impl = 'naive' or 'auto' (or the cpu)");
     if (!isfinite(p->scale))
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "scale must be finite, got %g", p->scale);
     s->scale = p->scale != 0 ? p->scale : 1.0 / sqrt((double)s->d);
@@ -157,6 +157,12 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
     return FT_OK;
 }
 
+/* On CUDA, "auto" is flash but for f64, which only the naive path takes. */
+static int use_naive_cuda(ft_attn_impl impl, const ft_attn_shape *s)
+{
+    return impl == FT_ATTN_NAIVE || (impl == FT_ATTN_AUTO && s->dtype == FT_F64);
+}
+
 /* The implementation for the device: the cpu's naive or tiled code, or
  * the CUDA naive (cuBLAS) or flash kernels. */
 static ft_status run_forward(ft_attn_impl impl, const ft_attn_shape *s,
@@ -165,8 +171,8 @@ static ft_status run_forward(ft_attn_impl impl, const ft_attn_shape *s,
 {
 #ifdef FT_HAVE_CUDA
     if (q->device.type == FT_CUDA)
-        return impl == FT_ATTN_NAIVE ? ft_attention_forward_naive_cuda(s, q, k, v, out, lse)
-                                     : ft_attention_forward_flash_cuda(s, q, k, v, out, lse);
+        return use_naive_cuda(impl, s) ? ft_attention_forward_naive_cuda(s, q, k, v, out, lse)
+                                       : ft_attention_forward_flash_cuda(s, q, k, v, out, lse);
 #endif
     return ft_attention_forward_cpu(impl, s, q, k, v, out, lse);
 }
@@ -179,7 +185,7 @@ static ft_status run_backward(ft_attn_impl impl, const ft_attn_shape *s,
 {
 #ifdef FT_HAVE_CUDA
     if (q->device.type == FT_CUDA)
-        return impl == FT_ATTN_NAIVE
+        return use_naive_cuda(impl, s)
                    ? ft_attention_backward_naive_cuda(s, dout, q, k, v, out, lse, dq, dk, dv)
                    : ft_attention_backward_flash_cuda(s, dout, q, k, v, out, lse, dq, dk, dv);
 #endif

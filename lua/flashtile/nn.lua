@@ -1,0 +1,956 @@
+--- flashtile.nn: neural-network modules in the manner of torch7's nn.
+--
+--   local ft = require "flashtile"
+--   local nn = require "flashtile.nn"
+--   local model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+--   local y = model:forward(x)                 -- keeps what backward needs
+--   local dx = model:backward(x, dy)           -- accumulates parameter grads
+--   local params, grads = model:parameters()   -- two lists, same order
+--   model:zero_grad()
+--   print(model)                               -- the nested structure
+--
+-- Every module:
+--   forward(input) -> output; backward(input, grad_output) -> grad_input
+--     (backward follows the forward of the same input, as in torch7; it adds
+--     into the parameter grads, so call zero_grad() between steps);
+--   parameters() -> params, grads (documented order, children in order);
+--   zero_grad(), train(), evaluate(), to(dtype or device) (in place,
+--   returns the module), clone(), replace(fn), apply(fn), find(typename),
+--   n_parameters(), and m(x) as a shorthand for m:forward(x).
+--
+-- Modules (shapes: x [..., dim] unless said):
+--   Linear(in, out, {bias = true})   [..., in] -> [..., out]; weight [out, in], bias [out]
+--   MultiheadAttention{dim =, heads =, kv_heads = heads, causal = false, bias = false}
+--                                    [B, N, dim]; its Linears: qkv, out (or q, kv, out)
+--   RMSNorm(dim, {eps = 1e-6})       weight
+--   LayerNorm(dim, {eps = 1e-5})     weight, bias
+--   GELU() (tanh form), SiLU(), Identity()
+--   Embedding(vocab, dim)            1-based ids (i64/i32) of any shape -> [..., dim]; weight
+--   PositionalEmbedding(max_len, dim) x [..., N, dim] + learned rows 1..N; weight
+--   Residual(f)                      x + f(x)
+--   Sequential(m1, m2, ...)          children in order
+--   TransformerBlock{dim =, heads =, kv_heads =, causal =, hidden = 4 dim, norm = "rms"}
+--                                    pre-norm attention and Linear-GELU-Linear MLP
+--   CrossEntropy()                   forward(logits [N, C], targets [N]) -> number;
+--                                    backward(logits, targets) -> grad logits
+-- (after each module: the order of its parameters() and of their grads)
+--
+-- Parameters start from a seed: every constructor of a module with
+-- parameters takes {seed = n}
+-- (without one it draws from a counter, nn.manual_seed(n) resets it), and
+-- {dtype = "f32", device = "cpu"}. The values are drawn in f64 on the CPU
+-- and converted, so one seed gives one model on every dtype and device.
+-- Initial scales follow PyTorch: Linear weights and biases uniform in
+-- (-1/sqrt(in), 1/sqrt(in)), embeddings standard normal, norms ones/zeros.
+local ft = require "flashtile"
+
+local nn = {}
+
+-- ---- small helpers ------------------------------------------------------------
+
+local function shape_string(shape)
+  return "{" .. table.concat(shape, ", ") .. "}"
+end
+
+local function is_float(t)
+  local d = t.dtype
+  return d == "f64" or d == "f32" or d == "f16" or d == "bf16"
+end
+
+--- A positive integer, or an error naming the argument.
+local function check_count(ctx, name, v)
+  if math.type(v) ~= "integer" or v < 1 then
+    error(("%s: %s must be a positive integer, got %s"):format(ctx, name, tostring(v)), 4)
+  end
+  return v
+end
+
+--- Checks an options table against the allowed keys (a map key -> default;
+-- false stands for "no default") and returns a copy with the defaults.
+local function check_opts(ctx, opts, allowed)
+  if opts ~= nil and type(opts) ~= "table" then
+    error(("%s: options must be a table, got %s"):format(ctx, type(opts)), 4)
+  end
+  local names, o = {}, {}
+  for k, v in pairs(allowed) do
+    names[#names + 1] = k
+    if v ~= false then o[k] = v end
+  end
+  table.sort(names)
+  for k, v in pairs(opts or {}) do
+    if allowed[k] == nil then
+      error(("%s: unknown option '%s' (expected %s)"):format(ctx, tostring(k), table.concat(names, ", ")), 4)
+    end
+    o[k] = v
+  end
+  return o
+end
+
+local function check_boolean(ctx, name, v)
+  if type(v) ~= "boolean" then
+    error(("%s: option '%s' must be a boolean, got %s"):format(ctx, name, tostring(v)), 4)
+  end
+end
+
+local function check_positive_number(ctx, name, v)
+  if type(v) ~= "number" or not (v > 0) or v == math.huge then
+    error(("%s: option '%s' must be a positive number, got %s"):format(ctx, name, tostring(v)), 4)
+  end
+end
+
+-- ---- seeds --------------------------------------------------------------------
+
+local seed_counter = 0
+
+--- Resets the counter that modules built without {seed=} draw from.
+function nn.manual_seed(n)
+  if math.type(n) ~= "integer" then error("nn.manual_seed: seed must be an integer", 2) end
+  seed_counter = n
+end
+
+local function next_seed()
+  seed_counter = seed_counter + 1
+  return seed_counter
+end
+
+--- A seed for part k of a module seeded with `seed` (a splitmix64 step, so
+-- that seeds 1 and 2 do not share streams between their parts).
+local function derive(seed, k)
+  local z = seed * 0x9E3779B97F4A7C15 + k * 0x632BE59BD9B4E019
+  z = (z ~ (z >> 30)) * 0xBF58476D1CE4E5B9
+  z = (z ~ (z >> 27)) * 0x94D049BB133111EB
+  return z ~ (z >> 31)
+end
+nn.derive_seed = derive
+
+--- Reads {seed, dtype, device} into what tensor factories take.
+local function tensor_opts(o)
+  return { dtype = o.dtype or "f32", device = o.device or "cpu" }
+end
+
+--- uniform(-bound, bound) of a shape, drawn in f64 on the CPU.
+local function uniform(shape, bound, seed, o)
+  return (ft.rand(shape, { dtype = "f64", seed = seed }) * (2 * bound) - bound):to(tensor_opts(o))
+end
+
+local function normal(shape, seed, o)
+  return ft.randn(shape, { dtype = "f64", seed = seed }):to(tensor_opts(o))
+end
+
+local function zeros_like(t)
+  return ft.zeros(t.shape, { dtype = t.dtype, device = t.device })
+end
+
+--- grad += delta, in place (grad may be a view).
+local function accumulate(grad, delta)
+  grad:copy(grad + delta)
+end
+
+--- `small` (a tensor whose shape is `full`'s with some dims of size 1 or
+-- missing in front) stretched to `full`'s shape as a view.
+local function bcast(small, full)
+  return small:expand(full.shape)
+end
+
+-- ---- classes ------------------------------------------------------------------
+
+local metamethods = { "__tostring", "__call" }
+
+--- A class table: nn.X(...) makes an instance and runs X.__init(self, ...).
+local function class(name, parent)
+  local cls = {}
+  cls.__index = cls
+  cls.__typename = "nn." .. name
+  if parent then
+    for _, mm in ipairs(metamethods) do cls[mm] = parent[mm] end
+  end
+  setmetatable(cls, {
+    __index = parent,
+    __call = function(c, ...)
+      local self = setmetatable({}, c)
+      self:__init(...)
+      return self
+    end,
+  })
+  nn[name] = cls
+  return cls
+end
+nn.class = class
+
+-- ---- Module: what every module has ---------------------------------------------
+
+local Module = class("Module")
+
+function Module:__init()
+  self.training = true
+  self._params = {}  -- list of {param field, grad field}, in parameters() order
+end
+
+Module.__tostring = function(self) return self:describe() end
+Module.__call = function(self, ...) return self:forward(...) end
+
+--- Declares self[param] (with its grad in self[grad]) as a parameter.
+function Module:register(param, grad)
+  self._params[#self._params + 1] = { param, grad }
+end
+
+function Module:forward(input)
+  error(self.__typename .. ": forward is not implemented", 2)
+end
+
+function Module:backward(input, grad_output)
+  error(self.__typename .. ": backward is not implemented", 2)
+end
+
+--- Two lists: the parameters and their grads, own ones first, then the
+-- children's in order.
+function Module:parameters()
+  local params, grads = {}, {}
+  self:apply(function(m)
+    for _, pg in ipairs(m._params) do
+      params[#params + 1] = m[pg[1]]
+      grads[#grads + 1] = m[pg[2]]
+    end
+  end)
+  return params, grads
+end
+
+--- How many numbers the parameters hold.
+function Module:n_parameters()
+  local n = 0
+  for _, p in ipairs((self:parameters())) do n = n + p:numel() end
+  return n
+end
+
+function Module:zero_grad()
+  local _, grads = self:parameters()
+  for _, g in ipairs(grads) do g:fill(0) end
+  return self
+end
+
+--- Calls fn(m) on this module and every descendant, parents first.
+function Module:apply(fn)
+  fn(self)
+  for _, m in ipairs(self.modules or {}) do m:apply(fn) end
+  return self
+end
+
+--- Every module (this one included) whose type is typename ("nn.Linear" or
+-- "Linear"), in order.
+function Module:find(typename)
+  if not typename:find("^nn%.") then typename = "nn." .. typename end
+  local found = {}
+  self:apply(function(m)
+    if m.__typename == typename then found[#found + 1] = m end
+  end)
+  return found
+end
+
+--- torch7's replace: fn(m) returns the module to use instead of m (or m);
+-- applied to every descendant. Returns fn(self).
+function Module:replace(fn)
+  local out = fn(self)
+  for i, m in ipairs(self.modules or {}) do
+    local new = m:replace(fn)
+    if new ~= m then
+      self.modules[i] = new
+      -- named references to the child follow it
+      for k, v in pairs(self) do
+        if v == m then self[k] = new end
+      end
+    end
+  end
+  return out
+end
+
+function Module:train()
+  return self:apply(function(m) m.training = true end)
+end
+
+function Module:evaluate()
+  return self:apply(function(m) m.training = false end)
+end
+
+--- Drops what forward kept for backward (every tensor field that is not a
+-- parameter or a grad).
+function Module:clear_state()
+  return self:apply(function(m)
+    local keep = {}
+    for _, pg in ipairs(m._params) do keep[pg[1]], keep[pg[2]] = true, true end
+    for k, v in pairs(m) do
+      if ft.is_tensor(v) and not keep[k] then m[k] = nil end
+    end
+  end)
+end
+
+--- Converts every parameter and grad (replacing the tensors inside the
+-- modules) to a dtype or a device, as t:to takes. Optimisers built before
+-- hold the old tensors: build them after to().
+function Module:to(target)
+  self:clear_state()
+  return self:apply(function(m)
+    for _, pg in ipairs(m._params) do
+      m[pg[1]] = m[pg[1]]:to(target)
+      m[pg[2]] = m[pg[2]]:to(target)
+    end
+  end)
+end
+
+--- The dtype and device of the first parameter (nil for none).
+function Module:type()
+  local params = self:parameters()
+  if params[1] then return params[1].dtype, params[1].device end
+end
+
+local function deep_copy(v, memo)
+  if ft.is_tensor(v) then
+    if not memo[v] then memo[v] = v:clone() end
+    return memo[v]
+  end
+  if type(v) ~= "table" then return v end
+  if memo[v] then return memo[v] end
+  local c = {}
+  memo[v] = c
+  for k, x in pairs(v) do c[deep_copy(k, memo)] = deep_copy(x, memo) end
+  return setmetatable(c, getmetatable(v))
+end
+
+--- An independent copy: parameters and grads cloned, no forward state.
+function Module:clone()
+  return deep_copy(self, {}):clear_state()
+end
+
+--- The one-line description of a leaf (containers list their children).
+function Module:describe()
+  return self.__typename .. self:header()
+end
+
+--- What follows the type name: "(4 -> 8)" and the like.
+function Module:header()
+  return ""
+end
+
+--- The torch7 printing of a module with children:
+--   nn.Sequential {
+--     [input -> (1) -> (2) -> output]
+--     (1): nn.Linear(4 -> 8)
+--     (2): nn.GELU
+--   }
+local function describe_children(self, flow)
+  local lines = { self.__typename .. self:header() .. " {" }
+  if flow then lines[2] = "  " .. flow end
+  for i, m in ipairs(self.modules) do
+    local s = tostring(m):gsub("\n", "\n  ")
+    lines[#lines + 1] = ("  (%d): %s"):format(i, s)
+  end
+  lines[#lines + 1] = "}"
+  return table.concat(lines, "\n")
+end
+
+--- Checks that x is a float tensor of this module's dtype and device.
+function Module:check_input(x, what)
+  what = what or "input"
+  if not ft.is_tensor(x) then
+    error(("%s: %s must be a tensor, got %s"):format(self.__typename, what, type(x)), 3)
+  end
+  if not is_float(x) then
+    error(("%s: %s must be a float tensor, got %s"):format(self.__typename, what, x.dtype), 3)
+  end
+  local dtype, device = self:type()
+  if dtype and x.dtype ~= dtype then
+    error(("%s: %s is %s but the parameters are %s (convert one: module:to(%q) or x:to(%q))")
+      :format(self.__typename, what, x.dtype, dtype, x.dtype, dtype), 3)
+  end
+  if device and x.device ~= device then
+    error(("%s: %s is on %s but the parameters are on %s"):format(self.__typename, what, x.device, device), 3)
+  end
+end
+
+--- Checks that the last dim of x is n.
+function Module:check_last_dim(x, n, what)
+  if x:dim() < 1 or x:size(x:dim()) ~= n then
+    error(("%s: %s %s must end in a dim of size %d"):format(self.__typename, what or "input",
+      shape_string(x.shape), n), 3)
+  end
+end
+
+-- ---- Identity -------------------------------------------------------------------
+
+--- nn.Identity(): returns its input (and grad_output) unchanged.
+local Identity = class("Identity", Module)
+
+function Identity:forward(input)
+  self.output = input
+  return input
+end
+
+function Identity:backward(input, grad_output)
+  self.grad_input = grad_output
+  return grad_output
+end
+
+-- ---- Linear ---------------------------------------------------------------------
+
+--- nn.Linear(in, out, {bias = true, seed =, dtype =, device =}) on inputs
+-- [..., in] -> [..., out]: y = x W^T + b. Parameters: weight [out, in],
+-- then bias [out].
+local Linear = class("Linear", Module)
+
+function Linear:__init(in_features, out_features, opts)
+  Module.__init(self)
+  check_count("nn.Linear", "in_features", in_features)
+  check_count("nn.Linear", "out_features", out_features)
+  local o = check_opts("nn.Linear", opts, { bias = true, seed = false, dtype = false, device = false })
+  check_boolean("nn.Linear", "bias", o.bias)
+  local seed = o.seed or next_seed()
+  self.in_features, self.out_features = in_features, out_features
+  local bound = 1 / math.sqrt(in_features)
+  self.weight = uniform({ out_features, in_features }, bound, derive(seed, 1), o)
+  self.grad_weight = zeros_like(self.weight)
+  self:register("weight", "grad_weight")
+  if o.bias then
+    self.bias = uniform({ out_features }, bound, derive(seed, 2), o)
+    self.grad_bias = zeros_like(self.bias)
+    self:register("bias", "grad_bias")
+  end
+end
+
+function Linear:header()
+  return ("(%d -> %d)%s"):format(self.in_features, self.out_features,
+    self.bias and "" or " without bias")
+end
+
+function Linear:forward(input)
+  self:check_input(input)
+  self:check_last_dim(input, self.in_features)
+  local x = input:reshape(-1, self.in_features)           -- [M, in]
+  local y = ft.matmul(x, self.weight:transpose())          -- [M, out]
+  if self.bias then y = y + bcast(self.bias, y) end
+  local shape = input.shape
+  shape[#shape] = self.out_features
+  self.output = y:view(shape)                              -- [..., out]
+  return self.output
+end
+
+function Linear:backward(input, grad_output)
+  local x = input:reshape(-1, self.in_features)             -- [M, in]
+  local g = grad_output:reshape(-1, self.out_features)      -- [M, out]
+  accumulate(self.grad_weight, ft.matmul(g:transpose(), x)) -- [out, in]
+  if self.bias then accumulate(self.grad_bias, g:sum(1)) end
+  self.grad_input = ft.matmul(g, self.weight):view(input.shape)
+  return self.grad_input
+end
+
+-- ---- activations ------------------------------------------------------------------
+
+--- nn.GELU(): x * Phi(x) in the tanh approximation (GPT-2's):
+-- 0.5 x (1 + tanh(c (x + 0.044715 x^3))), c = sqrt(2 / pi).
+local GELU = class("GELU", Module)
+local GELU_C, GELU_A = math.sqrt(2 / math.pi), 0.044715
+
+function GELU:forward(x)
+  self:check_input(x)
+  local t = ((x + x * x * x * GELU_A) * GELU_C):tanh()
+  self.output = x * (t + 1) * 0.5
+  return self.output
+end
+
+function GELU:backward(x, grad_output)
+  local x2 = x * x
+  local t = ((x + x2 * x * GELU_A) * GELU_C):tanh()
+  -- d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3a x^2)
+  local dt = (1 - t * t) * (x2 * (3 * GELU_A) + 1) * (GELU_C * 0.5)
+  self.grad_input = grad_output * ((t + 1) * 0.5 + x * dt)
+  return self.grad_input
+end
+
+--- nn.SiLU(): x * sigmoid(x).
+local SiLU = class("SiLU", Module)
+
+function SiLU:forward(x)
+  self:check_input(x)
+  self.output = x * x:sigmoid()
+  return self.output
+end
+
+function SiLU:backward(x, grad_output)
+  local s = x:sigmoid()
+  -- d/dx = s (1 + x (1 - s))
+  self.grad_input = grad_output * s * (x * (1 - s) + 1)
+  return self.grad_input
+end
+
+-- ---- norms ------------------------------------------------------------------------
+
+--- nn.RMSNorm(dim, {eps = 1e-6}) over the last dim: x / rms(x) * weight.
+-- Parameters: weight [dim] (ones).
+local RMSNorm = class("RMSNorm", Module)
+
+function RMSNorm:__init(dim, opts)
+  Module.__init(self)
+  check_count("nn.RMSNorm", "dim", dim)
+  local o = check_opts("nn.RMSNorm", opts, { eps = 1e-6, seed = false, dtype = false, device = false })
+  check_positive_number("nn.RMSNorm", "eps", o.eps)
+  self.dim, self.eps = dim, o.eps
+  self.weight = ft.ones({ dim }, tensor_opts(o))
+  self.grad_weight = zeros_like(self.weight)
+  self:register("weight", "grad_weight")
+end
+
+function RMSNorm:header()
+  return ("(%d, eps %g)"):format(self.dim, self.eps)
+end
+
+function RMSNorm:forward(x)
+  self:check_input(x)
+  self:check_last_dim(x, self.dim)
+  local rstd = ((x * x):mean(-1, true) + self.eps) ^ -0.5    -- [..., 1]
+  self.xhat = x * bcast(rstd, x)                              -- [..., dim]
+  self.rstd = rstd
+  self.output = self.xhat * bcast(self.weight, x)
+  return self.output
+end
+
+function RMSNorm:backward(x, grad_output)
+  local xhat, g = self.xhat, grad_output
+  accumulate(self.grad_weight, (g * xhat):reshape(-1, self.dim):sum(1))
+  -- dx = rstd (dxhat - xhat mean(dxhat xhat))
+  local dxhat = g * bcast(self.weight, g)
+  local dot = (dxhat * xhat):mean(-1, true)
+  self.grad_input = (dxhat - xhat * bcast(dot, xhat)) * bcast(self.rstd, xhat)
+  return self.grad_input
+end
+
+--- nn.LayerNorm(dim, {eps = 1e-5}) over the last dim: (x - mean) / std *
+-- weight + bias. Parameters: weight [dim] (ones), then bias [dim] (zeros).
+local LayerNorm = class("LayerNorm", Module)
+
+function LayerNorm:__init(dim, opts)
+  Module.__init(self)
+  check_count("nn.LayerNorm", "dim", dim)
+  local o = check_opts("nn.LayerNorm", opts, { eps = 1e-5, seed = false, dtype = false, device = false })
+  check_positive_number("nn.LayerNorm", "eps", o.eps)
+  self.dim, self.eps = dim, o.eps
+  self.weight = ft.ones({ dim }, tensor_opts(o))
+  self.bias = ft.zeros({ dim }, tensor_opts(o))
+  self.grad_weight, self.grad_bias = zeros_like(self.weight), zeros_like(self.bias)
+  self:register("weight", "grad_weight")
+  self:register("bias", "grad_bias")
+end
+
+LayerNorm.header = RMSNorm.header
+
+function LayerNorm:forward(x)
+  self:check_input(x)
+  self:check_last_dim(x, self.dim)
+  local xc = x - bcast(x:mean(-1, true), x)
+  local rstd = ((xc * xc):mean(-1, true) + self.eps) ^ -0.5  -- [..., 1]
+  self.xhat = xc * bcast(rstd, x)
+  self.rstd = rstd
+  self.output = self.xhat * bcast(self.weight, x) + bcast(self.bias, x)
+  return self.output
+end
+
+function LayerNorm:backward(x, grad_output)
+  local xhat, g = self.xhat, grad_output
+  local g2 = g:reshape(-1, self.dim)
+  accumulate(self.grad_weight, (g * xhat):reshape(-1, self.dim):sum(1))
+  accumulate(self.grad_bias, g2:sum(1))
+  -- dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))
+  local dxhat = g * bcast(self.weight, g)
+  local mean = dxhat:mean(-1, true)
+  local dot = (dxhat * xhat):mean(-1, true)
+  self.grad_input = (dxhat - bcast(mean, xhat) - xhat * bcast(dot, xhat)) * bcast(self.rstd, xhat)
+  return self.grad_input
+end
+
+-- ---- embeddings -----------------------------------------------------------------
+
+local function check_ids(self, ids)
+  if not ft.is_tensor(ids) or (ids.dtype ~= "i64" and ids.dtype ~= "i32") then
+    error(("%s: input must be an i64 (or i32) tensor of 1-based ids, got %s"):format(
+      self.__typename, ft.is_tensor(ids) and ids.dtype .. " tensor" or type(ids)), 3)
+  end
+  if ids:numel() == 0 then return end
+  local lo, hi = ids:min(), ids:max()
+  if lo < 1 or hi > self.vocab then
+    error(("%s: ids must be 1 to %d, got %d to %d"):format(self.__typename, self.vocab, lo, hi), 3)
+  end
+end
+
+--- nn.Embedding(vocab, dim): 1-based ids of any shape (i64 or i32) ->
+-- [..., dim]. Parameters: weight [vocab, dim] (standard normal). backward
+-- adds into the weight grad and returns nil (ids have no gradient).
+local Embedding = class("Embedding", Module)
+
+function Embedding:__init(vocab, dim, opts)
+  Module.__init(self)
+  check_count("nn.Embedding", "vocab", vocab)
+  check_count("nn.Embedding", "dim", dim)
+  local o = check_opts("nn.Embedding", opts, { seed = false, dtype = false, device = false })
+  self.vocab, self.dim = vocab, dim
+  self.weight = normal({ vocab, dim }, derive(o.seed or next_seed(), 1), o)
+  self.grad_weight = zeros_like(self.weight)
+  self:register("weight", "grad_weight")
+end
+
+function Embedding:header()
+  return ("(%d, %d)"):format(self.vocab, self.dim)
+end
+
+--- The ids flattened to 1-d i64 on the weight's device.
+function Embedding:flat_ids(ids)
+  local flat = ids:reshape(-1)
+  if flat.dtype ~= "i64" then flat = flat:to("i64") end
+  if flat.device ~= self.weight.device then flat = flat:to(self.weight.device) end
+  return flat
+end
+
+function Embedding:forward(ids)
+  check_ids(self, ids)
+  local rows = self.weight:index_select(1, self:flat_ids(ids))  -- [n, dim]
+  local shape = ids.shape
+  shape[#shape + 1] = self.dim
+  self.output = rows:view(shape)
+  return self.output
+end
+
+function Embedding:backward(ids, grad_output)
+  self.grad_weight:index_add(1, self:flat_ids(ids), grad_output:reshape(-1, self.dim))
+  self.grad_input = nil
+  return nil
+end
+
+--- nn.PositionalEmbedding(max_len, dim): learned positions added to
+-- x [..., seqlen, dim] (seqlen <= max_len): y = x + weight[1..seqlen].
+-- Parameters: weight [max_len, dim] (standard normal).
+local PositionalEmbedding = class("PositionalEmbedding", Module)
+
+function PositionalEmbedding:__init(max_len, dim, opts)
+  Module.__init(self)
+  check_count("nn.PositionalEmbedding", "max_len", max_len)
+  check_count("nn.PositionalEmbedding", "dim", dim)
+  local o = check_opts("nn.PositionalEmbedding", opts, { seed = false, dtype = false, device = false })
+  self.max_len, self.dim = max_len, dim
+  self.weight = normal({ max_len, dim }, derive(o.seed or next_seed(), 1), o)
+  self.grad_weight = zeros_like(self.weight)
+  self:register("weight", "grad_weight")
+end
+
+function PositionalEmbedding:header()
+  return ("(%d, %d)"):format(self.max_len, self.dim)
+end
+
+function PositionalEmbedding:forward(x)
+  self:check_input(x)
+  self:check_last_dim(x, self.dim)
+  local n = x:dim() >= 2 and x:size(x:dim() - 1) or 0
+  if x:dim() < 2 or n > self.max_len then
+    error(("nn.PositionalEmbedding: input %s must be [..., seqlen <= %d, %d]"):format(
+      shape_string(x.shape), self.max_len, self.dim), 2)
+  end
+  self.output = x + bcast(self.weight:narrow(1, 1, n), x)
+  return self.output
+end
+
+function PositionalEmbedding:backward(x, grad_output)
+  local n = x:size(x:dim() - 1)
+  local rows = self.grad_weight:narrow(1, 1, n)                      -- [n, dim]
+  accumulate(rows, grad_output:reshape(-1, n, self.dim):sum(1))
+  self.grad_input = grad_output
+  return grad_output
+end
+
+-- ---- containers -------------------------------------------------------------------
+
+--- nn.Sequential(m1, m2, ...): m_n(...m_2(m_1(x))). Parameters: the
+-- children's, in order.
+local Sequential = class("Sequential", Module)
+
+function Sequential:__init(...)
+  Module.__init(self)
+  self.modules = {}
+  for i = 1, select("#", ...) do self:add((select(i, ...))) end
+end
+
+local function check_module(ctx, m, what)
+  if type(m) ~= "table" or getmetatable(m) == nil or type(m.forward) ~= "function" then
+    error(("%s: %s must be a module, got %s"):format(ctx, what, type(m)), 4)
+  end
+end
+
+--- Appends a module; returns the container.
+function Sequential:add(m)
+  check_module("nn.Sequential", m, "child " .. (#self.modules + 1))
+  self.modules[#self.modules + 1] = m
+  return self
+end
+
+function Sequential:forward(input)
+  local x = input
+  for _, m in ipairs(self.modules) do x = m:forward(x) end
+  self.output = x
+  return x
+end
+
+function Sequential:backward(input, grad_output)
+  local g = grad_output
+  for i = #self.modules, 1, -1 do
+    local x = i == 1 and input or self.modules[i - 1].output
+    g = self.modules[i]:backward(x, g)
+  end
+  self.grad_input = g
+  return g
+end
+
+function Sequential:describe()
+  local flow = { "[input" }
+  for i = 1, #self.modules do flow[#flow + 1] = "(" .. i .. ")" end
+  flow[#flow + 1] = "output]"
+  return describe_children(self, table.concat(flow, " -> "))
+end
+
+--- nn.Residual(f): x + f(x). Parameters: f's.
+local Residual = class("Residual", Module)
+
+function Residual:__init(f)
+  Module.__init(self)
+  check_module("nn.Residual", f, "the wrapped module")
+  self.modules = { f }
+end
+
+function Residual:forward(x)
+  self.output = x + self.modules[1]:forward(x)
+  return self.output
+end
+
+function Residual:backward(x, grad_output)
+  self.grad_input = grad_output + self.modules[1]:backward(x, grad_output)
+  return self.grad_input
+end
+
+function Residual:describe()
+  return describe_children(self, "[input -> (1) -> + input -> output]")
+end
+
+-- ---- attention ----------------------------------------------------------------------
+
+--- nn.MultiheadAttention{dim =, heads =, kv_heads = heads, causal = false,
+-- bias = false, seed =, dtype =, device =} on x [batch, seqlen, dim]:
+-- projections to q [B, N, heads, d] and k, v [B, N, kv_heads, d]
+-- (d = dim / heads), ft.attention, and an output projection.
+--
+-- With kv_heads == heads one Linear(dim, 3 dim) makes q, k and v together,
+-- viewed [B, N, 3, H, d] and selected along dim 3 (no copies); with fewer
+-- kv heads (GQA) a Linear(dim, dim) makes q and a Linear(dim, 2 kv_heads d)
+-- makes k and v the same way. Parameters: those Linears' in order (qkv, out
+-- or q, kv, out), each weight then bias. f64 on CUDA runs the naive
+-- attention kernels (the flash ones take f32, f16 and bf16).
+local MultiheadAttention = class("MultiheadAttention", Module)
+
+function MultiheadAttention:__init(opts)
+  Module.__init(self)
+  local ctx = "nn.MultiheadAttention"
+  if type(opts) ~= "table" then
+    error(ctx .. ": expected a table {dim =, heads =, ...}, got " .. type(opts), 3)
+  end
+  local o = check_opts(ctx, opts, { dim = false, heads = false, kv_heads = false, causal = false,
+                                    bias = false, seed = false, dtype = false, device = false })
+  check_count(ctx, "dim", o.dim)
+  check_count(ctx, "heads", o.heads)
+  o.kv_heads = o.kv_heads or o.heads
+  check_count(ctx, "kv_heads", o.kv_heads)
+  o.causal = o.causal or false
+  o.bias = o.bias or false
+  check_boolean(ctx, "causal", o.causal)
+  check_boolean(ctx, "bias", o.bias)
+  if o.dim % o.heads ~= 0 then
+    error(("%s: heads (%d) must divide dim (%d)"):format(ctx, o.heads, o.dim), 3)
+  end
+  if o.heads % o.kv_heads ~= 0 then
+    error(("%s: kv_heads (%d) must divide heads (%d)"):format(ctx, o.kv_heads, o.heads), 3)
+  end
+  self.dim, self.heads, self.kv_heads = o.dim, o.heads, o.kv_heads
+  self.head_dim, self.causal = o.dim // o.heads, o.causal
+  local seed = o.seed or next_seed()
+  local function lin(k, n_in, n_out)
+    return Linear(n_in, n_out, { bias = o.bias, seed = derive(seed, k), dtype = o.dtype, device = o.device })
+  end
+  if self.kv_heads == self.heads then
+    self.qkv = lin(1, o.dim, 3 * o.dim)
+    self.out_proj = lin(2, o.dim, o.dim)
+    self.modules = { self.qkv, self.out_proj }
+  else
+    self.q_proj = lin(1, o.dim, o.dim)
+    self.kv_proj = lin(3, o.dim, 2 * self.kv_heads * self.head_dim)
+    self.out_proj = lin(2, o.dim, o.dim)
+    self.modules = { self.q_proj, self.kv_proj, self.out_proj }
+  end
+end
+
+function MultiheadAttention:header()
+  local parts = { "dim " .. self.dim, "heads " .. self.heads }
+  if self.kv_heads ~= self.heads then parts[#parts + 1] = "kv_heads " .. self.kv_heads end
+  if self.causal then parts[#parts + 1] = "causal" end
+  return "(" .. table.concat(parts, ", ") .. ")"
+end
+
+function MultiheadAttention:describe()
+  return describe_children(self)
+end
+
+--- q [B, N, H, d], k and v [B, N, Hk, d]: strided views of the projections.
+function MultiheadAttention:project(x)
+  local B, N, H, Hk, d = x:size(1), x:size(2), self.heads, self.kv_heads, self.head_dim
+  if self.qkv then
+    local qkv = self.qkv:forward(x):view(B, N, 3, H, d)
+    return qkv:select(3, 1), qkv:select(3, 2), qkv:select(3, 3)
+  end
+  local q = self.q_proj:forward(x):view(B, N, H, d)
+  local kv = self.kv_proj:forward(x):view(B, N, 2, Hk, d)
+  return q, kv:select(3, 1), kv:select(3, 2)
+end
+
+--- ft.attention's options ("auto" picks the kernels for the device and
+-- dtype: tiled on the CPU, flash on CUDA, naive for f64 on CUDA).
+function MultiheadAttention:attention_options(x)
+  return { causal = self.causal }
+end
+
+function MultiheadAttention:forward(x)
+  self:check_input(x)
+  if x:dim() ~= 3 or x:size(3) ~= self.dim then
+    error(("nn.MultiheadAttention: input %s must be [batch, seqlen, %d]"):format(
+      shape_string(x.shape), self.dim), 2)
+  end
+  local q, k, v = self:project(x)
+  local out, lse = ft.attention(q, k, v, self:attention_options(x))  -- [B, N, H, d], [B, H, N]
+  self.q, self.k, self.v, self.attn, self.lse = q, k, v, out, lse
+  self.output = self.out_proj:forward(out:reshape(x:size(1), x:size(2), self.dim))
+  return self.output
+end
+
+--- Copies tensors into selects of a zeros [B, N, #parts, heads, d] along
+-- dim 3 and returns it as [B, N, #parts * heads * d].
+local function pack(parts, B, N, heads, d, like)
+  local packed = ft.zeros({ B, N, #parts, heads, d }, { dtype = like.dtype, device = like.device })
+  for i, t in ipairs(parts) do packed:select(3, i):copy(t) end
+  return packed:view(B, N, #parts * heads * d)
+end
+
+function MultiheadAttention:backward(x, grad_output)
+  local B, N, H, Hk, d = x:size(1), x:size(2), self.heads, self.kv_heads, self.head_dim
+  local dattn = self.out_proj:backward(self.attn:reshape(B, N, self.dim), grad_output)
+  local dq, dk, dv = ft.attention_backward(dattn:reshape(B, N, H, d), self.q, self.k, self.v,
+                                           self.attn, self.lse, self:attention_options(x))
+  if self.qkv then
+    self.grad_input = self.qkv:backward(x, pack({ dq, dk, dv }, B, N, H, d, x))
+  else
+    local gq = self.q_proj:backward(x, dq:reshape(B, N, self.dim))
+    self.grad_input = gq + self.kv_proj:backward(x, pack({ dk, dv }, B, N, Hk, d, x))
+  end
+  return self.grad_input
+end
+
+-- ---- the transformer block ----------------------------------------------------------
+
+--- nn.TransformerBlock{dim =, heads =, kv_heads = heads, causal = false,
+-- hidden = 4 dim, norm = "rms" | "layer", eps =, bias = false (attention
+-- projections), seed =, dtype =, device =}: pre-norm,
+--   x = x + attn(norm1(x));  x = x + mlp(norm2(x)),  mlp = Linear-GELU-Linear.
+-- A Sequential of two Residuals: parameters in that order (norm1, attn,
+-- norm2, the two MLP Linears).
+local TransformerBlock = class("TransformerBlock", Sequential)
+
+function TransformerBlock:__init(opts)
+  local ctx = "nn.TransformerBlock"
+  if type(opts) ~= "table" then
+    error(ctx .. ": expected a table {dim =, heads =, ...}, got " .. type(opts), 3)
+  end
+  local o = check_opts(ctx, opts, { dim = false, heads = false, kv_heads = false, causal = false,
+                                    hidden = false, norm = "rms", eps = false, bias = false,
+                                    seed = false, dtype = false, device = false })
+  check_count(ctx, "dim", o.dim)
+  o.hidden = o.hidden or 4 * o.dim
+  check_count(ctx, "hidden", o.hidden)
+  if o.norm ~= "rms" and o.norm ~= "layer" then
+    error(("%s: option 'norm' must be \"rms\" or \"layer\", got %s"):format(ctx, tostring(o.norm)), 3)
+  end
+  local seed = o.seed or next_seed()
+  local t = { dtype = o.dtype, device = o.device }
+  local function norm()
+    local Norm = o.norm == "rms" and RMSNorm or LayerNorm
+    return Norm(o.dim, { eps = o.eps, dtype = o.dtype, device = o.device })
+  end
+  local attn = MultiheadAttention { dim = o.dim, heads = o.heads, kv_heads = o.kv_heads,
+                                    causal = o.causal, bias = o.bias, seed = derive(seed, 1),
+                                    dtype = t.dtype, device = t.device }
+  local mlp = Sequential(
+    norm(),
+    Linear(o.dim, o.hidden, { seed = derive(seed, 2), dtype = t.dtype, device = t.device }),
+    GELU(),
+    Linear(o.hidden, o.dim, { seed = derive(seed, 3), dtype = t.dtype, device = t.device }))
+  Sequential.__init(self, Residual(Sequential(norm(), attn)), Residual(mlp))
+  self.dim, self.hidden = o.dim, o.hidden
+end
+
+function TransformerBlock:header()
+  return ("(dim %d, hidden %d)"):format(self.dim, self.hidden)
+end
+
+-- ---- losses -------------------------------------------------------------------------
+
+--- nn.CrossEntropy(): forward(logits [N, C], targets [N] i64 1-based) ->
+-- the mean of -log softmax(logits)[target] as a number; backward(logits,
+-- targets) -> grad logits [N, C] = (softmax - onehot) / N. Like torch7's
+-- criteria, backward takes the targets, not a grad_output.
+local CrossEntropy = class("CrossEntropy", Module)
+
+function CrossEntropy:check(logits, targets)
+  self:check_input(logits, "logits")
+  if logits:dim() ~= 2 then
+    error(("nn.CrossEntropy: logits %s must be [N, classes]"):format(shape_string(logits.shape)), 3)
+  end
+  if not ft.is_tensor(targets) or (targets.dtype ~= "i64" and targets.dtype ~= "i32") then
+    error("nn.CrossEntropy: targets must be an i64 (or i32) tensor of 1-based classes", 3)
+  end
+  local N, C = logits:size(1), logits:size(2)
+  if targets:dim() ~= 1 or targets:size(1) ~= N then
+    error(("nn.CrossEntropy: targets %s must be [%d], one per row of the logits"):format(
+      shape_string(targets.shape), N), 3)
+  end
+  local lo, hi = targets:min(), targets:max()
+  if lo < 1 or hi > C then
+    error(("nn.CrossEntropy: targets must be 1 to %d, got %d to %d"):format(C, lo, hi), 3)
+  end
+end
+
+--- Positions of logits[i, targets[i]] in the flattened logits (1-based).
+local function target_positions(targets, C, device)
+  local N = targets:size(1)
+  local t = targets:to({ dtype = "i64", device = device })
+  return ft.arange(0, N * C, C, { dtype = "i64", device = device }) + t
+end
+
+function CrossEntropy:forward(logits, targets)
+  self:check(logits, targets)
+  local C = logits:size(2)
+  -- log softmax, shifted by the row max so that exp cannot overflow
+  local shifted = logits - bcast(logits:max(2, true), logits)
+  local logp = shifted - bcast(shifted:exp():sum(2, true):log(), logits)
+  self.logp = logp
+  self.positions = target_positions(targets, C, logits.device)
+  self.output = -logp:reshape(-1):index_select(1, self.positions):mean()
+  return self.output
+end
+
+function CrossEntropy:backward(logits, targets)
+  local N = logits:size(1)
+  local p = self.logp:exp()                     -- softmax, a fresh contiguous tensor
+  local minus_one = ft.full({ N }, -1, { dtype = p.dtype, device = p.device })
+  p:view(-1):index_add(1, self.positions, minus_one)
+  self.grad_input = p / N
+  return self.grad_input
+end
+
+return nn
