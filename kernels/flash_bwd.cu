@@ -15,13 +15,16 @@
  * instantiated for D = 64, 128, 256 (head dims rounded up, zero columns):
  * 6 instantiations of each of the two.
  *
- * Measured on the H200 (2026-11-30, f16, N = 16384, non-causal): 119
- * TFLOP/s at d = 64 and 133 at d = 128 (FlashAttention-2: 277 and 298),
+ * Measured on the H200 (2026-11-30, f16, N = 16384, non-causal, TFLOP/s
  * counting 2.5 x the forward's FLOPs as FlashAttention does; the split into
- * two kernels actually computes about 3.5 x. Neither kernel is pipelined
- * yet (tiles are loaded, then waited for). ptxas: the dK/dV kernel spills
- * 36 bytes at D = 128 and 256 (255 registers: the dK and dV accumulators
- * of 16 keys x D stay in registers), the SIMT dK/dV kernel 4 bytes.
+ * two kernels actually computes about 3.5 x; FlashAttention-2: 277 at
+ * d = 64, 298 at d = 128):
+ *   v1  tiles loaded, then waited for: d = 64: 119, d = 128: 133; the dK/dV
+ *       kernel spilled 36 bytes at D = 128 and 256.
+ *   v2  both kernels double-buffer their tiles (the next Q/dO tile, or the
+ *       next K/V block, copies while this one is multiplied): d = 64: 124,
+ *       d = 128: 144; no spills in the tensor-core kernels (254 registers
+ *       in dK/dV). The SIMT dK/dV kernel spills 4 bytes.
  * Next: a single pass with dQ accumulated by f32 atomics for the
  * non-deterministic default, pipelined tile loads.
  */
