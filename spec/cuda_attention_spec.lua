@@ -7,20 +7,8 @@
 local h = require "helper"
 local ft = h.ft
 
-local function no_gpu()
-  if not (ft.cuda and ft.cuda.is_available()) then
-    return "no CUDA device: " .. (ft.cuda and ft.cuda.is_built() and
-      "ft.cuda.is_available() is false" or "this build has no CUDA backend")
-  end
-end
 
-local function gpu_it(name, body)
-  it(name, function()
-    local reason = no_gpu()
-    if reason then pending(reason) return end
-    body()
-  end)
-end
+local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
 -- the smallest error worth comparing: a few units of the input's rounding
 local FLOOR = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }

@@ -8,15 +8,7 @@ local ft = h.ft
 local nn = require "flashtile.nn"
 local optim = require "flashtile.optim"
 
-local function gpu_it(name, body)
-  it(name, function()
-    if not (ft.cuda and ft.cuda.is_available()) then
-      pending("no CUDA device: ft.cuda.is_available() is false")
-      return
-    end
-    body()
-  end)
-end
+local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
 --- Asserts that cpu (on the CPU) and gpu (on cuda:0) hold the same values.
 local function same(cpu, gpu, tol, what)

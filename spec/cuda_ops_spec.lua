@@ -4,15 +4,7 @@
 local h = require "helper"
 local ft = h.ft
 
-local function gpu_it(name, body)
-  it(name, function()
-    if not (ft.cuda and ft.cuda.is_available()) then
-      pending("no CUDA device: ft.cuda.is_available() is false")
-      return
-    end
-    body()
-  end)
-end
+local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
 local function same(cpu, gpu, tol, what)
   assert.are.equal("cpu", cpu.device)

@@ -5,28 +5,9 @@
 local h = require "helper"
 local ft = h.ft
 
---- Why CUDA tests cannot run here, or nil when they can.
-local function no_cuda_reason()
-  if type(ft.cuda) ~= "table" then
-    return "no CUDA device: this flashtile build has no CUDA backend (ft.cuda is absent)"
-  end
-  if type(ft.cuda.is_available) ~= "function" or not ft.cuda.is_available() then
-    return "no CUDA device: ft.cuda.is_available() is false"
-  end
-  return nil
-end
 
 --- it() whose body runs only with a usable device; pending otherwise.
-local function gpu_it(name, body)
-  it(name, function()
-    local reason = no_cuda_reason()
-    if reason then
-      pending(reason)
-      return
-    end
-    body()
-  end)
-end
+local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
 describe("cuda #gpu", function()
   gpu_it("t:to('cuda') and back round trips every dtype", function()
@@ -78,7 +59,7 @@ end)
 
 describe("cuda names without a CUDA backend", function()
   it("asking for a cuda device is a clear error", function()
-    if no_cuda_reason() == nil then
+    if h.no_gpu_reason() == nil then
       pending("a CUDA device is available: see the #gpu tests")
       return
     end

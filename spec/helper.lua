@@ -144,4 +144,40 @@ end
 h.DTYPES = { "f64", "f32", "f16", "bf16", "i32", "i64" }
 h.FLOAT_DTYPES = { "f64", "f32", "f16", "bf16" }
 
+-- ---- GPU specs --------------------------------------------------------------
+
+--- Why specs tagged #gpu cannot run here, or nil when they can.
+function h.no_gpu_reason()
+  if type(ft.cuda) ~= "table" then
+    return "no CUDA device: this flashtile build has no CUDA backend (ft.cuda is absent)"
+  end
+  if not ft.cuda.is_built() then
+    return "no CUDA device: this flashtile build has no CUDA backend"
+  end
+  if not ft.cuda.is_available() then
+    return "no CUDA device: ft.cuda.is_available() is false"
+  end
+  return nil
+end
+
+--- An it() for GPU specs: the body runs with a usable device, and is
+-- reported pending, with the reason, without one. Pass busted's it, and
+-- pending wrapped in a function of the spec file: a required module does
+-- not see the spec environment, and busted's pending means "this test is
+-- pending" only when looked up inside the running test (taken at load
+-- time it would declare another, empty test and let this one pass):
+--   local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
+function h.gpu_it(it, pending)
+  return function(name, body)
+    it(name, function()
+      local reason = h.no_gpu_reason()
+      if reason then
+        pending(reason)
+        return
+      end
+      body()
+    end)
+  end
+end
+
 return h

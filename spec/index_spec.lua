@@ -70,12 +70,10 @@ describe("expand, index_select, index_add", function()
   end)
 end)
 
+local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
+
 describe("expand, index_select, index_add on CUDA #gpu", function()
-  it("match the cpu", function()
-    if not (ft.cuda and ft.cuda.is_available()) then
-      pending("no CUDA device: ft.cuda.is_available() is false")
-      return
-    end
+  gpu_it("match the cpu", function()
     local w = ft.randn({ 50, 8 }, { seed = 3 })
     local ids = ft.tensor({ 3, 50, 3, 1, 7 }, { dtype = "i64" })
     local wg, ig = w:cuda(), ids:cuda()
