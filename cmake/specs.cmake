@@ -31,7 +31,7 @@ if(FT_SANITIZE)
   endif()
   list(APPEND FT_SPEC_ENV
        "LD_PRELOAD=${FT_PRELOAD}"
-       "ASAN_OPTIONS=detect_leaks=1:abort_on_error=0"
+       "ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:allocator_may_return_null=1"
        "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1")
 endif()
 
