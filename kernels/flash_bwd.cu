@@ -426,6 +426,8 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
         }
     }
 
+    cp_async_wait_all(); /* nothing left in flight (none when no key is visible) */
+
     T *dqp = reinterpret_cast<T *>(p.dq.data);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -513,7 +515,7 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     if (st == FT_OK && s->Nq > 0 && mma) {
         st = q->dtype == FT_F16 ? launch_bwd_mma_dtype<__half>(p)
                                 : launch_bwd_mma_dtype<__nv_bfloat16>(p);
-    } else if (mma) {
+    } else if (st == FT_OK && mma) {
         /* no queries: dK = dV = 0 */
         st = ft_fill(dk, 0.0);
         if (st == FT_OK)

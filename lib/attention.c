@@ -11,11 +11,13 @@
 #endif
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 4096
+#define MAX_GRID_YZ 65535 /* CUDA grids: heads on y, batch on z */
 #define DEFAULT_BLOCK_Q 64 /* a 64 x 64 score tile plus Q/K/V tiles of */
 #define DEFAULT_BLOCK_K 64 /* d <= 128 stay within a core's L2 */
 #define SHAPE_TEXT 160
@@ -108,6 +110,17 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
         return ft_fail(FT_ERR_ARGUMENT, func, aq + 1,
                        "k/v heads (%lld) must divide q heads (%lld) for GQA/MQA",
                        (long long)s->Hk, (long long)s->H);
+    /* Sizes the kernels index with 32-bit ints and grids whose y and z
+     * extents stop at 65535; the cpu's scratch sizes (Nq * Nk) stay far
+     * from int64's limit. */
+    if (s->Nq > INT32_MAX || s->Nk > INT32_MAX)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
+                       "seqlens above %d are not supported (Nq %lld, Nk %lld)", INT32_MAX,
+                       (long long)s->Nq, (long long)s->Nk);
+    if (q->device.type == FT_CUDA && (s->B > MAX_GRID_YZ || s->H > MAX_GRID_YZ))
+        return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
+                       "batch and heads above %d are not supported on CUDA (%lld, %lld)",
+                       MAX_GRID_YZ, (long long)s->B, (long long)s->H);
     if (s->d < 1 || s->d > MAX_HEAD_DIM)
         return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
                        "head_dim %lld is not supported (1 to %d)", (long long)s->d,
@@ -157,11 +170,13 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
     return FT_OK;
 }
 
+#ifdef FT_HAVE_CUDA
 /* On CUDA, "auto" is flash but for f64, which only the naive path takes. */
 static int use_naive_cuda(ft_attn_impl impl, const ft_attn_shape *s)
 {
     return impl == FT_ATTN_NAIVE || (impl == FT_ATTN_AUTO && s->dtype == FT_F64);
 }
+#endif
 
 /* The implementation for the device: the cpu's naive or tiled code, or
  * the CUDA naive (cuBLAS) or flash kernels. */

@@ -8,8 +8,6 @@
 #include "kernels.h"
 #endif
 
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define SHAPE_TEXT 160
@@ -47,32 +45,47 @@ static void replaced_shape(const ft_tensor *t, int dim, int64_t n, int64_t *shap
     shape[dim] = n;
 }
 
-/* out.select(dim, i) op= t.select(dim, index[i]) for every i, on the CPU. */
-static ft_status slices_cpu(ft_tensor *dst, const ft_tensor *src, int dim,
-                            const ft_tensor *index, int add, const char *func)
+/* index[i] of a 1-d i32/i64 tensor on the CPU. */
+static int64_t index_at(const ft_tensor *index, int64_t i)
 {
+    const void *p = ft_elem_ptr(index, i * index->stride[0]);
+    return index->dtype == FT_I64 ? *(const int64_t *)p : *(const int32_t *)p;
+}
+
+/* On the CPU, for every i: gather copies src's slice index[i] into dst's
+ * slice i; add adds src's slice i into dst's slice index[i] (computed in
+ * f64, rounded once, as ft_binary does). No allocation, so it cannot fail
+ * half-way: the binding retries a call that ran out of memory, which must
+ * find the tensor unchanged. */
+static void slices_cpu(ft_tensor *dst, const ft_tensor *src, int dim,
+                       const ft_tensor *index, int add)
+{
+    int64_t shape[FT_MAX_DIMS], sd[FT_MAX_DIMS], ss[FT_MAX_DIMS], count = 1;
+    int n = 0;
+    for (int k = 0; k < dst->ndim; k++)
+        if (k != dim) {
+            shape[n] = dst->shape[k];
+            sd[n] = dst->stride[k];
+            ss[n++] = src->stride[k];
+            count *= dst->shape[k];
+        }
+    const size_t es = ft_dtype_size(dst->dtype);
     for (int64_t i = 0; i < index->shape[0]; i++) {
-        int64_t pos = 0;
-        FT_TRY(ft_get_int(index, &i, &pos));
-        /* select: gather reads t at pos into out at i; add writes t at pos */
-        ft_tensor *d = NULL, *s = NULL, *sum = NULL;
-        ft_status st = ft_select(&d, dst, dim, add ? pos : i);
-        if (st == FT_OK)
-            st = ft_select(&s, src, dim, add ? i : pos);
-        if (st == FT_OK && add)
-            st = ft_binary(&sum, FT_ADD, d, s);
-        if (st == FT_OK)
-            st = ft_copy(d, add ? sum : s);
-        ft_tensor_free(d);
-        ft_tensor_free(s);
-        ft_tensor_free(sum);
-        if (st != FT_OK) {
-            char why[256]; /* ft_fail writes over the last error's text */
-            snprintf(why, sizeof why, "%s", ft_last_error_detail());
-            return ft_fail(st, func, 0, "%s", why);
+        const int64_t pos = index_at(index, i);
+        const int64_t base_d = (add ? pos : i) * dst->stride[dim];
+        const int64_t base_s = (add ? i : pos) * src->stride[dim];
+        ft_iter it;
+        ft_iter_init(&it, n, shape, 2, (const int64_t *[]){sd, ss});
+        for (int64_t e = 0; e < count; e++, ft_iter_next(&it)) {
+            void *pd = ft_elem_ptr(dst, base_d + it.offset[0]);
+            const void *ps = ft_elem_ptr(src, base_s + it.offset[1]);
+            if (add)
+                ft_store_f64(pd, dst->dtype,
+                             ft_load_f64(pd, dst->dtype) + ft_load_f64(ps, src->dtype));
+            else
+                memcpy(pd, ps, es);
         }
     }
-    return FT_OK;
 }
 
 ft_status ft_index_select(ft_tensor **out, const ft_tensor *t, int dim,
@@ -89,13 +102,13 @@ ft_status ft_index_select(ft_tensor **out, const ft_tensor *t, int dim,
     replaced_shape(t, d, index->shape[0], shape);
     ft_tensor *r;
     FT_TRY(ft_empty_named(&r, t->ndim, shape, t->dtype, t->device, func));
-    ft_status st;
+    ft_status st = FT_OK;
 #ifdef FT_HAVE_CUDA
     if (t->device.type == FT_CUDA)
         st = ft_numel(r) ? ft_cuda_index_select(r, t, d, index) : FT_OK;
     else
 #endif
-        st = slices_cpu(r, t, d, index, 0, func);
+        slices_cpu(r, t, d, index, 0);
     if (st != FT_OK) {
         ft_tensor_free(r);
         return st;
@@ -142,5 +155,6 @@ ft_status ft_index_add(ft_tensor *t, int dim, const ft_tensor *index, const ft_t
         return ft_numel(src) ? ft_cuda_index_add(t, d, index, src) : FT_OK;
     }
 #endif
-    return slices_cpu(t, src, d, index, 1, func);
+    slices_cpu(t, src, d, index, 1);
+    return FT_OK;
 }

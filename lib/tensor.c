@@ -194,7 +194,7 @@ ft_status ft_expand(ft_tensor **out, const ft_tensor *t, int ndim,
     if (ndim < t->ndim || ndim > FT_MAX_DIMS || (ndim > 0 && !shape))
         return ft_fail(FT_ERR_ARGUMENT, "ft_expand", 2,
                        "cannot expand a %d-d tensor to %d dims", t->ndim, ndim);
-    int64_t size[FT_MAX_DIMS], stride[FT_MAX_DIMS];
+    int64_t size[FT_MAX_DIMS], stride[FT_MAX_DIMS], numel = 1;
     const int lead = ndim - t->ndim;
     for (int d = 0; d < ndim; d++) {
         const int64_t want = shape[d];
@@ -217,6 +217,12 @@ ft_status ft_expand(ft_tensor **out, const ft_tensor *t, int ndim,
                            ft_format_shape(sr, sizeof sr, ndim, shape), (long long)have,
                            (long long)want);
         }
+    }
+    for (int d = 0; d < ndim; d++) {
+        if (size[d] > 0 && numel > INT64_MAX / size[d])
+            return ft_fail(FT_ERR_ARGUMENT, "ft_expand", 2, "shape %s is too large",
+                           ft_format_shape(sr, sizeof sr, ndim, size));
+        numel *= size[d];
     }
     return make_view(out, t, t->data, ndim, size, stride, "ft_expand");
 }
@@ -251,6 +257,9 @@ static ft_status infer_shape(const char *func, const ft_tensor *t, int ndim,
             return ft_fail(FT_ERR_ARGUMENT, func, 2, "negative size in %s",
                            ft_format_shape(sr, sizeof sr, ndim, req));
         } else {
+            if (req[d] > 0 && known > INT64_MAX / req[d])
+                return ft_fail(FT_ERR_ARGUMENT, func, 2, "shape %s is too large",
+                               ft_format_shape(sr, sizeof sr, ndim, req));
             known *= req[d];
         }
     }

@@ -283,16 +283,19 @@ static void push_number(lua_State *L, const ft_tensor *t, double v)
         lua_pushnumber(L, v);
 }
 
-/* Pushes element at the 0-based index (integers keep their 64 bits). */
+/* Pushes element at the 0-based index (integers keep their 64 bits). A
+ * failed read (a CUDA copy) is an error, not a 0. */
 static void push_element(lua_State *L, const ft_tensor *t, const int64_t *index)
 {
     if (ft_dtype_is_float(t->dtype)) {
         double v = 0;
-        ft_get(t, index, &v);
+        if (ft_get(t, index, &v) != FT_OK)
+            luaL_error(L, "%s", ft_last_error());
         lua_pushnumber(L, v);
     } else {
         int64_t v = 0;
-        ft_get_int(t, index, &v);
+        if (ft_get_int(t, index, &v) != FT_OK)
+            luaL_error(L, "%s", ft_last_error());
         lua_pushinteger(L, (lua_Integer)v);
     }
 }
@@ -701,7 +704,7 @@ static ft_tensor *zero_based_index(lua_State *L, int idx, int64_t size)
                                                       (lua_Integer)size));
         }
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = -1;
+    int call_offset_ = idx - 2; /* C: op = 1, the index = 2 */
     CALL(L, ft_binary_scalar(slot, FT_SUB, index, 1.0, 0));
     return *slot;
 }

@@ -69,6 +69,17 @@ end
 
 describe("flashtile.gradcheck", function()
   describe("passes correct gradients", function()
+    it("of a forward that returns its input or a view of it", function()
+      local x = h.randn({ 3 })
+      for _, opts in ipairs { {}, { fast = true } } do
+        local ok, report = gradcheck.check(function(a) return a:view(3, 1) end,
+          function(dy) return dy:view(3) end, { x }, opts)
+        assert.is_true(ok, report.message)
+        ok, report = gradcheck.check(function(a) return a end, function(dy) return dy end, { x }, opts)
+        assert.is_true(ok, report.message)
+      end
+    end)
+
     it("of y = x * x, in full and fast mode", function()
       local forward, backward = square()
       local x = h.randn({ 3, 4 })

@@ -88,3 +88,16 @@ describe("expand, index_select, index_add on CUDA #gpu", function()
     assert.is_truthy(msg:find("out of range", 1, true), msg)
   end)
 end)
+
+describe("sizes that do not fit", function()
+  it("a view whose element count overflows is an error, not a huge view", function()
+    h.assert_error(function() return ft.zeros(0):view(4294967296, 4294967296) end, "too large")
+  end)
+
+  it("attention with seqlens past 32 bits (broadcast inputs) is an error", function()
+    local q = ft.ones(1, 1, 1, 1, { dtype = "f16" }):expand(1, 2^32 + 2^17, 1, 1)
+    local k = ft.ones(1, 1, 1, 1, { dtype = "f16" }):expand(1, 2^32 - 2^17, 1, 1)
+    h.assert_error(function() return ft.attention(q, k, k, { impl = "naive" }) end,
+      "seqlens above 2147483647 are not supported")
+  end)
+end)

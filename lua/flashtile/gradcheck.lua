@@ -75,9 +75,11 @@ local function numeric_column(forward, inputs, i, n, eps, dy)
   local idx = unravel(x.shape, n)
   local orig = x:get(table.unpack(idx))
   set_at(x, idx, orig + eps)
-  local yp = forward(table.unpack(inputs))
+  -- a copy: forward may return its input or a view of it, which the next
+  -- perturbation would change under our feet
+  local yp = forward(table.unpack(inputs)):clone()
   set_at(x, idx, orig - eps)
-  local ym = forward(table.unpack(inputs))
+  local ym = forward(table.unpack(inputs)):clone()
   set_at(x, idx, orig)
   if dy then return (project(yp, dy) - project(ym, dy)) / (2 * eps), idx end
   return (yp:double() - ym:double()) / (2 * eps), idx
