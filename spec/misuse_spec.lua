@@ -28,7 +28,9 @@ describe("misuse", function()
     local keep_values = keep:totable()
     local calls = 0
     for _, name in ipairs(names) do
-      if name ~= "free" then
+      -- free ends the tensor on purpose; save would write files named after
+      -- the arguments (its errors are io_spec's)
+      if name ~= "free" and name ~= "save" then
         for _, make in ipairs {
           function() return ft.ones(2, 3) end, function() return ft.tensor(1.5) end,
           function() return ft.zeros(0, 2) end, function() return ft.ones(4, 3):transpose() end,
