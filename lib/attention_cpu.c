@@ -109,12 +109,21 @@ static double lse_load(const ft_tensor *lse, int64_t b, int64_t h, int64_t i)
 #undef SFX
 #undef ACC_EXP
 
+/* Below this many multiply-adds (Nq * Nk * d summed over batch and
+ * heads) a call runs on one thread: starting and joining the OpenMP team
+ * costs more than it saves (a tiny model's training step ran faster on
+ * one thread than on two). */
+#define PARALLEL_MIN_WORK (1 << 20)
+
 /* Threads worth starting for `tasks` independent tasks: no more than the
  * tasks, since each thread holds its own scratch (for the backward an O(N)
- * slice), and memory should not grow with idle threads. */
-static int threads_for(int64_t tasks)
+ * slice), and memory should not grow with idle threads; one for small work. */
+static int threads_for(int64_t tasks, const ft_attn_shape *s)
 {
+    const double work = (double)s->B * (double)s->H * (double)s->Nq * (double)s->Nk * (double)s->d;
     int n = thread_count();
+    if (work < PARALLEL_MIN_WORK)
+        return 1;
     return tasks < n ? (tasks > 0 ? (int)tasks : 1) : n;
 }
 
@@ -133,7 +142,7 @@ ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
     const int f64 = q->dtype == FT_F64;
     size_t per = f64 ? scratch_per_thread_f64(impl, 0, s) : scratch_per_thread_f32(impl, 0, s);
     const int64_t nqb = (s->Nq + s->block_q - 1) / s->block_q;
-    const int nthreads = threads_for(s->B * s->H * (impl == FT_ATTN_NAIVE ? 1 : nqb));
+    const int nthreads = threads_for(s->B * s->H * (impl == FT_ATTN_NAIVE ? 1 : nqb), s);
     ft_storage *scratch;
     FT_TRY(scratch_new(&scratch, per, nthreads, 0, f64 ? sizeof(double) : sizeof(float),
                        "ft_attention_forward"));
@@ -154,7 +163,7 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
     const int f64 = q->dtype == FT_F64;
     size_t per = f64 ? scratch_per_thread_f64(impl, 1, s) : scratch_per_thread_f32(impl, 1, s);
     size_t nD = impl == FT_ATTN_NAIVE ? 0 : (size_t)(s->B * s->H * s->Nq);
-    const int nthreads = threads_for(s->B * s->Hk);
+    const int nthreads = threads_for(s->B * s->Hk, s);
     ft_storage *scratch;
     FT_TRY(scratch_new(&scratch, per, nthreads, nD, f64 ? sizeof(double) : sizeof(float),
                        "ft_attention_backward"));
