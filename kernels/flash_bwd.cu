@@ -32,11 +32,7 @@
 
 #include <math.h>
 
-#define SIMT_WARPS 4
 
-FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
-                         const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse);
-bool flash_rows_aligned(const ft_tensor *const *ts, int n);
 
 /* D[b, h, i] = dO_i . O_i, one warp per row. */
 __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dot_kernel(FlashParams p)

@@ -97,6 +97,13 @@ __device__ __forceinline__ int flash_query_start(const FlashParams &p, int j)
     return s < 0 ? 0 : (s > p.Nq ? p.Nq : s);
 }
 
+/* flash_fwd.cu: the parameters of a call, and whether every tensor's rows
+ * start on 16 bytes (what cp.async and the tensor-core kernels need). */
+FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
+                         const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse);
+bool flash_rows_aligned(const ft_tensor *const *ts, int n);
+
+#define SIMT_WARPS 4 /* warps per CTA of the SIMT kernels: one query or key row each */
 #define FT_SIMT_MAX_COLS 8 /* columns per lane: head_dim up to 8 * 32 = 256 */
 
 #endif

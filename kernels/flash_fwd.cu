@@ -37,7 +37,6 @@
 
 #include <math.h>
 
-#define SIMT_WARPS 4
 #define MMA_WARPS 4 /* per CTA; rows per CTA: 16 x MT x MMA_WARPS */
 
 /* ---- simple path ---- */

@@ -20,7 +20,6 @@
 #define MAX_GRID_YZ 65535 /* CUDA grids: heads on y, batch on z */
 #define DEFAULT_BLOCK_Q 64 /* a 64 x 64 score tile plus Q/K/V tiles of */
 #define DEFAULT_BLOCK_K 64 /* d <= 128 stay within a core's L2 */
-#define SHAPE_TEXT 160
 
 static const char *const impl_names[] = {"auto", "naive", "tiled", "flash"};
 

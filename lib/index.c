@@ -10,7 +10,6 @@
 
 #include <string.h>
 
-#define SHAPE_TEXT 160
 
 /* index: 1-d i32/i64 on t's device with every entry in [0, size). Only CPU
  * indices are read here; CUDA kernels check their entries themselves. */

@@ -43,7 +43,9 @@ ft_status ft_fail(ft_status status, const char *func, int arg,
             return ft_try_s_;                \
     } while (0)
 
-/* Formats a shape as "{2, 3, 4}" into buf; returns buf. */
+/* Formats a shape as "{2, 3, 4}" into buf; returns buf. SHAPE_TEXT bytes
+ * hold any shape of FT_MAX_DIMS sizes. */
+#define SHAPE_TEXT 160
 char *ft_format_shape(char *buf, size_t size, int ndim, const int64_t *shape);
 
 /* Normalises a possibly negative dim against ndim into *out; fails with a
@@ -116,8 +118,6 @@ ft_status ft_tensor_wrap(ft_tensor **out, ft_storage *s, size_t byte_offset,
 /* ft_empty with a caller-chosen function name for error messages. */
 ft_status ft_empty_named(ft_tensor **out, int ndim, const int64_t *shape,
                          ft_dtype dtype, ft_device device, const char *func);
-/* Fails unless t is on the CPU (device tensors come with the CUDA build). */
-ft_status ft_check_cpu(const char *func, int arg, const ft_tensor *t);
 /* Fails unless a and b have equal shapes. */
 ft_status ft_check_same_shape(const char *func, int arg, const ft_tensor *a,
                               const ft_tensor *b);

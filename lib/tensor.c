@@ -13,18 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SHAPE_TEXT 160 /* room for "{a, b, ...}" of FT_MAX_DIMS sizes */
-
-ft_status ft_check_cpu(const char *func, int arg, const ft_tensor *t)
-{
-    if (t->device.type != FT_CPU) {
-        char dev[16];
-        return ft_fail(FT_ERR_UNSUPPORTED, func, arg,
-                       "tensor on %s: this build has only the cpu",
-                       ft_device_name(t->device, dev, sizeof dev));
-    }
-    return FT_OK;
-}
 
 ft_status ft_check_device(const char *func, int arg, const ft_tensor *t,
                           const ft_tensor *ref)
