@@ -103,6 +103,13 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
                          const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse);
 bool flash_rows_aligned(const ft_tensor *const *ts, int n);
 
+/* flash_fwd_sm90.cu (built for 90a): the wgmma forward, head dims <= 128,
+ * f16/bf16, rows aligned. flash_sm90_usable: it was built and the device
+ * is of compute capability 9.0 (and FT_NO_WGMMA is not set in the
+ * environment, which keeps the mma.sync kernels for comparison). */
+ft_status flash_fwd_sm90(const FlashParams &p);
+bool flash_sm90_usable(int device);
+
 #define SIMT_WARPS 4 /* warps per CTA of the SIMT kernels: one query or key row each */
 #define FT_SIMT_MAX_COLS 8 /* columns per lane: head_dim up to 8 * 32 = 256 */
 

@@ -36,6 +36,8 @@
 #include "flash_mma.cuh"
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define MMA_WARPS 4 /* per CTA; rows per CTA: 16 x MT x MMA_WARPS */
 
@@ -323,6 +325,27 @@ bool flash_rows_aligned(const ft_tensor *const *ts, int n)
     return true;
 }
 
+bool flash_sm90_usable(int device)
+{
+#ifdef FT_HAVE_SM90A
+    enum { MAX_DEVICES = 64 };
+    static int known[MAX_DEVICES]; /* 0 unknown, 1 yes, 2 no */
+    if (device < 0 || device >= MAX_DEVICES)
+        return false;
+    if (!known[device]) {
+        int major = 0, minor = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+        const char *off = getenv("FT_NO_WGMMA");
+        known[device] = major == 9 && minor == 0 && !(off && *off && strcmp(off, "0")) ? 1 : 2;
+    }
+    return known[device] == 1;
+#else
+    (void)device;
+    return false;
+#endif
+}
+
 template <typename T, int D, int BC, int MT>
 static ft_status launch_fwd_mma(const FlashParams &p)
 {
@@ -360,6 +383,8 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     const ft_tensor *ts[4] = {q, k, v, out};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 4);
+    if (mma && s->d <= 128 && flash_sm90_usable(q->device.index))
+        return flash_fwd_sm90(p);
     if (mma)
         return q->dtype == FT_F16 ? launch_fwd_mma_dtype<__half>(p)
                                   : launch_fwd_mma_dtype<__nv_bfloat16>(p);

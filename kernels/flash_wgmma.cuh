@@ -1,0 +1,106 @@
+/*
+ * flash_wgmma.cuh - Hopper's warpgroup matrix products (wgmma, sm_90a) for
+ * the flash kernels: shared-memory matrix descriptors for tiles in the
+ * 128-byte swizzled layout, and m64nNk16 products with f32 accumulators.
+ *
+ * Shared tiles: a [rows][cols] tile of 16-bit elements is stored as
+ * cols / 64 column chunks, each [rows][64] (128 bytes a row), one after the
+ * other; inside a chunk, the 16-byte piece c of row r sits at piece
+ * c ^ (r % 8). Every chunk starts on 1024 bytes. That is the PTX ISA's
+ * canonical 128B-swizzle layout both ways round:
+ *   K-major (Q, K as B of Q K^T): 8-row groups 1024 bytes apart (SBO);
+ *     the k16 steps inside a chunk are +32 bytes on the start address.
+ *   MN-major (V as B of P V, transposed): 8-key groups 1024 bytes apart
+ *     (SBO), 64-column chunks rows * 128 bytes apart (LBO).
+ *
+ * Accumulator fragments (per warp of the warpgroup, rows 16 w .. 16 w + 15):
+ * d[4 i + 2 r + e] is row g + 8 r, column 8 i + 2 t + e (g = lane / 4,
+ * t = lane % 4), the mma.sync m16n8 C layout repeated along N; the A
+ * fragment from registers is mma.sync's m16n8k16 A layout. So, as with
+ * mma.sync, S's accumulators converted to 16 bits are P's A fragments.
+ */
+#ifndef FT_FLASH_WGMMA_CUH
+#define FT_FLASH_WGMMA_CUH
+
+#include "flash_mma.cuh"
+
+/* Descriptor of a tile at shared address `addr` (1024-aligned chunks). */
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo)
+{
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) |
+           ((uint64_t)(sbo >> 4) << 32) | (1ull << 62); /* 128B swizzle */
+}
+
+/* Byte offset of element (r, col) in a swizzled [rows][cols] tile. */
+template <int ROWS>
+__device__ __forceinline__ uint32_t swz_offset(int r, int col)
+{
+    return (uint32_t)((col / 64) * ROWS * 128 + r * 128 + ((((col % 64) / 8) ^ (r % 8)) * 16) +
+                      (col % 8) * 2);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* Ordinary (cp.async) writes to shared memory, made visible to wgmma. */
+__device__ __forceinline__ void fence_proxy_async()
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+#define FT_ACC8(d, i)                                                                         \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),            \
+        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FT_ACC32(d) FT_ACC8(d, 0), FT_ACC8(d, 8), FT_ACC8(d, 16), FT_ACC8(d, 24)
+#define FT_ACC64(d) FT_ACC32(d), FT_ACC8(d, 32), FT_ACC8(d, 40), FT_ACC8(d, 48), FT_ACC8(d, 56)
+#define FT_REG32                                                                              \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
+    "%24,%25,%26,%27,%28,%29,%30,%31}"
+#define FT_REG64                                                                              \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
+    "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,"    \
+    "%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+
+/* Wgmma<T, N>::ss: d (+)= A B, m64nNk16, A and B from shared memory, both
+ * K-major. Wgmma<T, N>::rs: A from registers, B from shared memory
+ * MN-major (transposed). accumulate = 0 overwrites d. */
+template <typename T, int N> struct Wgmma;
+
+#define FT_WGMMA_PAIR(TYPE, TY, N, REGS, ACC, SS_OPS, RS_OPS)                                \
+    template <> struct Wgmma<TYPE, N> {                                                      \
+        static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db,        \
+                                                  int accumulate)                            \
+        {                                                                                    \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_OPS                           \
+                         : ACC                                                               \
+                         : "l"(da), "l"(db), "r"(accumulate));                               \
+        }                                                                                    \
+        static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db,  \
+                                                  int accumulate)                            \
+        {                                                                                    \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_OPS                           \
+                         : ACC                                                               \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db),              \
+                           "r"(accumulate));                                                 \
+        }                                                                                    \
+    };
+
+#define FT_WGMMA_TYPE(TYPE, TY)                                                              \
+    FT_WGMMA_PAIR(TYPE, TY, 64, FT_REG32, FT_ACC32(d),                                       \
+                  "%34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "       \
+                  FT_REG32 ", %32, %33, p, 1, 1, 0, 0;\n}\n",                                \
+                  "%37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "       \
+                  FT_REG32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n")                  \
+    FT_WGMMA_PAIR(TYPE, TY, 128, FT_REG64, FT_ACC64(d),                                      \
+                  "%66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "      \
+                  FT_REG64 ", %64, %65, p, 1, 1, 0, 0;\n}\n",                                \
+                  "%69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "      \
+                  FT_REG64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n")
+
+FT_WGMMA_TYPE(__half, "f16")
+FT_WGMMA_TYPE(__nv_bfloat16, "bf16")
+
+#endif
