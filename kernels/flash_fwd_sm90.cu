@@ -51,6 +51,50 @@ __device__ __forceinline__ void load_tile_swz(unsigned char *tile, const FlashTe
     }
 }
 
+/* K or V rows j0 .. j0+ROWS-1 into a swizzled [ROWS][D] tile. Each thread
+ * copies the same column piece of rows r0, r0 + RP, ...: its shared
+ * offsets and global pointer are worked out once. */
+template <typename T, int ROWS, int D, int THREADS> struct KvLoader {
+    static constexpr int CHUNKS = D / 8, RP = THREADS / CHUNKS, ITERS = ROWS / RP;
+    static_assert(ROWS % RP == 0 && RP % 8 == 0, "loader shape");
+    const T *src; /* row r0 of the head, column c */
+    int64_t row_stride;
+    uint32_t dst; /* byte offset of (r0, c) in the tile */
+    int r0, n;
+    bool col_ok;
+    __device__ __forceinline__ KvLoader(const FlashTensor &t, int b, int head, int n_rows, int d)
+    {
+        const int c = (threadIdx.x % CHUNKS) * 8;
+        r0 = threadIdx.x / CHUNKS;
+        row_stride = t.row_stride;
+        src = (const T *)t.data + row_offset(t, b, r0, head) + c;
+        dst = swz_offset<ROWS>(r0, c);
+        n = n_rows;
+        col_ok = c < d;
+    }
+    __device__ __forceinline__ void load(unsigned char *tile, int j0) const
+    {
+        const T *g = src + (int64_t)j0 * row_stride;
+#pragma unroll
+        for (int it = 0; it < ITERS; it++) {
+            const bool valid = col_ok && j0 + r0 + it * RP < n;
+            cp_async_16(tile + dst + it * RP * 128, valid ? g + it * RP * row_stride : src, valid);
+        }
+    }
+};
+
+/* Keeps the compiler from moving register reads or writes across wgmma's
+ * asynchronous window (the asm statements name the registers). */
+__device__ __forceinline__ void pin(float &x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void pin(uint32_t &x) { asm volatile("" : "+r"(x)::"memory"); }
+
+__device__ __forceinline__ float ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 template <typename T, int D, int BC, int NWG>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(FlashParams p)
 {
@@ -73,42 +117,45 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
     const int hk = h / (p.H / p.Hk);
     const int nq = min(BR, p.Nq - i0);
     const int shift = p.Nk - p.Nq; /* key j visible to query i when j <= i + shift */
-    const int jend = flash_key_end(p, i0 + nq - 1);
-    const int wg_rows = min(64, nq - wg * 64); /* may be <= 0 */
-    const int wg_jend = wg_rows > 0 ? flash_key_end(p, i0 + wg * 64 + wg_rows - 1) : 0;
-    const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
-
-    load_tile_swz<T, BR, D, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
-    if (jend > 0) {
-        load_tile_swz<T, BC, D, THREADS>(sK, p.k, b, hk, 0, min(BC, p.Nk), p.d);
-        load_tile_swz<T, BC, D, THREADS>(sV, p.v, b, hk, 0, min(BC, p.Nk), p.d);
+    const int nkb = (flash_key_end(p, i0 + nq - 1) + BC - 1) / BC; /* key blocks */
+    if (nkb == 0) { /* no row sees a key: O = 0, LSE = -inf */
+        for (int idx = tid; idx < nq * p.d; idx += THREADS)
+            store_elem(p.out.data, row_offset(p.out, b, i0 + idx / p.d, h) + idx % p.d, p.dtype, 0.f);
+        for (int idx = tid; idx < nq; idx += THREADS)
+            p.lse[((int64_t)b * p.H + h) * p.Nq + i0 + idx] = -INFINITY;
+        return;
     }
+    const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
+    const float sl2 = p.scale_log2;
+
+    const KvLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
+    load_tile_swz<T, BR, D, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
+    kload.load(sK, 0);
     cp_async_commit();
 
-    float o[D / 2];
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g, g+8; log2 units */
+    float o[D / 2], s[BC / 2];
+    uint32_t pa[BC / 16][4];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g, g+8; raw units */
 #pragma unroll
     for (int i = 0; i < D / 2; i++)
         o[i] = 0.f;
 
     const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128;
-    for (int j0 = 0, stage = 0; j0 < jend; j0 += BC, stage ^= 1) {
-        cp_async_wait_n<0>(); /* K_j, V_j (and Q) landed for this thread */
+    /* The top of iteration j: K_j and V_{j-1} have landed; K_{j+1} and V_j
+     * are copied into the stages that K_{j-1} and V_{j-2} left (K runs one
+     * block ahead of V). */
+    auto top = [&](int j) {
+        cp_async_wait_n<0>(); /* this thread's copies landed */
         fence_proxy_async();  /* ... visible to the tensor cores */
-        __syncthreads();      /* ... for every thread; stage^1 is free */
-        if (j0 + BC < jend) {
-            const int nk = min(BC, p.Nk - j0 - BC);
-            load_tile_swz<T, BC, D, THREADS>(sK + (stage ^ 1) * KV_BYTES, p.k, b, hk, j0 + BC, nk, p.d);
-            load_tile_swz<T, BC, D, THREADS>(sV + (stage ^ 1) * KV_BYTES, p.v, b, hk, j0 + BC, nk, p.d);
-        }
+        __syncthreads();      /* ... every thread's; the other stages are free */
+        if (j + 1 < nkb)
+            kload.load(sK + ((j + 1) & 1) * KV_BYTES, (j + 1) * BC);
+        if (j < nkb)
+            vload.load(sV + (j & 1) * KV_BYTES, j * BC);
         cp_async_commit();
-        if (j0 >= wg_jend) /* nothing this warpgroup's rows can see */
-            continue;
-
-        /* S = Q K^T: 64 x BC per warpgroup */
-        float s[BC / 2];
-        const uint32_t k_addr = smem_addr(sK + stage * KV_BYTES);
-        wgmma_fence();
+    };
+    auto issue_s = [&](int j) {
+        const uint32_t k_addr = smem_addr(sK + (j & 1) * KV_BYTES);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++) {
             /* column chunk ks / 4, then 32 bytes per k16 step inside it */
@@ -117,9 +164,21 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
             Wgmma<T, BC>::ss(s, da, db, ks > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-
-        /* scale into log2 units, mask where needed, online softmax */
+    };
+    auto issue_pv = [&](int j) {
+        const uint32_t v_addr = smem_addr(sV + (j & 1) * KV_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; kk++)
+            Wgmma<T, D>::rs(o, pa[kk], wgmma_desc(v_addr + kk * 16 * 128, BC * 128, 1024), 1);
+        wgmma_commit();
+    };
+    /* mask where needed, online softmax in raw units (exp2 by one FFMA) */
+    float alpha[2];
+    auto softmax = [&](int j) {
+#pragma unroll
+        for (int i = 0; i < BC / 2; i++)
+            pin(s[i]);
+        const int j0 = j * BC;
         const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -130,7 +189,6 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     float &v = s[4 * n + 2 * r + e];
-                    v *= p.scale_log2;
                     if (edge) {
                         const int col = j0 + n * 8 + t4 * 2 + e;
                         if (col >= p.Nk || (p.causal && col > row + shift))
@@ -141,28 +199,33 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m[r], mx);
-            const float m_use = m_new == -INFINITY ? 0.f : m_new; /* all masked: no NaNs */
-            const float alpha = exp2f(m[r] - m_use);
+            const float ms = m_new == -INFINITY ? 0.f : m_new * sl2; /* all masked: no NaNs */
+            alpha[r] = ex2(m[r] * sl2 - ms);
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < NT_S; n++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     float &v = s[4 * n + 2 * r + e];
-                    v = exp2f(v - m_use);
+                    v = ex2(fmaf(v, sl2, -ms));
                     sum += v;
                 }
-            l[r] = l[r] * alpha + sum; /* this thread's share; the quad adds up at the end */
+            l[r] = l[r] * alpha[r] + sum; /* this thread's share; the quad adds up at the end */
             m[r] = m_new;
-#pragma unroll
-            for (int n = 0; n < NT_O; n++) {
-                o[4 * n + 2 * r] *= alpha;
-                o[4 * n + 2 * r + 1] *= alpha;
-            }
         }
-
-        /* O += P V: S's accumulators in 16 bits are P's A fragments */
-        uint32_t pa[BC / 16][4];
+    };
+    /* O *= alpha, and P (16 bits) from S: S's accumulators are P's A fragments */
+    auto rescale_pack = [&]() {
+#pragma unroll
+        for (int i = 0; i < D / 2; i++)
+            pin(o[i]);
+#pragma unroll
+        for (int n = 0; n < NT_O; n++) {
+            o[4 * n + 0] *= alpha[0];
+            o[4 * n + 1] *= alpha[0];
+            o[4 * n + 2] *= alpha[1];
+            o[4 * n + 3] *= alpha[1];
+        }
 #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
             pa[kk][0] = MmaType<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
@@ -170,14 +233,36 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
             pa[kk][2] = MmaType<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
             pa[kk][3] = MmaType<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
         }
-        const uint32_t v_addr = smem_addr(sV + stage * KV_BYTES);
+    };
+
+    /* Iteration j issues S_j = Q K_j and O += P_{j-1} V_{j-1} together; the
+     * softmax of S_j runs while the tensor cores work on P_{j-1} V_{j-1}.
+     * Both warpgroups run every block (at most one wholly masked block for
+     * the first under the causal mask): wgmma on a path the compiler cannot
+     * prove uniform is serialised. */
+    top(0);
+    wgmma_fence();
+    issue_s(0);
+    wgmma_wait<0>();
+    softmax(0);
+    rescale_pack();
+    for (int j = 1; j < nkb; j++) {
+        top(j);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; kk++)
-            Wgmma<T, D>::rs(o, pa[kk], wgmma_desc(v_addr + kk * 16 * 128, BC * 128, 1024), 1);
-        wgmma_commit();
+        issue_s(j);
+        issue_pv(j - 1);
+        wgmma_wait<1>(); /* S_j is done; P_{j-1} V_{j-1} may still run */
+        softmax(j);
         wgmma_wait<0>();
+        rescale_pack();
     }
+    top(nkb);
+    wgmma_fence();
+    issue_pv(nkb - 1);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        pin(o[i]);
     cp_async_wait_n<0>();
 
     /* finish: the quad's partial sums, normalise, store O and LSE */
@@ -201,7 +286,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
         }
         if (t4 == 0)
             p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
-                sum > 0.f ? (m[r] + log2f(sum)) / FT_LOG2E : -INFINITY;
+                sum > 0.f ? m[r] * p.scale + logf(sum) : -INFINITY;
     }
 #endif
 }
