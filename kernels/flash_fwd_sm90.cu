@@ -24,77 +24,6 @@
 
 #include <math.h>
 
-#define WG_THREADS 128
-
-template <int N> __device__ __forceinline__ void cp_async_wait_n()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-/* Rows row0 .. row0+ROWS-1 of head `head` of t into a swizzled [ROWS][D]
- * tile; rows past n and columns past d are zeros. */
-template <typename T, int ROWS, int D, int THREADS>
-__device__ __forceinline__ void load_tile_swz(unsigned char *tile, const FlashTensor &t, int b,
-                                              int head, int row0, int n, int d)
-{
-    constexpr int CHUNKS = D / 8;
-    const T *base = (const T *)t.data;
-#pragma unroll
-    for (int it = 0; it < (ROWS * CHUNKS + THREADS - 1) / THREADS; it++) {
-        const int idx = threadIdx.x + it * THREADS;
-        if ((ROWS * CHUNKS) % THREADS != 0 && idx >= ROWS * CHUNKS)
-            break;
-        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-        const bool valid = r < n && c < d;
-        const T *src = valid ? base + row_offset(t, b, row0 + r, head) + c : base;
-        cp_async_16(tile + swz_offset<ROWS>(r, c), src, valid);
-    }
-}
-
-/* K or V rows j0 .. j0+ROWS-1 into a swizzled [ROWS][D] tile. Each thread
- * copies the same column piece of rows r0, r0 + RP, ...: its shared
- * offsets and global pointer are worked out once. */
-template <typename T, int ROWS, int D, int THREADS> struct KvLoader {
-    static constexpr int CHUNKS = D / 8, RP = THREADS / CHUNKS, ITERS = ROWS / RP;
-    static_assert(ROWS % RP == 0 && RP % 8 == 0, "loader shape");
-    const T *src; /* row r0 of the head, column c */
-    int64_t row_stride;
-    uint32_t dst; /* byte offset of (r0, c) in the tile */
-    int r0, n;
-    bool col_ok;
-    __device__ __forceinline__ KvLoader(const FlashTensor &t, int b, int head, int n_rows, int d)
-    {
-        const int c = (threadIdx.x % CHUNKS) * 8;
-        r0 = threadIdx.x / CHUNKS;
-        row_stride = t.row_stride;
-        src = (const T *)t.data + row_offset(t, b, r0, head) + c;
-        dst = swz_offset<ROWS>(r0, c);
-        n = n_rows;
-        col_ok = c < d;
-    }
-    __device__ __forceinline__ void load(unsigned char *tile, int j0) const
-    {
-        const T *g = src + (int64_t)j0 * row_stride;
-#pragma unroll
-        for (int it = 0; it < ITERS; it++) {
-            const bool valid = col_ok && j0 + r0 + it * RP < n;
-            cp_async_16(tile + dst + it * RP * 128, valid ? g + it * RP * row_stride : src, valid);
-        }
-    }
-};
-
-/* Keeps the compiler from moving register reads or writes across wgmma's
- * asynchronous window (the asm statements name the registers). */
-__device__ __forceinline__ void pin(float &x) { asm volatile("" : "+f"(x)::"memory"); }
-__device__ __forceinline__ void pin(uint32_t &x) { asm volatile("" : "+r"(x)::"memory"); }
-
-__device__ __forceinline__ float ex2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 template <typename T, int D, int BC, int NWG>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(FlashParams p)
 {
@@ -128,8 +57,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
     const float sl2 = p.scale_log2;
 
-    const KvLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    load_tile_swz<T, BR, D, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
+    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
+    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
     kload.load(sK, 0);
     cp_async_commit();
 

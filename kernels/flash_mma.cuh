@@ -25,6 +25,10 @@ template <> struct MmaType<__half> {
         __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32_t *>(&h);
     }
+    static __device__ __forceinline__ float2 unpack(uint32_t x)
+    {
+        return __half22float2(*reinterpret_cast<__half2 *>(&x));
+    }
     static __device__ __forceinline__ void mma(float *c, const uint32_t *a, uint32_t b0,
                                                uint32_t b1)
     {
@@ -39,6 +43,10 @@ template <> struct MmaType<__nv_bfloat16> {
     {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<uint32_t *>(&h);
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t x)
+    {
+        return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 *>(&x));
     }
     static __device__ __forceinline__ void mma(float *c, const uint32_t *a, uint32_t b0,
                                                uint32_t b1)

@@ -103,4 +103,56 @@ template <typename T, int N> struct Wgmma;
 FT_WGMMA_TYPE(__half, "f16")
 FT_WGMMA_TYPE(__nv_bfloat16, "bf16")
 
+#define WG_THREADS 128
+
+template <int N> __device__ __forceinline__ void cp_async_wait_n()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Rows j0 .. j0+ROWS-1 of one head of t into a swizzled [ROWS][D] tile;
+ * rows past n and columns past d are zeros. Each thread copies the same
+ * column piece of rows r0, r0 + RP, ...: its shared offsets and global
+ * pointer are worked out once. */
+template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
+    static constexpr int CHUNKS = D / 8, RP = THREADS / CHUNKS, ITERS = ROWS / RP;
+    static_assert(ROWS % RP == 0 && RP % 8 == 0, "loader shape");
+    const T *src; /* row r0 of the head, column c */
+    int64_t row_stride;
+    uint32_t dst; /* byte offset of (r0, c) in the tile */
+    int r0, n;
+    bool col_ok;
+    __device__ __forceinline__ TileLoader(const FlashTensor &t, int b, int head, int n_rows, int d)
+    {
+        const int c = (threadIdx.x % CHUNKS) * 8;
+        r0 = threadIdx.x / CHUNKS;
+        row_stride = t.row_stride;
+        src = (const T *)t.data + row_offset(t, b, r0, head) + c;
+        dst = swz_offset<ROWS>(r0, c);
+        n = n_rows;
+        col_ok = c < d;
+    }
+    __device__ __forceinline__ void load(unsigned char *tile, int j0) const
+    {
+        const T *g = src + (int64_t)j0 * row_stride;
+#pragma unroll
+        for (int it = 0; it < ITERS; it++) {
+            const bool valid = col_ok && j0 + r0 + it * RP < n;
+            cp_async_16(tile + dst + it * RP * 128, valid ? g + it * RP * row_stride : src, valid);
+        }
+    }
+};
+
+/* Keeps the compiler from moving register reads or writes across wgmma's
+ * asynchronous window (the asm statements name the registers). */
+__device__ __forceinline__ void pin(float &x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void pin(uint32_t &x) { asm volatile("" : "+r"(x)::"memory"); }
+
+__device__ __forceinline__ float ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 #endif

@@ -1,0 +1,441 @@
+/*
+ * flash_bwd_sm90.cu - the flash backward pass on Hopper's warpgroup matrix
+ * products (wgmma, sm_90a), f16/bf16, head dims up to 128. Like
+ * flash_bwd.cu, two kernels and no atomics, so the gradients are bitwise
+ * reproducible; D = rowsum(dO * O) comes from flash_bwd.cu's dot kernel.
+ *
+ *   flash_bwd_dkdv_wgmma_kernel<T, D, BM, NWG>: one CTA per 64 x NWG keys
+ *       of one (batch, kv head); each warpgroup owns 64 keys. K and V stay
+ *       in shared memory; Q, dO, LSE and D blocks of BM queries stream
+ *       through three stages (every query head of the GQA group in turn).
+ *       Per block: S^T = K Q^T and dP^T = V dO^T (both operands in shared
+ *       memory), P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T
+ *       - D), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
+ *       register A operands and dO, Q transposed by the descriptor.
+ *   flash_bwd_dq_wgmma_kernel<T, D, BC, NWG>: one CTA per 64 x NWG queries;
+ *       K and V blocks stream through three stages. Per block: S = Q K^T,
+ *       dP = dO V^T, P, dS as above, dQ += dS K.
+ * In both, block t's two score products are issued together with block
+ * t-1's gradient products, and the elementwise work of block t runs while
+ * the tensor cores finish the latter (as the forward overlaps its softmax
+ * with P V). Three stages because block t-1's tiles are still read while
+ * block t+1's are copied.
+ *
+ * Check: spec/cuda_attention_spec.lua (busted, tag gpu) against the CPU f64
+ * reference; scripts/bench.lua checks, then times.
+ */
+#include "flash_wgmma.cuh"
+
+#include <math.h>
+
+#define BWD_STAGES 3
+
+/* 4 bytes global -> shared (LSE and D entries), zero-filled when !valid */
+__device__ __forceinline__ void cp_async_4(void *dst, const void *src, bool valid)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 4 : 0));
+}
+
+/* LSE in log2 units for exp2; a row that saw no key gets +inf, so P = 0. */
+__device__ __forceinline__ float lse_log2(float lse)
+{
+    return lse == -INFINITY ? INFINITY : lse * FT_LOG2E;
+}
+
+/* Stores rows of a 64-row accumulator (this warp's rows row0 + g, + 8) of
+ * a [B, N, heads, d] tensor, times `scale`; rows past n are skipped. */
+template <typename T, int D>
+__device__ __forceinline__ void store_acc(const FlashTensor &t, int b, int head, int row0,
+                                          int n, int d, const float *acc, float scale)
+{
+    const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+    T *base = reinterpret_cast<T *>(t.data);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + g + 8 * r;
+        if (row >= n)
+            continue;
+        T *dst = base + row_offset(t, b, row, head);
+#pragma unroll
+        for (int c = 0; c < D / 8; c++) {
+            const int col = c * 8 + t4 * 2;
+            if (col < d) /* d % 8 == 0: both columns or neither */
+                *reinterpret_cast<uint32_t *>(dst + col) =
+                    MmaType<T>::pack(acc[4 * c + 2 * r] * scale, acc[4 * c + 2 * r + 1] * scale);
+        }
+    }
+}
+
+/* The A fragments of the next product from 16 accumulator columns each. */
+template <typename T, int N>
+__device__ __forceinline__ void pack_frags(uint32_t (*f)[4], const float *acc)
+{
+#pragma unroll
+    for (int kk = 0; kk < N / 16; kk++) {
+        f[kk][0] = MmaType<T>::pack(acc[8 * kk + 0], acc[8 * kk + 1]);
+        f[kk][1] = MmaType<T>::pack(acc[8 * kk + 2], acc[8 * kk + 3]);
+        f[kk][2] = MmaType<T>::pack(acc[8 * kk + 4], acc[8 * kk + 5]);
+        f[kk][3] = MmaType<T>::pack(acc[8 * kk + 6], acc[8 * kk + 7]);
+    }
+}
+
+/* acc (64 x N per warpgroup) = A B^T over D columns: A rows at a_addr in a
+ * swizzled tile of A_ROWS rows, B rows at b_addr in one of B_ROWS rows. */
+template <typename T, int N, int D, int A_ROWS, int B_ROWS>
+__device__ __forceinline__ void product_abt(float *acc, uint32_t a_addr, uint32_t b_addr)
+{
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+        /* column chunk ks / 4, then 32 bytes per k16 step inside it */
+        const uint64_t da = wgmma_desc(a_addr + (ks / 4) * A_ROWS * 128 + (ks % 4) * 32, 16, 1024);
+        const uint64_t db = wgmma_desc(b_addr + (ks / 4) * B_ROWS * 128 + (ks % 4) * 32, 16, 1024);
+        Wgmma<T, N>::ss(acc, da, db, ks > 0);
+    }
+}
+
+/* acc (64 x D) += F B over K rows: F the register fragments, B a swizzled
+ * [K][D] tile read transposed. */
+template <typename T, int K, int D>
+__device__ __forceinline__ void product_fb(float *acc, const uint32_t (*f)[4], uint32_t b_addr)
+{
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++)
+        Wgmma<T, D>::rs(acc, f[kk], wgmma_desc(b_addr + kk * 16 * 128, K * 128, 1024), 1);
+}
+
+template <int N> __device__ __forceinline__ void pin_all(float *x)
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        pin(x[i]);
+}
+
+/* ---- dK, dV ---- */
+
+template <typename T, int D, int BM, int NWG>
+__global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BN = 64 * NWG, THREADS = NWG * WG_THREADS, ST = BWD_STAGES;
+    constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BM * D * 2;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char *const sK = smem, *const sV = sK + KV_BYTES, *const sQ = sV + KV_BYTES;
+    unsigned char *const sdO = sQ + ST * Q_BYTES;
+    float *const sL = reinterpret_cast<float *>(sdO + ST * Q_BYTES); /* [ST][BM] LSE */
+    float *const sD = sL + ST * BM;                                   /* [ST][BM] D */
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
+    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4, t4 = lane % 4;
+    const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int G = p.H / p.Hk, shift = p.Nk - p.Nq;
+    const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
+    /* query blocks that see a key of this block, for each head of the group */
+    const int ib0 = flash_query_start(p, j0) / BM;
+    const int per_head = (p.Nq + BM - 1) / BM - ib0;
+    const int total = per_head > 0 ? G * per_head : 0;
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        dk[i] = dv[i] = 0.f;
+    if (total == 0) { /* no query sees these keys: dK = dV = 0 */
+        store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, 1.f);
+        store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
+        return;
+    }
+
+    auto block_of = [&](int t, int &h, int &i0) {
+        h = hk * G + t / per_head;
+        i0 = (ib0 + t % per_head) * BM;
+    };
+    auto load_block = [&](int t) {
+        int h, i0;
+        block_of(t, h, i0);
+        const int st = t % ST;
+        TileLoader<T, BM, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
+        TileLoader<T, BM, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
+        if (tid < 2 * BM) {
+            const int r = tid % BM, row = i0 + r;
+            const float *src = (tid < BM ? p.lse : p.D) + ((int64_t)b * p.H + h) * p.Nq;
+            cp_async_4((tid < BM ? sL : sD) + st * BM + r, src + (row < p.Nq ? row : 0),
+                       row < p.Nq);
+        }
+    };
+
+    TileLoader<T, BN, D, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
+    TileLoader<T, BN, D, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
+    load_block(0);
+    cp_async_commit();
+
+    float s[BM / 2], dp[BM / 2];
+    uint32_t pf[BM / 16][4], df[BM / 16][4];
+    const uint32_t k_addr = smem_addr(sK) + wg * 64 * 128, v_addr = smem_addr(sV) + wg * 64 * 128;
+    const float sl2 = p.scale_log2;
+
+    auto top = [&](int t) {
+        cp_async_wait_n<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (t + 1 < total)
+            load_block(t + 1);
+        cp_async_commit();
+    };
+    auto q_tile = [&](int t) { return smem_addr(sQ + (t % ST) * Q_BYTES); };
+    auto do_tile = [&](int t) { return smem_addr(sdO + (t % ST) * Q_BYTES); };
+    /* P^T (rows keys, columns queries) from S^T, straight into the A
+     * fragments of dV += P^T dO; dS^T below takes P from them (rounded to
+     * 16 bits, as the naive path rounds it), which keeps S^T and dP^T from
+     * being live together. */
+    auto probs = [&](int t) {
+        pin_all<BM / 2>(s);
+        int h, i0;
+        block_of(t, h, i0);
+        const float *L = sL + (t % ST) * BM;
+        const bool edge = i0 + BM > p.Nq || (p.causal && wkey0 + 15 > i0 + shift);
+#pragma unroll
+        for (int n = 0; n < BM / 8; n++) {
+            const int col = n * 8 + t4 * 2;
+            const float2 l2 = *reinterpret_cast<const float2 *>(L + col);
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float lse = lse_log2(e ? l2.y : l2.x);
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int idx = 4 * n + 2 * r + e;
+                    float pv = ex2(fmaf(s[idx], sl2, -lse));
+                    if (edge) {
+                        const int qi = i0 + col + e, key = wkey0 + g + 8 * r;
+                        if (qi >= p.Nq || (p.causal && key > qi + shift))
+                            pv = 0.f;
+                    }
+                    s[idx] = pv;
+                }
+            }
+        }
+        pack_frags<T, BM>(pf, s);
+    };
+    /* dS^T = P^T (dP^T - D) into the A fragments of dK += dS^T Q */
+    auto dscores = [&](int t) {
+        pin_all<BM / 2>(dp);
+        const float *Dq = sD + (t % ST) * BM;
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++)
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                /* fragment register w: row g + 8 (w % 2), columns 16 kk + 8 (w / 2) + 2 t4 */
+                const float2 pp = MmaType<T>::unpack(pf[kk][w]);
+                const float2 d2 =
+                    *reinterpret_cast<const float2 *>(Dq + 16 * kk + 8 * (w / 2) + 2 * t4);
+                const int idx = 8 * kk + 2 * w;
+                df[kk][w] = MmaType<T>::pack(pp.x * (dp[idx] - d2.x), pp.y * (dp[idx + 1] - d2.y));
+            }
+    };
+
+    /* Block t: S^T_t with dK += dS^T_{t-1} Q_{t-1} (P^T_t computed meanwhile),
+     * then dP^T_t with dV += P^T_t dO_t (dS^T_t computed meanwhile). */
+    auto second_half = [&](int t) {
+        wgmma_fence();
+        product_abt<T, BM, D, BN, BM>(dp, v_addr, do_tile(t));
+        wgmma_commit();
+        product_fb<T, BM, D>(dv, pf, do_tile(t));
+        wgmma_commit();
+        wgmma_wait<1>();
+        dscores(t);
+        wgmma_wait<0>();
+        pin_all<D / 2>(dv);
+    };
+    top(0);
+    wgmma_fence();
+    product_abt<T, BM, D, BN, BM>(s, k_addr, q_tile(0));
+    wgmma_commit();
+    wgmma_wait<0>();
+    probs(0);
+    second_half(0);
+    for (int t = 1; t < total; t++) {
+        top(t);
+        wgmma_fence();
+        product_abt<T, BM, D, BN, BM>(s, k_addr, q_tile(t));
+        wgmma_commit();
+        product_fb<T, BM, D>(dk, df, q_tile(t - 1));
+        wgmma_commit();
+        wgmma_wait<1>();
+        probs(t);
+        wgmma_wait<0>();
+        pin_all<D / 2>(dk);
+        second_half(t);
+    }
+    wgmma_fence();
+    product_fb<T, BM, D>(dk, df, q_tile(total - 1));
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_all<D / 2>(dk);
+    cp_async_wait_n<0>();
+
+    store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, p.scale);
+    store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
+#endif
+}
+
+/* ---- dQ ---- */
+
+template <typename T, int D, int BC, int NWG>
+__global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(FlashParams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BR = 64 * NWG, THREADS = NWG * WG_THREADS, ST = BWD_STAGES;
+    constexpr int Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
+    unsigned char *const sV = sK + ST * KV_BYTES;
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
+    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4, t4 = lane % 4;
+    const int nblocks = (p.Nq + BR - 1) / BR;
+    /* causal: the longest rows first, so the short ones fill the tail */
+    const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int i0 = qb * BR, h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (p.H / p.Hk), shift = p.Nk - p.Nq;
+    const int nq = min(BR, p.Nq - i0);
+    const int nkb = (flash_key_end(p, i0 + nq - 1) + BC - 1) / BC;
+    const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
+    float dq[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        dq[i] = 0.f;
+    if (nkb == 0) { /* no row sees a key: dQ = 0 */
+        store_acc<T, D>(p.dq, b, h, wrow0, p.Nq, p.d, dq, 1.f);
+        return;
+    }
+    float lse[2], Dr[2]; /* rows g, g + 8 */
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = wrow0 + g + 8 * r;
+        const int64_t o = ((int64_t)b * p.H + h) * p.Nq + row;
+        lse[r] = row < p.Nq ? lse_log2(p.lse[o]) : INFINITY;
+        Dr[r] = row < p.Nq ? p.D[o] : 0.f;
+    }
+
+    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
+    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
+    TileLoader<T, BR, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
+    kload.load(sK, 0);
+    vload.load(sV, 0);
+    cp_async_commit();
+
+    float s[BC / 2], dp[BC / 2];
+    uint32_t df[BC / 16][4];
+    const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128, do_addr = smem_addr(sdO) + wg * 64 * 128;
+    const float sl2 = p.scale_log2;
+
+    auto top = [&](int j) {
+        cp_async_wait_n<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (j + 1 < nkb) {
+            kload.load(sK + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
+            vload.load(sV + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
+        }
+        cp_async_commit();
+    };
+    auto issue_scores = [&](int j) {
+        const int st = j % ST;
+        product_abt<T, BC, D, BR, BC>(s, q_addr, smem_addr(sK + st * KV_BYTES));
+        product_abt<T, BC, D, BR, BC>(dp, do_addr, smem_addr(sV + st * KV_BYTES));
+        wgmma_commit();
+    };
+    auto issue_grad = [&](int j) {
+        product_fb<T, BC, D>(dq, df, smem_addr(sK + (j % ST) * KV_BYTES));
+        wgmma_commit();
+    };
+    auto elementwise = [&](int j) {
+        pin_all<BC / 2>(s);
+        pin_all<BC / 2>(dp);
+        const int j0 = j * BC;
+        const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
+#pragma unroll
+        for (int n = 0; n < BC / 8; n++)
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int idx = 4 * n + 2 * r + e;
+                    float pv = ex2(fmaf(s[idx], sl2, -lse[r]));
+                    if (edge) {
+                        const int col = j0 + n * 8 + t4 * 2 + e, row = wrow0 + g + 8 * r;
+                        if (col >= p.Nk || (p.causal && col > row + shift))
+                            pv = 0.f;
+                    }
+                    dp[idx] = pv * (dp[idx] - Dr[r]);
+                }
+    };
+
+    top(0);
+    wgmma_fence();
+    issue_scores(0);
+    wgmma_wait<0>();
+    elementwise(0);
+    pack_frags<T, BC>(df, dp);
+    for (int j = 1; j < nkb; j++) {
+        top(j);
+        wgmma_fence();
+        issue_scores(j);
+        issue_grad(j - 1);
+        wgmma_wait<1>(); /* block j's scores are done; j-1's dQ product may run */
+        elementwise(j);
+        wgmma_wait<0>();
+        pin_all<D / 2>(dq);
+        pack_frags<T, BC>(df, dp);
+    }
+    wgmma_fence();
+    issue_grad(nkb - 1);
+    wgmma_wait<0>();
+    pin_all<D / 2>(dq);
+    cp_async_wait_n<0>();
+
+    store_acc<T, D>(p.dq, b, h, wrow0, p.Nq, p.d, dq, p.scale);
+#endif
+}
+
+/* ---- launch ---- */
+
+template <typename T, int D, int BM, int BC>
+static ft_status launch_bwd_wgmma(const FlashParams &p)
+{
+    constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
+    const char *func = "ft_attention_backward";
+    if (p.Nk > 0) {
+        const size_t smem = 1024 + (size_t)(2 * BN + 2 * ST * BM) * D * sizeof(T) +
+                            2 * ST * BM * sizeof(float);
+        auto kernel = flash_bwd_dkdv_wgmma_kernel<T, D, BM, NWG>;
+        FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem));
+        kernel<<<dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS, smem>>>(p);
+        FT_CUDA_CHECK_LAUNCH(func);
+    }
+    {
+        const size_t smem = 1024 + (size_t)(2 * BR + 2 * ST * BC) * D * sizeof(T);
+        auto kernel = flash_bwd_dq_wgmma_kernel<T, D, BC, NWG>;
+        FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem));
+        kernel<<<dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS, smem>>>(p);
+        FT_CUDA_CHECK_LAUNCH(func);
+    }
+    return FT_OK;
+}
+
+template <typename T> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
+{
+    if (p.d <= 64)
+        return launch_bwd_wgmma<T, 64, 64, 128>(p);
+    return launch_bwd_wgmma<T, 128, 64, 64>(p);
+}
+
+/* dK, dV and dQ once D is in p.D: head dims up to 128, f16/bf16, rows
+ * aligned, Nq > 0 (the caller checks). */
+ft_status flash_bwd_sm90(const FlashParams &p)
+{
+    return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half>(p)
+                             : launch_bwd_wgmma_dtype<__nv_bfloat16>(p);
+}
