@@ -80,7 +80,7 @@ __device__ __forceinline__ void pack_frags(uint32_t (*f)[4], const float *acc)
     }
 }
 
-/* acc (64 x N per warpgroup) = A B^T over D columns: A rows at a_addr in a
+/* acc (64 x N per warpgroup) = A B^T over the first D columns: A rows at a_addr in a
  * swizzled tile of A_ROWS rows, B rows at b_addr in one of B_ROWS rows. */
 template <typename T, int N, int D, int A_ROWS, int B_ROWS>
 __device__ __forceinline__ void product_abt(float *acc, uint32_t a_addr, uint32_t b_addr)
@@ -113,7 +113,7 @@ template <int N> __device__ __forceinline__ void pin_all(float *x)
 
 /* ---- dK, dV ---- */
 
-template <typename T, int D, int BM, int NWG>
+template <typename T, int D, int DK, int BM, int NWG>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
      * then dP^T_t with dV += P^T_t dO_t (dS^T_t computed meanwhile). */
     auto second_half = [&](int t) {
         wgmma_fence();
-        product_abt<T, BM, D, BN, BM>(dp, v_addr, do_tile(t));
+        product_abt<T, BM, DK, BN, BM>(dp, v_addr, do_tile(t));
         wgmma_commit();
         product_fb<T, BM, D>(dv, pf, do_tile(t));
         wgmma_commit();
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     };
     top(0);
     wgmma_fence();
-    product_abt<T, BM, D, BN, BM>(s, k_addr, q_tile(0));
+    product_abt<T, BM, DK, BN, BM>(s, k_addr, q_tile(0));
     wgmma_commit();
     wgmma_wait<0>();
     probs(0);
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     for (int t = 1; t < total; t++) {
         top(t);
         wgmma_fence();
-        product_abt<T, BM, D, BN, BM>(s, k_addr, q_tile(t));
+        product_abt<T, BM, DK, BN, BM>(s, k_addr, q_tile(t));
         wgmma_commit();
         product_fb<T, BM, D>(dk, df, q_tile(t - 1));
         wgmma_commit();
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 
 /* ---- dQ ---- */
 
-template <typename T, int D, int BC, int NWG>
+template <typename T, int D, int DK, int BC, int NWG>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -341,8 +341,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     };
     auto issue_scores = [&](int j) {
         const int st = j % ST;
-        product_abt<T, BC, D, BR, BC>(s, q_addr, smem_addr(sK + st * KV_BYTES));
-        product_abt<T, BC, D, BR, BC>(dp, do_addr, smem_addr(sV + st * KV_BYTES));
+        product_abt<T, BC, DK, BR, BC>(s, q_addr, smem_addr(sK + st * KV_BYTES));
+        product_abt<T, BC, DK, BR, BC>(dp, do_addr, smem_addr(sV + st * KV_BYTES));
         wgmma_commit();
     };
     auto issue_grad = [&](int j) {
@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 
 /* ---- launch ---- */
 
-template <typename T, int D, int BM, int BC>
+template <typename T, int D, int DK, int BM, int BC>
 static ft_status launch_bwd_wgmma(const FlashParams &p)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
@@ -408,7 +408,7 @@ static ft_status launch_bwd_wgmma(const FlashParams &p)
     if (p.Nk > 0) {
         const size_t smem = 1024 + (size_t)(2 * BN + 2 * ST * BM) * D * sizeof(T) +
                             2 * ST * BM * sizeof(float);
-        auto kernel = flash_bwd_dkdv_wgmma_kernel<T, D, BM, NWG>;
+        auto kernel = flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG>;
         FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem));
         kernel<<<dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS, smem>>>(p);
@@ -416,7 +416,7 @@ static ft_status launch_bwd_wgmma(const FlashParams &p)
     }
     {
         const size_t smem = 1024 + (size_t)(2 * BR + 2 * ST * BC) * D * sizeof(T);
-        auto kernel = flash_bwd_dq_wgmma_kernel<T, D, BC, NWG>;
+        auto kernel = flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG>;
         FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem));
         kernel<<<dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS, smem>>>(p);
@@ -425,11 +425,17 @@ static ft_status launch_bwd_wgmma(const FlashParams &p)
     return FT_OK;
 }
 
+/* D: the head dim rounded up to 64 or 128; DK: to 32, 64, 96 or 128, the
+ * columns the score products multiply. */
 template <typename T> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
 {
+    if (p.d <= 32)
+        return launch_bwd_wgmma<T, 64, 32, 128, 128>(p);
     if (p.d <= 64)
-        return launch_bwd_wgmma<T, 64, 64, 128>(p);
-    return launch_bwd_wgmma<T, 128, 64, 64>(p);
+        return launch_bwd_wgmma<T, 64, 64, 128, 128>(p);
+    if (p.d <= 96)
+        return launch_bwd_wgmma<T, 128, 96, 64, 64>(p);
+    return launch_bwd_wgmma<T, 128, 128, 64, 64>(p);
 }
 
 /* dK, dV and dQ once D is in p.D: head dims up to 128, f16/bf16, rows

@@ -383,7 +383,7 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     const ft_tensor *ts[4] = {q, k, v, out};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 4);
-    if (mma && s->d <= 128 && flash_sm90_usable(q->device.index))
+    if (mma && flash_sm90_usable(q->device.index))
         return flash_fwd_sm90(p);
     if (mma)
         return q->dtype == FT_F16 ? launch_fwd_mma_dtype<__half>(p)

@@ -23,9 +23,10 @@
 #include "flash_wgmma.cuh"
 
 #include <math.h>
+#include <stdlib.h>
 
-template <typename T, int D, int BC, int NWG>
-__global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(FlashParams p)
+template <typename T, int D, int DK, int BC, int NWG, int MINB>
+__global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BR = 64 * NWG, THREADS = NWG * WG_THREADS;
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
     auto issue_s = [&](int j) {
         const uint32_t k_addr = smem_addr(sK + (j & 1) * KV_BYTES);
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ks++) {
+        for (int ks = 0; ks < DK / 16; ks++) {
             /* column chunk ks / 4, then 32 bytes per k16 step inside it */
             const uint64_t da = wgmma_desc(q_addr + (ks / 4) * BR * 128 + (ks % 4) * 32, 16, 1024);
             const uint64_t db = wgmma_desc(k_addr + (ks / 4) * BC * 128 + (ks % 4) * 32, 16, 1024);
@@ -220,12 +221,12 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_fwd_wgmma_kernel(Fla
 #endif
 }
 
-template <typename T, int D, int BC, int NWG>
+template <typename T, int D, int DK, int BC, int NWG, int MINB>
 static ft_status launch_fwd_wgmma(const FlashParams &p)
 {
     constexpr int BR = 64 * NWG;
     const size_t smem = 1024 + (size_t)(BR + 4 * BC) * D * sizeof(T); /* Q, 2 x K, 2 x V */
-    auto kernel = flash_fwd_wgmma_kernel<T, D, BC, NWG>;
+    auto kernel = flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB>;
     FT_CUDA_TRY("ft_attention_forward",
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      (int)smem));
@@ -235,14 +236,44 @@ static ft_status launch_fwd_wgmma(const FlashParams &p)
     return FT_OK;
 }
 
-template <typename T> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
+int flash_sm90_cfg()
 {
-    if (p.d <= 64)
-        return launch_fwd_wgmma<T, 64, 128, 2>(p);
-    return launch_fwd_wgmma<T, 128, 128, 2>(p);
+    static int cfg = -1;
+    if (cfg < 0) {
+        const char *e = getenv("FT_SM90_CFG");
+        cfg = e ? atoi(e) : 0;
+    }
+    return cfg;
 }
 
-/* Head dims up to 128, f16/bf16, 16-byte aligned rows (the caller checks). */
+/* D: the head dim rounded up to 64, 128 or 256; DK: to 32, 64, 96, 128,
+ * 192 or 256, the columns Q K^T multiplies. */
+template <typename T> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
+{
+    if (p.d <= 32)
+        return launch_fwd_wgmma<T, 64, 32, 64, 2, 2>(p);
+    if (p.d <= 64) {
+        if (flash_sm90_cfg() == 1)
+            return launch_fwd_wgmma<T, 64, 64, 64, 3, 1>(p);
+        if (flash_sm90_cfg() == 2)
+            return launch_fwd_wgmma<T, 64, 64, 64, 4, 1>(p);
+        return launch_fwd_wgmma<T, 64, 64, 64, 2, 2>(p);
+    }
+    if (p.d <= 96)
+        return launch_fwd_wgmma<T, 128, 96, 128, 2, 1>(p);
+    if (p.d <= 128) {
+        if (flash_sm90_cfg() == 1)
+            return launch_fwd_wgmma<T, 128, 128, 64, 3, 1>(p);
+        if (flash_sm90_cfg() == 2)
+            return launch_fwd_wgmma<T, 128, 128, 64, 4, 1>(p);
+        return launch_fwd_wgmma<T, 128, 128, 128, 2, 1>(p);
+    }
+    if (p.d <= 192)
+        return launch_fwd_wgmma<T, 256, 192, 64, 2, 1>(p);
+    return launch_fwd_wgmma<T, 256, 256, 64, 2, 1>(p);
+}
+
+/* f16/bf16, 16-byte aligned rows (the caller checks). */
 ft_status flash_fwd_sm90(const FlashParams &p)
 {
     return p.dtype == FT_F16 ? launch_fwd_wgmma_dtype<__half>(p)

@@ -54,15 +54,32 @@ __device__ __forceinline__ void fence_proxy_async()
 #define FT_ACC8(d, i)                                                                         \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),            \
         "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define FT_ACC32(d) FT_ACC8(d, 0), FT_ACC8(d, 8), FT_ACC8(d, 16), FT_ACC8(d, 24)
-#define FT_ACC64(d) FT_ACC32(d), FT_ACC8(d, 32), FT_ACC8(d, 40), FT_ACC8(d, 48), FT_ACC8(d, 56)
-#define FT_REG32                                                                              \
-    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
-    "%24,%25,%26,%27,%28,%29,%30,%31}"
-#define FT_REG64                                                                              \
-    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
-    "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,"    \
-    "%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define FT_ACC32_AT(d, i) FT_ACC8(d, i), FT_ACC8(d, i + 8), FT_ACC8(d, i + 16), FT_ACC8(d, i + 24)
+#define FT_ACC32(d) FT_ACC32_AT(d, 0)
+#define FT_ACC64(d) FT_ACC32_AT(d, 0), FT_ACC32_AT(d, 32)
+#define FT_ACC96(d) FT_ACC64(d), FT_ACC32_AT(d, 64)
+#define FT_ACC128(d) FT_ACC64(d), FT_ACC32_AT(d, 64), FT_ACC32_AT(d, 96)
+#define FT_REG32 \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
+    "%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define FT_REG64 \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
+    "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
+    "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define FT_REG96 \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
+    "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
+    "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64," \
+    "%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85," \
+    "%86,%87,%88,%89,%90,%91,%92,%93,%94,%95}"
+#define FT_REG128 \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
+    "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
+    "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64," \
+    "%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85," \
+    "%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104," \
+    "%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120," \
+    "%121,%122,%123,%124,%125,%126,%127}"
 
 /* Wgmma<T, N>::ss: d (+)= A B, m64nNk16, A and B from shared memory, both
  * K-major. Wgmma<T, N>::rs: A from registers, B from shared memory
@@ -89,16 +106,26 @@ template <typename T, int N> struct Wgmma;
     };
 
 #define FT_WGMMA_TYPE(TYPE, TY)                                                              \
-    FT_WGMMA_PAIR(TYPE, TY, 64, FT_REG32, FT_ACC32(d),                                       \
-                  "%34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "       \
+    FT_WGMMA_PAIR(TYPE, TY, 64, FT_REG32, FT_ACC32(d),                                      \
+                  "%34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "      \
                   FT_REG32 ", %32, %33, p, 1, 1, 0, 0;\n}\n",                                \
-                  "%37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "       \
-                  FT_REG32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n")                  \
+                  "%37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "      \
+                  FT_REG32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n") \
     FT_WGMMA_PAIR(TYPE, TY, 128, FT_REG64, FT_ACC64(d),                                      \
                   "%66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "      \
                   FT_REG64 ", %64, %65, p, 1, 1, 0, 0;\n}\n",                                \
                   "%69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "      \
-                  FT_REG64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n")
+                  FT_REG64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n") \
+    FT_WGMMA_PAIR(TYPE, TY, 192, FT_REG96, FT_ACC96(d),                                      \
+                  "%98, 0;\nwgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "      \
+                  FT_REG96 ", %96, %97, p, 1, 1, 0, 0;\n}\n",                                \
+                  "%101, 0;\nwgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "      \
+                  FT_REG96 ", {%96, %97, %98, %99}, %100, p, 1, 1, 1;\n}\n") \
+    FT_WGMMA_PAIR(TYPE, TY, 256, FT_REG128, FT_ACC128(d),                                      \
+                  "%130, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "      \
+                  FT_REG128 ", %128, %129, p, 1, 1, 0, 0;\n}\n",                                \
+                  "%133, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "      \
+                  FT_REG128 ", {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n")
 
 FT_WGMMA_TYPE(__half, "f16")
 FT_WGMMA_TYPE(__nv_bfloat16, "bf16")
@@ -115,8 +142,8 @@ template <int N> __device__ __forceinline__ void cp_async_wait_n()
  * column piece of rows r0, r0 + RP, ...: its shared offsets and global
  * pointer are worked out once. */
 template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
-    static constexpr int CHUNKS = D / 8, RP = THREADS / CHUNKS, ITERS = ROWS / RP;
-    static_assert(ROWS % RP == 0 && RP % 8 == 0, "loader shape");
+    static constexpr int CHUNKS = D / 8, RP = THREADS / CHUNKS, ITERS = (ROWS + RP - 1) / RP;
+    static_assert(THREADS % CHUNKS == 0 && RP % 8 == 0, "loader shape");
     const T *src; /* row r0 of the head, column c */
     int64_t row_stride;
     uint32_t dst; /* byte offset of (r0, c) in the tile */
@@ -137,6 +164,8 @@ template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
         const T *g = src + (int64_t)j0 * row_stride;
 #pragma unroll
         for (int it = 0; it < ITERS; it++) {
+            if (ROWS % RP != 0 && r0 + it * RP >= ROWS)
+                break;
             const bool valid = col_ok && j0 + r0 + it * RP < n;
             cp_async_16(tile + dst + it * RP * 128, valid ? g + it * RP * row_stride : src, valid);
         }
