@@ -508,7 +508,7 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     const ft_tensor *ts[8] = {q, k, v, out, dout, dq, dk, dv};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 8);
-    if (st == FT_OK && s->Nq > 0 && mma && s->d <= 128 && flash_sm90_usable(q->device.index)) {
+    if (st == FT_OK && s->Nq > 0 && mma && flash_sm90_usable(q->device.index)) {
         st = flash_bwd_sm90(p);
     } else if (st == FT_OK && s->Nq > 0 && mma) {
         st = q->dtype == FT_F16 ? launch_bwd_mma_dtype<__half>(p)

@@ -43,11 +43,13 @@ __device__ __forceinline__ float lse_log2(float lse)
     return lse == -INFINITY ? INFINITY : lse * FT_LOG2E;
 }
 
-/* Stores rows of a 64-row accumulator (this warp's rows row0 + g, + 8) of
- * a [B, N, heads, d] tensor, times `scale`; rows past n are skipped. */
+/* Stores this warp's rows (row0 + g, + 8) of a 64 x D accumulator into
+ * columns col0 .. col0+D-1 of a [B, N, heads, d] tensor, times `scale`;
+ * rows past n and columns past d are skipped. */
 template <typename T, int D>
 __device__ __forceinline__ void store_acc(const FlashTensor &t, int b, int head, int row0,
-                                          int n, int d, const float *acc, float scale)
+                                          int n, int d, const float *acc, float scale,
+                                          int col0 = 0)
 {
     const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
     T *base = reinterpret_cast<T *>(t.data);
@@ -59,7 +61,7 @@ __device__ __forceinline__ void store_acc(const FlashTensor &t, int b, int head,
         T *dst = base + row_offset(t, b, row, head);
 #pragma unroll
         for (int c = 0; c < D / 8; c++) {
-            const int col = c * 8 + t4 * 2;
+            const int col = col0 + c * 8 + t4 * 2;
             if (col < d) /* d % 8 == 0: both columns or neither */
                 *reinterpret_cast<uint32_t *>(dst + col) =
                     MmaType<T>::pack(acc[4 * c + 2 * r] * scale, acc[4 * c + 2 * r + 1] * scale);
@@ -398,6 +400,255 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 #endif
 }
 
+/* ---- head dims 192 and 256 ----
+ *
+ * A 64 x 256 f32 accumulator takes 128 registers a thread, so dK and dV
+ * (or dQ) of 64 rows cannot both live in one warpgroup. Here the two
+ * warpgroups of a CTA share 64 rows and split the work: each computes the
+ * score products for half of the other side's block (64 x 32), writes its
+ * P and dS (16 bits) to shared memory, and after a barrier each updates
+ * half of the head dim of the gradients with P and dS from shared memory
+ * (K-major A) times the tile read transposed. D = 256 (d = 192 pads to it,
+ * with the score products over DK = 192 columns only). */
+
+/* gradient half (64 x 128) += F B: F a 64 x 64 shared tile [row][k]
+ * (16-bit, swizzled), B this warpgroup's 128 columns of a [64][256] tile
+ * read transposed */
+template <typename T>
+__device__ __forceinline__ void product_sb(float *acc, uint32_t f_addr, uint32_t b_addr)
+{
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        Wgmma<T, 128>::sst(acc, wgmma_desc(f_addr + kk * 32, 16, 1024),
+                           wgmma_desc(b_addr + kk * 16 * 128, 64 * 128, 1024), 1);
+}
+
+/* Writes a 64 x 32 accumulator (this warpgroup's columns col0 .. col0+31)
+ * into a swizzled [64][64] 16-bit tile. */
+template <typename T>
+__device__ __forceinline__ void store_tile32(unsigned char *tile, const float *acc, int col0)
+{
+    const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+    const int row0 = ((threadIdx.x / FT_WARP) % 4) * 16;
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            *reinterpret_cast<uint32_t *>(tile + swz_offset<64>(row0 + g + 8 * r,
+                                                                 col0 + n * 8 + 2 * t4)) =
+                MmaType<T>::pack(acc[4 * n + 2 * r], acc[4 * n + 2 * r + 1]);
+}
+
+template <typename T, int DK>
+__global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(FlashParams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 256, BN = 64, BM = 64, THREADS = 2 * WG_THREADS, ST = 2;
+    constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BM * D * 2, P_BYTES = BN * BM * 2;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char *const sK = smem, *const sV = sK + KV_BYTES, *const sQ = sV + KV_BYTES;
+    unsigned char *const sdO = sQ + ST * Q_BYTES, *const sP = sdO + ST * Q_BYTES;
+    unsigned char *const sdS = sP + P_BYTES;
+    float *const sL = reinterpret_cast<float *>(sdS + P_BYTES); /* [ST][BM] LSE */
+    float *const sD = sL + ST * BM;                              /* [ST][BM] D */
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
+    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4, t4 = lane % 4;
+    const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int G = p.H / p.Hk, shift = p.Nk - p.Nq;
+    const int wkey0 = j0 + wwarp * 16; /* this warp's first key */
+    const int ib0 = flash_query_start(p, j0) / BM;
+    const int per_head = (p.Nq + BM - 1) / BM - ib0;
+    const int total = per_head > 0 ? G * per_head : 0;
+    float dk[64], dv[64]; /* columns 128 wg .. 128 wg + 127 */
+#pragma unroll
+    for (int i = 0; i < 64; i++)
+        dk[i] = dv[i] = 0.f;
+    if (total == 0) {
+        store_acc<T, 128>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, 1.f, 128 * wg);
+        store_acc<T, 128>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f, 128 * wg);
+        return;
+    }
+    auto block_of = [&](int t, int &h, int &i0) {
+        h = hk * G + t / per_head;
+        i0 = (ib0 + t % per_head) * BM;
+    };
+    auto load_block = [&](int t) {
+        int h, i0;
+        block_of(t, h, i0);
+        const int st = t % ST;
+        TileLoader<T, BM, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
+        TileLoader<T, BM, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
+        if (tid < 2 * BM) {
+            const int r = tid % BM, row = i0 + r;
+            const float *src = (tid < BM ? p.lse : p.D) + ((int64_t)b * p.H + h) * p.Nq;
+            cp_async_4((tid < BM ? sL : sD) + st * BM + r, src + (row < p.Nq ? row : 0),
+                       row < p.Nq);
+        }
+    };
+    TileLoader<T, BN, D, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
+    TileLoader<T, BN, D, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
+    load_block(0);
+    cp_async_commit();
+
+    float s[16], dp[16];
+    const float sl2 = p.scale_log2;
+    for (int t = 0; t < total; t++) {
+        cp_async_wait_n<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (t + 1 < total)
+            load_block(t + 1);
+        cp_async_commit();
+        const int st = t % ST;
+        const uint32_t q_addr = smem_addr(sQ + st * Q_BYTES), do_addr = smem_addr(sdO + st * Q_BYTES);
+        /* S^T, dP^T for this warpgroup's 32 queries */
+        wgmma_fence();
+        product_abt<T, 32, DK, BN, BM>(s, smem_addr(sK), q_addr + wg * 32 * 128);
+        product_abt<T, 32, DK, BN, BM>(dp, smem_addr(sV), do_addr + wg * 32 * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_all<16>(s);
+        pin_all<16>(dp);
+        int h, i0;
+        block_of(t, h, i0);
+        const float *L = sL + st * BM, *Dq = sD + st * BM;
+        const bool edge = i0 + BM > p.Nq || (p.causal && wkey0 + 15 > i0 + shift);
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int col = wg * 32 + n * 8 + t4 * 2 + e;
+                const float lse = lse_log2(L[col]), dd = Dq[col];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int idx = 4 * n + 2 * r + e;
+                    float pv = ex2(fmaf(s[idx], sl2, -lse));
+                    if (edge) {
+                        const int qi = i0 + col, key = wkey0 + g + 8 * r;
+                        if (qi >= p.Nq || (p.causal && key > qi + shift))
+                            pv = 0.f;
+                    }
+                    s[idx] = pv;
+                    dp[idx] = pv * (dp[idx] - dd);
+                }
+            }
+        store_tile32<T>(sP, s, wg * 32);
+        store_tile32<T>(sdS, dp, wg * 32);
+        fence_proxy_async();
+        __syncthreads();
+        /* this warpgroup's 128 columns of dV += P^T dO, dK += dS^T Q */
+        wgmma_fence();
+        product_sb<T>(dv, smem_addr(sP), do_addr + wg * 2 * BM * 128);
+        product_sb<T>(dk, smem_addr(sdS), q_addr + wg * 2 * BM * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_all<64>(dv);
+        pin_all<64>(dk);
+    }
+    cp_async_wait_n<0>();
+    store_acc<T, 128>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, p.scale, 128 * wg);
+    store_acc<T, 128>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f, 128 * wg);
+#endif
+}
+
+template <typename T, int DK>
+__global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(FlashParams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 256, BR = 64, BC = 64, THREADS = 2 * WG_THREADS, ST = 2;
+    constexpr int Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
+    unsigned char *const sV = sK + ST * KV_BYTES, *const sdS = sV + ST * KV_BYTES;
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
+    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4, t4 = lane % 4;
+    const int nblocks = (p.Nq + BR - 1) / BR;
+    const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int i0 = qb * BR, h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (p.H / p.Hk), shift = p.Nk - p.Nq;
+    const int nq = min(BR, p.Nq - i0);
+    const int nkb = (flash_key_end(p, i0 + nq - 1) + BC - 1) / BC;
+    const int wrow0 = i0 + wwarp * 16;
+    float dq[64]; /* columns 128 wg .. 128 wg + 127 */
+#pragma unroll
+    for (int i = 0; i < 64; i++)
+        dq[i] = 0.f;
+    if (nkb == 0) {
+        store_acc<T, 128>(p.dq, b, h, wrow0, p.Nq, p.d, dq, 1.f, 128 * wg);
+        return;
+    }
+    float lse[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = wrow0 + g + 8 * r;
+        const int64_t o = ((int64_t)b * p.H + h) * p.Nq + row;
+        lse[r] = row < p.Nq ? lse_log2(p.lse[o]) : INFINITY;
+        Dr[r] = row < p.Nq ? p.D[o] : 0.f;
+    }
+    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
+    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
+    TileLoader<T, BR, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
+    kload.load(sK, 0);
+    vload.load(sV, 0);
+    cp_async_commit();
+
+    float s[16], dp[16];
+    const float sl2 = p.scale_log2;
+    for (int j = 0; j < nkb; j++) {
+        cp_async_wait_n<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (j + 1 < nkb) {
+            kload.load(sK + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
+            vload.load(sV + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
+        }
+        cp_async_commit();
+        const uint32_t k_addr = smem_addr(sK + (j % ST) * KV_BYTES);
+        const uint32_t v_addr = smem_addr(sV + (j % ST) * KV_BYTES);
+        /* S, dP for this warpgroup's 32 keys */
+        wgmma_fence();
+        product_abt<T, 32, DK, BR, BC>(s, smem_addr(sQ), k_addr + wg * 32 * 128);
+        product_abt<T, 32, DK, BR, BC>(dp, smem_addr(sdO), v_addr + wg * 32 * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_all<16>(s);
+        pin_all<16>(dp);
+        const int j0 = j * BC;
+        const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int idx = 4 * n + 2 * r + e;
+                    float pv = ex2(fmaf(s[idx], sl2, -lse[r]));
+                    if (edge) {
+                        const int col = j0 + wg * 32 + n * 8 + t4 * 2 + e, row = wrow0 + g + 8 * r;
+                        if (col >= p.Nk || (p.causal && col > row + shift))
+                            pv = 0.f;
+                    }
+                    dp[idx] = pv * (dp[idx] - Dr[r]);
+                }
+        store_tile32<T>(sdS, dp, wg * 32);
+        fence_proxy_async();
+        __syncthreads();
+        /* this warpgroup's 128 columns of dQ += dS K */
+        wgmma_fence();
+        product_sb<T>(dq, smem_addr(sdS), k_addr + wg * 2 * BC * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_all<64>(dq);
+    }
+    cp_async_wait_n<0>();
+    store_acc<T, 128>(p.dq, b, h, wrow0, p.Nq, p.d, dq, p.scale, 128 * wg);
+#endif
+}
+
 /* ---- launch ---- */
 
 template <typename T, int D, int DK, int BM, int BC>
@@ -425,8 +676,33 @@ static ft_status launch_bwd_wgmma(const FlashParams &p)
     return FT_OK;
 }
 
-/* D: the head dim rounded up to 64 or 128; DK: to 32, 64, 96 or 128, the
- * columns the score products multiply. */
+template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams &p)
+{
+    const char *func = "ft_attention_backward";
+    constexpr int D = 256, ROWS = 64, THREADS = 2 * WG_THREADS;
+    if (p.Nk > 0) {
+        const size_t smem = 1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) +
+                            2 * ROWS * ROWS * sizeof(T) + 2 * 2 * ROWS * sizeof(float);
+        auto kernel = flash_bwd_dkdv_wide_kernel<T, DK>;
+        FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem));
+        kernel<<<dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B), THREADS, smem>>>(p);
+        FT_CUDA_CHECK_LAUNCH(func);
+    }
+    {
+        const size_t smem = 1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) +
+                            ROWS * ROWS * sizeof(T);
+        auto kernel = flash_bwd_dq_wide_kernel<T, DK>;
+        FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem));
+        kernel<<<dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B), THREADS, smem>>>(p);
+        FT_CUDA_CHECK_LAUNCH(func);
+    }
+    return FT_OK;
+}
+
+/* D: the head dim rounded up to 64, 128 or 256; DK: to 32, 64, 96, 128,
+ * 192 or 256, the columns the score products multiply. */
 template <typename T> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
@@ -435,11 +711,15 @@ template <typename T> static ft_status launch_bwd_wgmma_dtype(const FlashParams 
         return launch_bwd_wgmma<T, 64, 64, 128, 128>(p);
     if (p.d <= 96)
         return launch_bwd_wgmma<T, 128, 96, 64, 64>(p);
-    return launch_bwd_wgmma<T, 128, 128, 64, 64>(p);
+    if (p.d <= 128)
+        return launch_bwd_wgmma<T, 128, 128, 64, 64>(p);
+    if (p.d <= 192)
+        return launch_bwd_wide<T, 192>(p);
+    return launch_bwd_wide<T, 256>(p);
 }
 
-/* dK, dV and dQ once D is in p.D: head dims up to 128, f16/bf16, rows
- * aligned, Nq > 0 (the caller checks). */
+/* dK, dV and dQ once D is in p.D: f16/bf16, rows aligned, Nq > 0 (the
+ * caller checks). */
 ft_status flash_bwd_sm90(const FlashParams &p)
 {
     return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half>(p)

@@ -252,22 +252,12 @@ template <typename T> static ft_status launch_fwd_wgmma_dtype(const FlashParams 
 {
     if (p.d <= 32)
         return launch_fwd_wgmma<T, 64, 32, 64, 2, 2>(p);
-    if (p.d <= 64) {
-        if (flash_sm90_cfg() == 1)
-            return launch_fwd_wgmma<T, 64, 64, 64, 3, 1>(p);
-        if (flash_sm90_cfg() == 2)
-            return launch_fwd_wgmma<T, 64, 64, 64, 4, 1>(p);
+    if (p.d <= 64)
         return launch_fwd_wgmma<T, 64, 64, 64, 2, 2>(p);
-    }
     if (p.d <= 96)
         return launch_fwd_wgmma<T, 128, 96, 128, 2, 1>(p);
-    if (p.d <= 128) {
-        if (flash_sm90_cfg() == 1)
-            return launch_fwd_wgmma<T, 128, 128, 64, 3, 1>(p);
-        if (flash_sm90_cfg() == 2)
-            return launch_fwd_wgmma<T, 128, 128, 64, 4, 1>(p);
+    if (p.d <= 128)
         return launch_fwd_wgmma<T, 128, 128, 128, 2, 1>(p);
-    }
     if (p.d <= 192)
         return launch_fwd_wgmma<T, 256, 192, 64, 2, 1>(p);
     return launch_fwd_wgmma<T, 256, 256, 64, 2, 1>(p);

@@ -55,10 +55,12 @@ __device__ __forceinline__ void fence_proxy_async()
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),            \
         "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define FT_ACC32_AT(d, i) FT_ACC8(d, i), FT_ACC8(d, i + 8), FT_ACC8(d, i + 16), FT_ACC8(d, i + 24)
+#define FT_ACC16(d) FT_ACC8(d, 0), FT_ACC8(d, 8)
 #define FT_ACC32(d) FT_ACC32_AT(d, 0)
 #define FT_ACC64(d) FT_ACC32_AT(d, 0), FT_ACC32_AT(d, 32)
 #define FT_ACC96(d) FT_ACC64(d), FT_ACC32_AT(d, 64)
 #define FT_ACC128(d) FT_ACC64(d), FT_ACC32_AT(d, 64), FT_ACC32_AT(d, 96)
+#define FT_REG16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define FT_REG32 \
     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
     "%23,%24,%25,%26,%27,%28,%29,%30,%31}"
@@ -82,8 +84,8 @@ __device__ __forceinline__ void fence_proxy_async()
     "%121,%122,%123,%124,%125,%126,%127}"
 
 /* Wgmma<T, N>::ss: d (+)= A B, m64nNk16, A and B from shared memory, both
- * K-major. Wgmma<T, N>::rs: A from registers, B from shared memory
- * MN-major (transposed). accumulate = 0 overwrites d. */
+ * K-major; ::sst: the same with B MN-major (transposed). ::rs: A from
+ * registers, B from shared memory MN-major. accumulate = 0 overwrites d. */
 template <typename T, int N> struct Wgmma;
 
 #define FT_WGMMA_PAIR(TYPE, TY, N, REGS, ACC, SS_OPS, RS_OPS)                                \
@@ -91,7 +93,14 @@ template <typename T, int N> struct Wgmma;
         static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db,        \
                                                   int accumulate)                            \
         {                                                                                    \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_OPS                           \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_OPS "0;\n}\n"                 \
+                         : ACC                                                               \
+                         : "l"(da), "l"(db), "r"(accumulate));                               \
+        }                                                                                    \
+        static __device__ __forceinline__ void sst(float *d, uint64_t da, uint64_t db,       \
+                                                   int accumulate)                           \
+        {                                                                                    \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_OPS "1;\n}\n"                 \
                          : ACC                                                               \
                          : "l"(da), "l"(db), "r"(accumulate));                               \
         }                                                                                    \
@@ -106,24 +115,29 @@ template <typename T, int N> struct Wgmma;
     };
 
 #define FT_WGMMA_TYPE(TYPE, TY)                                                              \
+    FT_WGMMA_PAIR(TYPE, TY, 32, FT_REG16, FT_ACC16(d),                                      \
+                  "%18, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "      \
+                  FT_REG16 ", %16, %17, p, 1, 1, 0, ",                                \
+                  "%21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "      \
+                  FT_REG16 ", {%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n") \
     FT_WGMMA_PAIR(TYPE, TY, 64, FT_REG32, FT_ACC32(d),                                      \
                   "%34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "      \
-                  FT_REG32 ", %32, %33, p, 1, 1, 0, 0;\n}\n",                                \
+                  FT_REG32 ", %32, %33, p, 1, 1, 0, ",                                \
                   "%37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "      \
                   FT_REG32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n") \
     FT_WGMMA_PAIR(TYPE, TY, 128, FT_REG64, FT_ACC64(d),                                      \
                   "%66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "      \
-                  FT_REG64 ", %64, %65, p, 1, 1, 0, 0;\n}\n",                                \
+                  FT_REG64 ", %64, %65, p, 1, 1, 0, ",                                \
                   "%69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "      \
                   FT_REG64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n") \
     FT_WGMMA_PAIR(TYPE, TY, 192, FT_REG96, FT_ACC96(d),                                      \
                   "%98, 0;\nwgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "      \
-                  FT_REG96 ", %96, %97, p, 1, 1, 0, 0;\n}\n",                                \
+                  FT_REG96 ", %96, %97, p, 1, 1, 0, ",                                \
                   "%101, 0;\nwgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "      \
                   FT_REG96 ", {%96, %97, %98, %99}, %100, p, 1, 1, 1;\n}\n") \
     FT_WGMMA_PAIR(TYPE, TY, 256, FT_REG128, FT_ACC128(d),                                      \
                   "%130, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "      \
-                  FT_REG128 ", %128, %129, p, 1, 1, 0, 0;\n}\n",                                \
+                  FT_REG128 ", %128, %129, p, 1, 1, 0, ",                                \
                   "%133, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "      \
                   FT_REG128 ", {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n")
 
