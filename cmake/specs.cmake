@@ -44,3 +44,16 @@ foreach(spec ${FT_SPECS})
     WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
   set_tests_properties(${name} PROPERTIES ENVIRONMENT "${FT_SPEC_ENV}")
 endforeach()
+
+# On a Hopper GPU the flash kernels of kernels/*_sm90.cu take f16/bf16; the
+# same spec again with FT_NO_WGMMA=1 keeps the mma.sync kernels (what other
+# GPUs run) checked there too.
+if(FT_CUDA_ENABLED)
+  add_test(NAME cuda_attention_spec_mma
+    COMMAND ${FT_LUA_EXECUTABLE} ${FT_BUSTED} --cpath=${CMAKE_BINARY_DIR}/?.so
+            --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/cuda_attention_spec.lua
+    WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
+  set(FT_MMA_ENV ${FT_SPEC_ENV})
+  list(APPEND FT_MMA_ENV "FT_NO_WGMMA=1")
+  set_tests_properties(cuda_attention_spec_mma PROPERTIES ENVIRONMENT "${FT_MMA_ENV}")
+endif()
