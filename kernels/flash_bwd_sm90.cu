@@ -106,6 +106,20 @@ __device__ __forceinline__ void product_fb(float *acc, const uint32_t (*f)[4], u
         Wgmma<T, D>::rs(acc, f[kk], wgmma_desc(b_addr + kk * 16 * 128, K * 128, 1024), 1);
 }
 
+/* Zeroes the entries (row, col) of an accumulator (this warp's rows
+ * row0 + g, + 8; columns col0 + 8 n + 2 t + e) where masked(row, col). Only
+ * blocks at an edge (the end of the sequence, the causal diagonal) call it,
+ * outside the hot loop. */
+template <int N, typename F>
+__device__ __forceinline__ void mask_acc(float *acc, int row0, int col0, F masked)
+{
+    const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        if (masked(row0 + g + 8 * ((i / 2) % 2), col0 + (i / 4) * 8 + t4 * 2 + i % 2))
+            acc[i] = 0.f;
+}
+
 template <int N> __device__ __forceinline__ void pin_all(float *x)
 {
 #pragma unroll
@@ -129,7 +143,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     float *const sD = sL + ST * BM;                                   /* [ST][BM] D */
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
-    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4, t4 = lane % 4;
+    const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     const int G = p.H / p.Hk, shift = p.Nk - p.Nq;
     const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
@@ -205,16 +219,14 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int idx = 4 * n + 2 * r + e;
-                    float pv = ex2(fmaf(s[idx], sl2, -lse));
-                    if (edge) {
-                        const int qi = i0 + col + e, key = wkey0 + g + 8 * r;
-                        if (qi >= p.Nq || (p.causal && key > qi + shift))
-                            pv = 0.f;
-                    }
-                    s[idx] = pv;
+                    s[idx] = ex2(fmaf(s[idx], sl2, -lse));
                 }
             }
         }
+        if (edge)
+            mask_acc<BM / 2>(s, wkey0, i0, [&](int key, int qi) {
+                return qi >= p.Nq || (p.causal && key > qi + shift);
+            });
         pack_frags<T, BM>(pf, s);
     };
     /* dS^T = P^T (dP^T - D) into the A fragments of dK += dS^T Q */
@@ -293,7 +305,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     unsigned char *const sV = sK + ST * KV_BYTES;
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
-    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4, t4 = lane % 4;
+    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4;
     const int nblocks = (p.Nq + BR - 1) / BR;
     /* causal: the longest rows first, so the short ones fill the tail */
     const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
@@ -363,14 +375,12 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int idx = 4 * n + 2 * r + e;
-                    float pv = ex2(fmaf(s[idx], sl2, -lse[r]));
-                    if (edge) {
-                        const int col = j0 + n * 8 + t4 * 2 + e, row = wrow0 + g + 8 * r;
-                        if (col >= p.Nk || (p.causal && col > row + shift))
-                            pv = 0.f;
-                    }
-                    dp[idx] = pv * (dp[idx] - Dr[r]);
+                    dp[idx] = ex2(fmaf(s[idx], sl2, -lse[r])) * (dp[idx] - Dr[r]);
                 }
+        if (edge)
+            mask_acc<BC / 2>(dp, wrow0, j0, [&](int row, int col) {
+                return col >= p.Nk || (p.causal && col > row + shift);
+            });
     };
 
     top(0);
@@ -454,7 +464,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     float *const sD = sL + ST * BM;                              /* [ST][BM] D */
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
-    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4, t4 = lane % 4;
+    const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     const int G = p.H / p.Hk, shift = p.Nk - p.Nq;
     const int wkey0 = j0 + wwarp * 16; /* this warp's first key */
@@ -524,16 +534,17 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int idx = 4 * n + 2 * r + e;
-                    float pv = ex2(fmaf(s[idx], sl2, -lse));
-                    if (edge) {
-                        const int qi = i0 + col, key = wkey0 + g + 8 * r;
-                        if (qi >= p.Nq || (p.causal && key > qi + shift))
-                            pv = 0.f;
-                    }
-                    s[idx] = pv;
-                    dp[idx] = pv * (dp[idx] - dd);
+                    s[idx] = ex2(fmaf(s[idx], sl2, -lse));
+                    dp[idx] = s[idx] * (dp[idx] - dd);
                 }
             }
+        if (edge) {
+            auto masked = [&](int key, int qi) {
+                return qi >= p.Nq || (p.causal && key > qi + shift);
+            };
+            mask_acc<16>(s, wkey0, i0 + wg * 32, masked);
+            mask_acc<16>(dp, wkey0, i0 + wg * 32, masked);
+        }
         store_tile32<T>(sP, s, wg * 32);
         store_tile32<T>(sdS, dp, wg * 32);
         fence_proxy_async();
@@ -565,7 +576,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     unsigned char *const sV = sK + ST * KV_BYTES, *const sdS = sV + ST * KV_BYTES;
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
-    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4, t4 = lane % 4;
+    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4;
     const int nblocks = (p.Nq + BR - 1) / BR;
     const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
     const int i0 = qb * BR, h = blockIdx.y, b = blockIdx.z;
@@ -626,14 +637,12 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int idx = 4 * n + 2 * r + e;
-                    float pv = ex2(fmaf(s[idx], sl2, -lse[r]));
-                    if (edge) {
-                        const int col = j0 + wg * 32 + n * 8 + t4 * 2 + e, row = wrow0 + g + 8 * r;
-                        if (col >= p.Nk || (p.causal && col > row + shift))
-                            pv = 0.f;
-                    }
-                    dp[idx] = pv * (dp[idx] - Dr[r]);
+                    dp[idx] = ex2(fmaf(s[idx], sl2, -lse[r])) * (dp[idx] - Dr[r]);
                 }
+        if (edge)
+            mask_acc<16>(dp, wrow0, j0 + wg * 32, [&](int row, int col) {
+                return col >= p.Nk || (p.causal && col > row + shift);
+            });
         store_tile32<T>(sdS, dp, wg * 32);
         fence_proxy_async();
         __syncthreads();

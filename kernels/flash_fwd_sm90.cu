@@ -109,38 +109,40 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         for (int i = 0; i < BC / 2; i++)
             pin(s[i]);
         const int j0 = j * BC;
-        const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
+        if (j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift)) {
+#pragma unroll
+            for (int i = 0; i < BC / 2; i++) {
+                const int col = j0 + (i / 4) * 8 + t4 * 2 + i % 2, row = wrow0 + g + 8 * ((i / 2) % 2);
+                if (col >= p.Nk || (p.causal && col > row + shift))
+                    s[i] = -INFINITY;
+            }
+        }
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            const int row = wrow0 + g + 8 * r;
-            float mx = -INFINITY;
+            /* four partial maxima and sums: shorter dependency chains */
+            float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
             for (int n = 0; n < NT_S; n++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float &v = s[4 * n + 2 * r + e];
-                    if (edge) {
-                        const int col = j0 + n * 8 + t4 * 2 + e;
-                        if (col >= p.Nk || (p.causal && col > row + shift))
-                            v = -INFINITY;
-                    }
-                    mx = fmaxf(mx, v);
-                }
+                for (int e = 0; e < 2; e++)
+                    mx4[(2 * n + e) % 4] = fmaxf(mx4[(2 * n + e) % 4], s[4 * n + 2 * r + e]);
+            float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m[r], mx);
             const float ms = m_new == -INFINITY ? 0.f : m_new * sl2; /* all masked: no NaNs */
             alpha[r] = ex2(m[r] * sl2 - ms);
-            float sum = 0.f;
+            float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int n = 0; n < NT_S; n++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     float &v = s[4 * n + 2 * r + e];
                     v = ex2(fmaf(v, sl2, -ms));
-                    sum += v;
+                    sum4[(2 * n + e) % 4] += v;
                 }
-            l[r] = l[r] * alpha[r] + sum; /* this thread's share; the quad adds up at the end */
+            /* this thread's share; the quad adds up at the end */
+            l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
             m[r] = m_new;
         }
     };
