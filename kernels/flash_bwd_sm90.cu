@@ -82,30 +82,6 @@ __device__ __forceinline__ void pack_frags(uint32_t (*f)[4], const float *acc)
     }
 }
 
-/* acc (64 x N per warpgroup) = A B^T over the first D columns: A rows at a_addr in a
- * swizzled tile of A_ROWS rows, B rows at b_addr in one of B_ROWS rows. */
-template <typename T, int N, int D, int A_ROWS, int B_ROWS>
-__device__ __forceinline__ void product_abt(float *acc, uint32_t a_addr, uint32_t b_addr)
-{
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++) {
-        /* column chunk ks / 4, then 32 bytes per k16 step inside it */
-        const uint64_t da = wgmma_desc(a_addr + (ks / 4) * A_ROWS * 128 + (ks % 4) * 32, 16, 1024);
-        const uint64_t db = wgmma_desc(b_addr + (ks / 4) * B_ROWS * 128 + (ks % 4) * 32, 16, 1024);
-        Wgmma<T, N>::ss(acc, da, db, ks > 0);
-    }
-}
-
-/* acc (64 x D) += F B over K rows: F the register fragments, B a swizzled
- * [K][D] tile read transposed. */
-template <typename T, int K, int D>
-__device__ __forceinline__ void product_fb(float *acc, const uint32_t (*f)[4], uint32_t b_addr)
-{
-#pragma unroll
-    for (int kk = 0; kk < K / 16; kk++)
-        Wgmma<T, D>::rs(acc, f[kk], wgmma_desc(b_addr + kk * 16 * 128, K * 128, 1024), 1);
-}
-
 /* Zeroes the entries (row, col) of an accumulator (this warp's rows
  * row0 + g, + 8; columns col0 + 8 n + 2 t + e) where masked(row, col). Only
  * blocks at an edge (the end of the sequence, the causal diagonal) call it,
@@ -427,10 +403,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 template <typename T>
 __device__ __forceinline__ void product_sb(float *acc, uint32_t f_addr, uint32_t b_addr)
 {
+    const uint32_t f = desc_lo(f_addr, 16), b = desc_lo(b_addr, 64 * 128);
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
-        Wgmma<T, 128>::sst(acc, wgmma_desc(f_addr + kk * 32, 16, 1024),
-                           wgmma_desc(b_addr + kk * 16 * 128, 64 * 128, 1024), 1);
+        Wgmma<T, 128>::sst(acc, make_desc(f + kk * 2, FT_DESC_HI(1024)),
+                           make_desc(b + kk * 128, FT_DESC_HI(1024)), 1);
 }
 
 /* Writes a 64 x 32 accumulator (this warpgroup's columns col0 .. col0+31)

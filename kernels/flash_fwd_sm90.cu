@@ -85,21 +85,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         cp_async_commit();
     };
     auto issue_s = [&](int j) {
-        const uint32_t k_addr = smem_addr(sK + (j & 1) * KV_BYTES);
-#pragma unroll
-        for (int ks = 0; ks < DK / 16; ks++) {
-            /* column chunk ks / 4, then 32 bytes per k16 step inside it */
-            const uint64_t da = wgmma_desc(q_addr + (ks / 4) * BR * 128 + (ks % 4) * 32, 16, 1024);
-            const uint64_t db = wgmma_desc(k_addr + (ks / 4) * BC * 128 + (ks % 4) * 32, 16, 1024);
-            Wgmma<T, BC>::ss(s, da, db, ks > 0);
-        }
+        product_abt<T, BC, DK, BR, BC>(s, q_addr, smem_addr(sK + (j & 1) * KV_BYTES));
         wgmma_commit();
     };
     auto issue_pv = [&](int j) {
-        const uint32_t v_addr = smem_addr(sV + (j & 1) * KV_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; kk++)
-            Wgmma<T, D>::rs(o, pa[kk], wgmma_desc(v_addr + kk * 16 * 128, BC * 128, 1024), 1);
+        product_fb<T, BC, D>(o, pa, smem_addr(sV + (j & 1) * KV_BYTES));
         wgmma_commit();
     };
     /* mask where needed, online softmax in raw units (exp2 by one FFMA) */

@@ -24,11 +24,22 @@
 
 #include "flash_mma.cuh"
 
-/* Descriptor of a tile at shared address `addr` (1024-aligned chunks). */
+/* Descriptor of a tile at shared address `addr` (1024-aligned chunks),
+ * in two halves: the low word holds the start address (and LBO), so an
+ * offset inside the tile is one 32-bit add on it; the high word (SBO, the
+ * 128B swizzle) is a constant. */
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo)
+{
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
+}
+#define FT_DESC_HI(sbo) (((uint32_t)(sbo) >> 4) | (1u << 30))
+__device__ __forceinline__ uint64_t make_desc(uint32_t lo, uint32_t hi)
+{
+    return ((uint64_t)hi << 32) | lo;
+}
 __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo)
 {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) |
-           ((uint64_t)(sbo >> 4) << 32) | (1ull << 62); /* 128B swizzle */
+    return make_desc(desc_lo(addr, lbo), FT_DESC_HI(sbo));
 }
 
 /* Byte offset of element (r, col) in a swizzled [rows][cols] tile. */
@@ -144,6 +155,34 @@ template <typename T, int N> struct Wgmma;
 FT_WGMMA_TYPE(__half, "f16")
 FT_WGMMA_TYPE(__nv_bfloat16, "bf16")
 
+/* acc (64 x N per warpgroup) = A B^T over the first DK columns: A rows at
+ * a_addr in a swizzled tile of A_ROWS rows, B rows at b_addr in one of
+ * B_ROWS rows (both K-major). */
+template <typename T, int N, int DK, int A_ROWS, int B_ROWS>
+__device__ __forceinline__ void product_abt(float *acc, uint32_t a_addr, uint32_t b_addr)
+{
+    const uint32_t a = desc_lo(a_addr, 16), b = desc_lo(b_addr, 16);
+#pragma unroll
+    for (int ks = 0; ks < DK / 16; ks++) {
+        /* column chunk ks / 4, then 32 bytes per k16 step inside it */
+        const uint32_t ao = ((ks / 4) * A_ROWS * 128 + (ks % 4) * 32) >> 4;
+        const uint32_t bo = ((ks / 4) * B_ROWS * 128 + (ks % 4) * 32) >> 4;
+        Wgmma<T, N>::ss(acc, make_desc(a + ao, FT_DESC_HI(1024)), make_desc(b + bo, FT_DESC_HI(1024)),
+                        ks > 0);
+    }
+}
+
+/* acc (64 x D) += F B over K rows: F the register fragments, B a swizzled
+ * [K][D] tile read transposed (MN-major). */
+template <typename T, int K, int D>
+__device__ __forceinline__ void product_fb(float *acc, const uint32_t (*f)[4], uint32_t b_addr)
+{
+    const uint32_t b = desc_lo(b_addr, K * 128);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++)
+        Wgmma<T, D>::rs(acc, f[kk], make_desc(b + kk * 16 * 128 / 16, FT_DESC_HI(1024)), 1);
+}
+
 #define WG_THREADS 128
 
 template <int N> __device__ __forceinline__ void cp_async_wait_n()
@@ -159,29 +198,28 @@ template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
     static constexpr int CHUNKS = D / 8, RP = THREADS / CHUNKS, ITERS = (ROWS + RP - 1) / RP;
     static_assert(THREADS % CHUNKS == 0 && RP % 8 == 0, "loader shape");
     const T *src; /* row r0 of the head, column c */
-    int64_t row_stride;
+    int64_t row_stride, rp_stride; /* elements between rows, and RP rows */
     uint32_t dst; /* byte offset of (r0, c) in the tile */
-    int r0, n;
-    bool col_ok;
+    int rows_left; /* n - r0, or 0 when column c is past d */
     __device__ __forceinline__ TileLoader(const FlashTensor &t, int b, int head, int n_rows, int d)
     {
-        const int c = (threadIdx.x % CHUNKS) * 8;
-        r0 = threadIdx.x / CHUNKS;
+        const int c = (threadIdx.x % CHUNKS) * 8, r0 = threadIdx.x / CHUNKS;
         row_stride = t.row_stride;
+        rp_stride = RP * t.row_stride;
         src = (const T *)t.data + row_offset(t, b, r0, head) + c;
         dst = swz_offset<ROWS>(r0, c);
-        n = n_rows;
-        col_ok = c < d;
+        rows_left = c < d ? n_rows - r0 : 0;
     }
     __device__ __forceinline__ void load(unsigned char *tile, int j0) const
     {
         const T *g = src + (int64_t)j0 * row_stride;
+        const int left = rows_left - j0;
 #pragma unroll
-        for (int it = 0; it < ITERS; it++) {
-            if (ROWS % RP != 0 && r0 + it * RP >= ROWS)
+        for (int it = 0; it < ITERS; it++, g += rp_stride) {
+            if (ROWS % RP != 0 && (int)(dst / 128) + it * RP >= ROWS)
                 break;
-            const bool valid = col_ok && j0 + r0 + it * RP < n;
-            cp_async_16(tile + dst + it * RP * 128, valid ? g + it * RP * row_stride : src, valid);
+            const bool valid = it * RP < left;
+            cp_async_16(tile + dst + it * RP * 128, valid ? g : src, valid);
         }
     }
 };
