@@ -34,7 +34,7 @@
 
 
 
-/* D[b, h, i] = dO_i . O_i, one warp per row. */
+/* D[b, h, i] = dO_i . O_i, one warp per row (and lse2 when asked for). */
 __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dot_kernel(FlashParams p)
 {
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
@@ -46,8 +46,11 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dot_kernel(Fla
     for (int c = lane; c < p.d; c += FT_WARP)
         part += load_elem(p.out.data, oo + c, p.dtype) * load_elem(p.dout.data, go + c, p.dtype);
     part = warp_sum(part);
+    const int64_t i = ((int64_t)b * p.H + h) * p.Nq + row;
     if (lane == 0)
-        p.D[((int64_t)b * p.H + h) * p.Nq + row] = part;
+        p.D[i] = part;
+    if (lane == 0 && p.lse2) /* exp(s - lse) = exp2(s log2(e) - lse2); 0 for empty rows */
+        p.lse2[i] = p.lse[i] == -INFINITY ? INFINITY : p.lse[i] * FT_LOG2E;
 }
 
 /* Loads this lane's columns of one row into x. */
@@ -485,11 +488,16 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     FT_TRY(ft_cuda_use_device(q->device.index, func));
     if (s->B == 0 || s->H == 0)
         return FT_OK;
-    /* LSE as the kernels read it: contiguous f32 */
+    const ft_tensor *ts[8] = {q, k, v, out, dout, dq, dk, dv};
+    const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
+                     flash_rows_aligned(ts, 8);
+    const bool sm90 = mma && s->Nq > 0 && flash_sm90_usable(q->device.index);
+    /* LSE as the kernels read it: contiguous f32; D (and for the sm90
+     * kernels LSE in log2 units) beside it */
     ft_tensor *lse_c = NULL, *D = NULL;
     FT_TRY(ft_contiguous(&lse_c, lse));
-    int64_t dshape[3] = {s->B, s->H, s->Nq};
-    ft_status st = ft_empty_named(&D, 3, dshape, FT_F32, q->device, func);
+    int64_t dshape[4] = {sm90 ? 2 : 1, s->B, s->H, s->Nq};
+    ft_status st = ft_empty_named(&D, 4, dshape, FT_F32, q->device, func);
     if (st != FT_OK) {
         ft_tensor_free(lse_c);
         return st;
@@ -500,15 +508,13 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     p.dk = flash_tensor(dk);
     p.dv = flash_tensor(dv);
     p.D = (float *)D->data;
+    p.lse2 = sm90 ? p.D + s->B * s->H * s->Nq : nullptr;
     const dim3 block(SIMT_WARPS * FT_WARP);
     if (s->Nq > 0) {
         flash_bwd_dot_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B), block>>>(p);
         st = ft_cuda_check_launch(func, __FILE__, __LINE__);
     }
-    const ft_tensor *ts[8] = {q, k, v, out, dout, dq, dk, dv};
-    const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
-                     flash_rows_aligned(ts, 8);
-    if (st == FT_OK && s->Nq > 0 && mma && flash_sm90_usable(q->device.index)) {
+    if (st == FT_OK && sm90) {
         st = flash_bwd_sm90(p);
     } else if (st == FT_OK && s->Nq > 0 && mma) {
         st = q->dtype == FT_F16 ? launch_bwd_mma_dtype<__half>(p)

@@ -37,12 +37,6 @@ __device__ __forceinline__ void cp_async_4(void *dst, const void *src, bool vali
                  "r"(valid ? 4 : 0));
 }
 
-/* LSE in log2 units for exp2; a row that saw no key gets +inf, so P = 0. */
-__device__ __forceinline__ float lse_log2(float lse)
-{
-    return lse == -INFINITY ? INFINITY : lse * FT_LOG2E;
-}
-
 /* Stores this warp's rows (row0 + g, + 8) of a 64 x D accumulator into
  * columns col0 .. col0+D-1 of a [B, N, heads, d] tensor, times `scale`;
  * rows past n and columns past d are skipped. */
@@ -110,12 +104,12 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BN = 64 * NWG, THREADS = NWG * WG_THREADS, ST = BWD_STAGES;
-    constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BM * D * 2;
+    constexpr int TW = FT_TW(D), KV_BYTES = BN * TW * 2, Q_BYTES = BM * TW * 2;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     unsigned char *const sK = smem, *const sV = sK + KV_BYTES, *const sQ = sV + KV_BYTES;
     unsigned char *const sdO = sQ + ST * Q_BYTES;
-    float *const sL = reinterpret_cast<float *>(sdO + ST * Q_BYTES); /* [ST][BM] LSE */
+    float *const sL = reinterpret_cast<float *>(sdO + ST * Q_BYTES); /* [ST][BM] LSE, log2 */
     float *const sD = sL + ST * BM;                                   /* [ST][BM] D */
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
@@ -137,26 +131,28 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         return;
     }
 
-    auto block_of = [&](int t, int &h, int &i0) {
-        h = hk * G + t / per_head;
-        i0 = (ib0 + t % per_head) * BM;
-    };
+    /* the next block to copy: head lh, queries li0 .. (stepped, no division) */
+    int lh = hk * G, li0 = ib0 * BM;
     auto load_block = [&](int t) {
-        int h, i0;
-        block_of(t, h, i0);
+        const int h = lh, i0 = li0;
+        li0 += BM;
+        if (li0 >= p.Nq) {
+            li0 = ib0 * BM;
+            lh++;
+        }
         const int st = t % ST;
-        TileLoader<T, BM, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
-        TileLoader<T, BM, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
+        TileLoader<T, BM, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
+        TileLoader<T, BM, TW, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
         if (tid < 2 * BM) {
             const int r = tid % BM, row = i0 + r;
-            const float *src = (tid < BM ? p.lse : p.D) + ((int64_t)b * p.H + h) * p.Nq;
+            const float *src = (tid < BM ? p.lse2 : p.D) + ((int64_t)b * p.H + h) * p.Nq;
             cp_async_4((tid < BM ? sL : sD) + st * BM + r, src + (row < p.Nq ? row : 0),
                        row < p.Nq);
         }
     };
 
-    TileLoader<T, BN, D, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
-    TileLoader<T, BN, D, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
+    TileLoader<T, BN, TW, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
+    TileLoader<T, BN, TW, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
     load_block(0);
     cp_async_commit();
 
@@ -179,10 +175,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
      * fragments of dV += P^T dO; dS^T below takes P from them (rounded to
      * 16 bits, as the naive path rounds it), which keeps S^T and dP^T from
      * being live together. */
+    int ci0 = ib0 * BM; /* the query block probs works on, stepped (no division) */
     auto probs = [&](int t) {
         pin_all<BM / 2>(s);
-        int h, i0;
-        block_of(t, h, i0);
+        const int i0 = ci0;
+        ci0 = ci0 + BM < p.Nq ? ci0 + BM : ib0 * BM;
         const float *L = sL + (t % ST) * BM;
         const bool edge = i0 + BM > p.Nq || (p.causal && wkey0 + 15 > i0 + shift);
 #pragma unroll
@@ -191,7 +188,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
             const float2 l2 = *reinterpret_cast<const float2 *>(L + col);
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const float lse = lse_log2(e ? l2.y : l2.x);
+                const float lse = e ? l2.y : l2.x;
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int idx = 4 * n + 2 * r + e;
@@ -274,7 +271,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BR = 64 * NWG, THREADS = NWG * WG_THREADS, ST = BWD_STAGES;
-    constexpr int Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
+    constexpr int TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
@@ -303,13 +300,13 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     for (int r = 0; r < 2; r++) {
         const int row = wrow0 + g + 8 * r;
         const int64_t o = ((int64_t)b * p.H + h) * p.Nq + row;
-        lse[r] = row < p.Nq ? lse_log2(p.lse[o]) : INFINITY;
+        lse[r] = row < p.Nq ? p.lse2[o] : INFINITY;
         Dr[r] = row < p.Nq ? p.D[o] : 0.f;
     }
 
-    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
-    TileLoader<T, BR, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
+    const TileLoader<T, BC, TW, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
+    TileLoader<T, BR, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
+    TileLoader<T, BR, TW, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
     kload.load(sK, 0);
     vload.load(sV, 0);
     cp_async_commit();
@@ -437,7 +434,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     unsigned char *const sK = smem, *const sV = sK + KV_BYTES, *const sQ = sV + KV_BYTES;
     unsigned char *const sdO = sQ + ST * Q_BYTES, *const sP = sdO + ST * Q_BYTES;
     unsigned char *const sdS = sP + P_BYTES;
-    float *const sL = reinterpret_cast<float *>(sdS + P_BYTES); /* [ST][BM] LSE */
+    float *const sL = reinterpret_cast<float *>(sdS + P_BYTES); /* [ST][BM] LSE, log2 */
     float *const sD = sL + ST * BM;                              /* [ST][BM] D */
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
@@ -469,7 +466,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         TileLoader<T, BM, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
         if (tid < 2 * BM) {
             const int r = tid % BM, row = i0 + r;
-            const float *src = (tid < BM ? p.lse : p.D) + ((int64_t)b * p.H + h) * p.Nq;
+            const float *src = (tid < BM ? p.lse2 : p.D) + ((int64_t)b * p.H + h) * p.Nq;
             cp_async_4((tid < BM ? sL : sD) + st * BM + r, src + (row < p.Nq ? row : 0),
                        row < p.Nq);
         }
@@ -507,7 +504,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int col = wg * 32 + n * 8 + t4 * 2 + e;
-                const float lse = lse_log2(L[col]), dd = Dq[col];
+                const float lse = L[col], dd = Dq[col];
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int idx = 4 * n + 2 * r + e;
@@ -574,7 +571,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     for (int r = 0; r < 2; r++) {
         const int row = wrow0 + g + 8 * r;
         const int64_t o = ((int64_t)b * p.H + h) * p.Nq + row;
-        lse[r] = row < p.Nq ? lse_log2(p.lse[o]) : INFINITY;
+        lse[r] = row < p.Nq ? p.lse2[o] : INFINITY;
         Dr[r] = row < p.Nq ? p.D[o] : 0.f;
     }
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
@@ -643,7 +640,7 @@ static ft_status launch_bwd_wgmma(const FlashParams &p)
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
     const char *func = "ft_attention_backward";
     if (p.Nk > 0) {
-        const size_t smem = 1024 + (size_t)(2 * BN + 2 * ST * BM) * D * sizeof(T) +
+        const size_t smem = 1024 + (size_t)(2 * BN + 2 * ST * BM) * FT_TW(D) * sizeof(T) +
                             2 * ST * BM * sizeof(float);
         auto kernel = flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG>;
         FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -652,7 +649,7 @@ static ft_status launch_bwd_wgmma(const FlashParams &p)
         FT_CUDA_CHECK_LAUNCH(func);
     }
     {
-        const size_t smem = 1024 + (size_t)(2 * BR + 2 * ST * BC) * D * sizeof(T);
+        const size_t smem = 1024 + (size_t)(2 * BR + 2 * ST * BC) * FT_TW(D) * sizeof(T);
         auto kernel = flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG>;
         FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem));
@@ -692,7 +689,7 @@ template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams
 template <typename T> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
-        return launch_bwd_wgmma<T, 64, 32, 128, 128>(p);
+        return launch_bwd_wgmma<T, 32, 32, 128, 128>(p);
     if (p.d <= 64)
         return launch_bwd_wgmma<T, 64, 64, 128, 128>(p);
     if (p.d <= 96)

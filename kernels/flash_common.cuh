@@ -29,6 +29,7 @@ struct FlashParams {
     FlashTensor q, k, v, out, dout, dq, dk, dv;
     float *lse;       /* [B, H, Nq] */
     float *D;         /* [B, H, Nq], backward: rowsum(dO * O) */
+    float *lse2;      /* [B, H, Nq], backward (sm90): LSE log2(e), +inf for rows that saw no key */
     int B, H, Hk, Nq, Nk, d;
     int dtype;        /* ft_dtype of every tensor above but lse and D */
     int causal;

@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BR = 64 * NWG, THREADS = NWG * WG_THREADS;
-    constexpr int Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
+    constexpr int TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
     constexpr int NT_S = BC / 8, NT_O = D / 8;
     extern __shared__ unsigned char smem_raw[];
     /* the swizzle is on address bits: chunks must start on 1024 bytes */
@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
     const float sl2 = p.scale_log2;
 
-    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
+    const TileLoader<T, BC, TW, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
+    TileLoader<T, BR, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
     kload.load(sK, 0);
     cp_async_commit();
 
@@ -217,7 +217,7 @@ template <typename T, int D, int DK, int BC, int NWG, int MINB>
 static ft_status launch_fwd_wgmma(const FlashParams &p)
 {
     constexpr int BR = 64 * NWG;
-    const size_t smem = 1024 + (size_t)(BR + 4 * BC) * D * sizeof(T); /* Q, 2 x K, 2 x V */
+    const size_t smem = 1024 + (size_t)(BR + 4 * BC) * FT_TW(D) * sizeof(T); /* Q, 2 x K, 2 x V */
     auto kernel = flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB>;
     FT_CUDA_TRY("ft_attention_forward",
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -243,7 +243,7 @@ int flash_sm90_cfg()
 template <typename T> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
-        return launch_fwd_wgmma<T, 64, 32, 64, 2, 2>(p);
+        return launch_fwd_wgmma<T, 32, 32, 64, 2, 2>(p);
     if (p.d <= 64)
         return launch_fwd_wgmma<T, 64, 64, 64, 2, 2>(p);
     if (p.d <= 96)

@@ -42,6 +42,10 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint
     return make_desc(desc_lo(addr, lbo), FT_DESC_HI(sbo));
 }
 
+/* Width of the shared tiles for head dim D: at least one 64-column chunk
+ * (a 32-wide head leaves the second half of each row unread). */
+#define FT_TW(D) ((D) < 64 ? 64 : (D))
+
 /* Byte offset of element (r, col) in a swizzled [rows][cols] tile. */
 template <int ROWS>
 __device__ __forceinline__ uint32_t swz_offset(int r, int col)
