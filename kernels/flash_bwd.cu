@@ -25,8 +25,10 @@
  *       next K/V block, copies while this one is multiplied): d = 64: 124,
  *       d = 128: 144; no spills in the tensor-core kernels (254 registers
  *       in dK/dV). The SIMT dK/dV kernel spills 4 bytes.
- * Next: a single pass with dQ accumulated by f32 atomics for the
- * non-deterministic default, pipelined tile loads.
+ * On Hopper (compute capability 9.0, built with 90a) f16/bf16 go to the
+ * wgmma kernels of flash_bwd_sm90.cu after the dot kernel (400 TFLOP/s at
+ * d = 128 on the H200); the kernels here serve the other GPUs, and the H200
+ * with FT_NO_WGMMA set.
  */
 #include "flash_mma.cuh"
 

@@ -1,28 +1,51 @@
 /*
  * flash_bwd_sm90.cu - the flash backward pass on Hopper's warpgroup matrix
- * products (wgmma, sm_90a), f16/bf16, head dims up to 128. Like
+ * products (wgmma, sm_90a), f16/bf16, every head dim up to 256. Like
  * flash_bwd.cu, two kernels and no atomics, so the gradients are bitwise
- * reproducible; D = rowsum(dO * O) comes from flash_bwd.cu's dot kernel.
+ * reproducible; D = rowsum(dO * O) (and LSE in log2 units) come from
+ * flash_bwd.cu's dot kernel.
  *
- *   flash_bwd_dkdv_wgmma_kernel<T, D, BM, NWG>: one CTA per 64 x NWG keys
- *       of one (batch, kv head); each warpgroup owns 64 keys. K and V stay
- *       in shared memory; Q, dO, LSE and D blocks of BM queries stream
+ *   flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG>: one CTA per 64 x NWG
+ *       keys of one (batch, kv head); each warpgroup owns 64 keys. K and V
+ *       stay in shared memory; Q, dO, LSE and D blocks of BM queries stream
  *       through three stages (every query head of the GQA group in turn).
- *       Per block: S^T = K Q^T and dP^T = V dO^T (both operands in shared
- *       memory), P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T
- *       - D), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
- *       register A operands and dO, Q transposed by the descriptor.
- *   flash_bwd_dq_wgmma_kernel<T, D, BC, NWG>: one CTA per 64 x NWG queries;
- *       K and V blocks stream through three stages. Per block: S = Q K^T,
- *       dP = dO V^T, P, dS as above, dQ += dS K.
- * In both, block t's two score products are issued together with block
- * t-1's gradient products, and the elementwise work of block t runs while
- * the tensor cores finish the latter (as the forward overlaps its softmax
- * with P V). Three stages because block t-1's tiles are still read while
- * block t+1's are copied.
+ *       Per block: S^T = K Q^T (both operands in shared memory), P^T =
+ *       exp2(S^T scale log2e - LSE log2e) straight into the A fragments of
+ *       dV += P^T dO; then dP^T = V dO^T and dS^T = P^T (dP^T - D), with P
+ *       taken back from those 16-bit fragments (as the naive path rounds
+ *       it), into the A fragments of dK += dS^T Q. S^T_t is issued with
+ *       dK_{t-1}'s product, dP^T_t with dV_t's, and the elementwise work
+ *       runs while the tensor cores finish the second of each pair.
+ *   flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG>: one CTA per 64 x NWG
+ *       queries; K and V blocks stream through three stages. Per block:
+ *       S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K; block j's score
+ *       products are issued with block j-1's dQ product.
+ *   *_wide_kernel<T, DK>: head dims 192 and 256 (below).
+ * Three stages because block t-1's tiles are still read while block t+1's
+ * are copied. D, DK as in flash_fwd_sm90.cu; BM = 128 for d <= 64 (64
+ * above), BC = 128 for d <= 64 (64 above).
  *
  * Check: spec/cuda_attention_spec.lua (busted, tag gpu) against the CPU f64
  * reference; scripts/bench.lua checks, then times.
+ *
+ * Measured on the H200 (2026-11-30, f16, N = 16384, non-causal, TFLOP/s
+ * counting 2.5 x the forward's FLOPs; the two kernels compute 3.5 x;
+ * FlashAttention-2: 277 at d = 64, 298 at d = 128; the mma.sync kernels of
+ * flash_bwd.cu: 124 and 144):
+ *   w1  as above, BM = 64 everywhere: d = 64: 271, d = 128: 347. The first
+ *       version kept S^T and dP^T live together and spilled 152 bytes at
+ *       d = 128; taking P back from its fragments removed the spill.
+ *   w2  d <= 64: BM = 128 in dK/dV: 271 -> 282 (dQ with 64-key blocks: 267).
+ *   w3  masks in their own pass on edge blocks only: d = 64: 307, d = 128:
+ *       368.
+ *   w4  descriptors built once per product, stepped copy pointers: d = 64:
+ *       328, d = 128: 382; LSE in log2 units from the dot kernel: d = 128:
+ *       400.
+ *   Other head dims (N = 16384): d = 32: 235, d = 96: 331; the wide kernels
+ *   d = 192: 267, d = 256: 303 (the mma.sync kernels: 56 and 78).
+ *   ptxas: the f16 dK/dV kernel for d <= 64 (255 registers) spills 4 bytes
+ *   (one value stored and reloaded once per CTA, outside the block loop);
+ *   the others do not spill.
  */
 #include "flash_wgmma.cuh"
 
@@ -392,7 +415,13 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
  * P and dS (16 bits) to shared memory, and after a barrier each updates
  * half of the head dim of the gradients with P and dS from shared memory
  * (K-major A) times the tile read transposed. D = 256 (d = 192 pads to it,
- * with the score products over DK = 192 columns only). */
+ * with the score products over DK = 192 columns only). Nothing overlaps
+ * here: products, elementwise work and barriers take turns. With only 64
+ * keys (or queries) per CTA every Q/dO (K/V) byte copied serves half as
+ * many rows as at d = 128, and the two stages of 64 x 256 tiles fill the
+ * shared memory, so a third stage (what the overlap of the narrower kernels
+ * needs) does not fit. Measured: d = 256: 303 TFLOP/s (0.79x of d = 128),
+ * d = 192: 267 (0.70x; a quarter of the gradient columns are padding). */
 
 /* gradient half (64 x 128) += F B: F a 64 x 64 shared tile [row][k]
  * (16-bit, swizzled), B this warpgroup's 128 columns of a [64][256] tile

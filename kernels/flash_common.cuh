@@ -111,7 +111,6 @@ bool flash_rows_aligned(const ft_tensor *const *ts, int n);
 ft_status flash_fwd_sm90(const FlashParams &p);
 /* flash_bwd_sm90.cu: dK, dV, dQ once p.D holds rowsum(dO * O); Nq > 0. */
 ft_status flash_bwd_sm90(const FlashParams &p);
-int flash_sm90_cfg();
 bool flash_sm90_usable(int device);
 
 #define SIMT_WARPS 4 /* warps per CTA of the SIMT kernels: one query or key row each */

@@ -1,29 +1,64 @@
 /*
  * flash_fwd_sm90.cu - the flash forward pass on Hopper's warpgroup matrix
- * products (wgmma, sm_90a), for f16/bf16 with head dims up to 128.
+ * products (wgmma, sm_90a), f16/bf16, every head dim up to 256.
  *
- *   flash_fwd_wgmma_kernel<T, D, BC, NWG>: one CTA of NWG warpgroups per
- *       64 x NWG query rows of one (batch, head); each warpgroup owns 64
- *       rows. Q, K and V tiles sit in shared memory in the 128-byte
- *       swizzled layout (flash_wgmma.cuh), K and V in two stages: cp.async
- *       fills block j+1 while block j is multiplied. S = Q K^T is one chain
- *       of m64nBCk16 products with both operands in shared memory; the
- *       online softmax runs on S's accumulators in registers; O += P V takes
- *       P from registers and V from shared memory (transposed by the
- *       descriptor, no ldmatrix.trans). D is the head dim rounded up to 64
- *       or 128 (zero columns). Warpgroups whose rows lie wholly before a
- *       causal block skip it; the mask is applied only on blocks that cross
- *       the diagonal or the end of K.
+ *   flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB>: one CTA of NWG
+ *       warpgroups per 64 x NWG query rows of one (batch, head); each
+ *       warpgroup owns 64 rows. Q, K and V tiles sit in shared memory in the
+ *       128-byte swizzled layout (flash_wgmma.cuh); K and V in two stages,
+ *       copied by cp.async. S = Q K^T is a chain of m64nBCk16 products with
+ *       both operands in shared memory; the online softmax runs on S's
+ *       accumulators in registers (exp2 by one FFMA and ex2.approx); O += P V
+ *       takes P from registers and V from shared memory, transposed by the
+ *       descriptor. Iteration j issues S_j = Q K_j together with
+ *       O += P_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor
+ *       cores work on the second (K runs one block ahead of V). Masks are
+ *       applied in a separate pass, only on blocks at the end of K or across
+ *       the causal diagonal; causal CTAs start with the longest rows.
+ *       D: head dim rounded up to 32, 64, 128 or 256 (the width of O and of
+ *       P V); DK: rounded up to a multiple of 32 (the columns Q K^T
+ *       multiplies): d = 96 runs D = 128, DK = 96; d = 192 runs D = 256,
+ *       DK = 192. Shapes: d <= 64: 64-key blocks, two CTAs per SM;
+ *       d <= 128: 128-key blocks; d > 128: 64-key blocks; 12 instantiations.
  *
  * Built when the CUDA architectures include 90a (FT_HAVE_SM90A); used on
- * devices of compute capability 9.0, the mma.sync kernels of flash_fwd.cu
- * elsewhere. Check: spec/cuda_attention_spec.lua (busted, tag gpu) against
- * the CPU f64 reference; scripts/bench.lua checks, then times.
+ * devices of compute capability 9.0 unless FT_NO_WGMMA is set; the
+ * mma.sync kernels of flash_fwd.cu run elsewhere. Check:
+ * spec/cuda_attention_spec.lua (busted, tag gpu) against the CPU f64
+ * reference; scripts/bench.lua checks, then times; scripts/profile.lua
+ * runs one call for ncu.
+ *
+ * Measured on the H200 (2026-11-30, f16, N = 16384, B x H = 1 x 2048/d,
+ * non-causal, TFLOP/s; FlashAttention-2 on the same card: 302 at d = 64,
+ * 340 at d = 128; the mma.sync kernel of flash_fwd.cu: 178 and 235):
+ *   w1  S, softmax, P V one after the other, 128 x 128 blocks, 2 warpgroups:
+ *       d = 64: 204, d = 128: 278. Both products waited for at once.
+ *   w2  S_j issued with P_{j-1} V_{j-1}, softmax overlapping the latter;
+ *       exp2 on one FFMA + ex2.approx.ftz (was FMUL + exp2f's range code);
+ *       copies with per-thread pointers: d = 64: 275, d = 128: 401.
+ *   w3  d = 64 with 64-key blocks and two CTAs per SM (~120 registers):
+ *       275 -> 304 (128-key blocks: 262-274; 192: 282; 3 or 4 warpgroups
+ *       of 64-key blocks: 253, 273 - lockstep warpgroups, slower).
+ *       d = 128 with 3 or 4 warpgroups: 391 (and spills), 336.
+ *   w4  masks in their own pass on edge blocks only (the hot loop had
+ *       carried the per-element index arithmetic: ncu showed the kernel
+ *       issue-bound, 65% issue slots busy at d = 64, 17 instructions per
+ *       score); max and sum in four partial chains: d = 64: 360, d = 128:
+ *       405. Skipping the O rescale when no row maximum moved (a warp vote)
+ *       was slower: 383 at d = 128.
+ *   w5  descriptors built once per product (one 32-bit add per k-step
+ *       instead of building each), copy pointers stepped by a precomputed
+ *       stride: d = 64: 379, d = 128: 453 (the hot loop went from 412 to
+ *       about 330 instructions per thread at d = 64).
+ *   Other head dims (N = 16384): d = 32: 235 (0.62x of d = 64: the
+ *   exponentials and the softmax's other per-score instructions, not the
+ *   products, bound it, and d = 32 has half the FLOPs per score), d = 96:
+ *   371, d = 192: 420, d = 256: 470.
+ *   ptxas: no spills; 128 to 239 registers.
  */
 #include "flash_wgmma.cuh"
 
 #include <math.h>
-#include <stdlib.h>
 
 template <typename T, int D, int DK, int BC, int NWG, int MINB>
 __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
@@ -226,16 +261,6 @@ static ft_status launch_fwd_wgmma(const FlashParams &p)
     kernel<<<grid, NWG * WG_THREADS, smem>>>(p);
     FT_CUDA_CHECK_LAUNCH("ft_attention_forward");
     return FT_OK;
-}
-
-int flash_sm90_cfg()
-{
-    static int cfg = -1;
-    if (cfg < 0) {
-        const char *e = getenv("FT_SM90_CFG");
-        cfg = e ? atoi(e) : 0;
-    }
-    return cfg;
 }
 
 /* D: the head dim rounded up to 64, 128 or 256; DK: to 32, 64, 96, 128,
