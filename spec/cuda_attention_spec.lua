@@ -79,6 +79,20 @@ describe("attention on CUDA #gpu", function()
         end
       end
     end
+    gpu_it("long sequences: many blocks each way, every pipeline stage reused, GQA across query blocks", function()
+      for _, dtype in ipairs { "f16", "bf16" } do
+        for _, d in ipairs { 64, 128, 256 } do
+          check_against_naive(dtype, 1, 600, 700, 4, 2, d, true)
+          check_against_naive(dtype, 1, 700, 600, 2, 2, d, false)
+        end
+      end
+    end)
+    gpu_it("head dims between the kernels' sizes (40, 72, 136, 200) are padded with zero columns", function()
+      for _, d in ipairs { 40, 72, 136, 200 } do
+        check_against_naive("f16", 1, 150, 170, 2, 1, d, true)
+        check_against_naive("bf16", 2, 170, 150, 2, 2, d, false)
+      end
+    end)
     gpu_it("head dims the tensor-core path does not take (d = 36, 8) run on the simple path", function()
       check_against_naive("f16", 1, 50, 70, 2, 1, 36, true)
       check_against_naive("bf16", 1, 70, 50, 2, 2, 8, false)
