@@ -454,19 +454,12 @@ static ft_status launch_bwd_mma(const FlashParams &p)
     const size_t smem_kv = (size_t)(2 * BC + 4 * BWD_BR) * (D + 8) * sizeof(T) +
                            4 * BWD_BR * sizeof(float);
     const size_t smem_q = (size_t)(2 * BWD_BR + 4 * BC) * (D + 8) * sizeof(T);
-    auto kv = flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT>;
-    FT_CUDA_TRY(func, cudaFuncSetAttribute(kv, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)smem_kv));
-    if (p.Nk > 0) {
-        kv<<<dim3((p.Nk + BC - 1) / BC, p.Hk, p.B), (BC / 16) * DSPLIT * FT_WARP, smem_kv>>>(p);
-        FT_CUDA_CHECK_LAUNCH(func);
-    }
-    auto qk = flash_bwd_dq_mma_kernel<T, D, BC>;
-    FT_CUDA_TRY(func, cudaFuncSetAttribute(qk, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)smem_q));
-    qk<<<dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B), 4 * FT_WARP, smem_q>>>(p);
-    FT_CUDA_CHECK_LAUNCH(func);
-    return FT_OK;
+    if (p.Nk > 0)
+        FT_TRY(flash_launch(flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT>,
+                            dim3((p.Nk + BC - 1) / BC, p.Hk, p.B), (BC / 16) * DSPLIT * FT_WARP,
+                            smem_kv, p, func));
+    return flash_launch(flash_bwd_dq_mma_kernel<T, D, BC>, dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B),
+                        4 * FT_WARP, smem_q, p, func);
 }
 
 template <typename T>

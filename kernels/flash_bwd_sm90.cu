@@ -120,6 +120,98 @@ template <int N> __device__ __forceinline__ void pin_all(float *x)
         pin(x[i]);
 }
 
+/* The blocks of BM queries that a CTA of keys walks (dK/dV), for each
+ * query head of its GQA group in turn: those from the first query that sees
+ * the CTA's first key to the end. Q, dO, LSE (log2 units) and D of block t
+ * are copied into stage t % ST of `base`; two cursors step through the
+ * blocks without divisions, one for the copies, one for the arithmetic. */
+template <typename T, int BM, int TW, int THREADS, int ST> struct QueryStream {
+    static constexpr int Q_BYTES = BM * TW * 2;
+    static constexpr size_t BYTES = (size_t)ST * (2 * Q_BYTES + 2 * BM * sizeof(float));
+    unsigned char *sQ, *sdO;
+    float *sL, *sD;
+    int ib0, total;
+    int lh, li0; /* the next block to copy */
+    int ci0;     /* the next block the arithmetic takes */
+    __device__ __forceinline__ QueryStream(const FlashParams &p, unsigned char *base, int j0, int hk)
+    {
+        sQ = base;
+        sdO = sQ + ST * Q_BYTES;
+        sL = reinterpret_cast<float *>(sdO + ST * Q_BYTES);
+        sD = sL + ST * BM;
+        const int G = p.H / p.Hk;
+        ib0 = flash_query_start(p, j0) / BM;
+        const int per_head = (p.Nq + BM - 1) / BM - ib0;
+        total = per_head > 0 ? G * per_head : 0;
+        lh = hk * G;
+        li0 = ci0 = ib0 * BM;
+    }
+    /* copies the next block (block t) into its stage */
+    __device__ __forceinline__ void load(const FlashParams &p, int b, int t)
+    {
+        const int h = lh, i0 = li0, st = t % ST;
+        li0 += BM;
+        if (li0 >= p.Nq) {
+            li0 = ib0 * BM;
+            lh++;
+        }
+        TileLoader<T, BM, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
+        TileLoader<T, BM, TW, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
+        const int tid = threadIdx.x;
+        if (tid < 2 * BM) {
+            const int r = tid % BM, row = i0 + r;
+            const float *src = (tid < BM ? p.lse2 : p.D) + ((int64_t)b * p.H + h) * p.Nq;
+            cp_async_4((tid < BM ? sL : sD) + st * BM + r, src + (row < p.Nq ? row : 0),
+                       row < p.Nq);
+        }
+    }
+    /* the first query of the next block the arithmetic takes */
+    __device__ __forceinline__ int next_i0(const FlashParams &p)
+    {
+        const int i0 = ci0;
+        ci0 = ci0 + BM < p.Nq ? ci0 + BM : ib0 * BM;
+        return i0;
+    }
+    __device__ __forceinline__ uint32_t q(int t) const { return smem_addr(sQ + (t % ST) * Q_BYTES); }
+    __device__ __forceinline__ uint32_t dout(int t) const
+    {
+        return smem_addr(sdO + (t % ST) * Q_BYTES);
+    }
+    __device__ __forceinline__ const float *lse(int t) const { return sL + (t % ST) * BM; }
+    __device__ __forceinline__ const float *D(int t) const { return sD + (t % ST) * BM; }
+};
+
+/* LSE (log2 units; +inf past the end) and D of this thread's rows row0 + g
+ * and row0 + g + 8 (dQ). */
+__device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, int row0,
+                                          float *lse, float *Dr)
+{
+    const int g = (threadIdx.x % FT_WARP) / 4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + g + 8 * r;
+        const int64_t o = ((int64_t)b * p.H + h) * p.Nq + row;
+        lse[r] = row < p.Nq ? p.lse2[o] : INFINITY;
+        Dr[r] = row < p.Nq ? p.D[o] : 0.f;
+    }
+}
+
+/* The start of a dQ kernel: copies this CTA's BR rows of Q and dO and the
+ * first K, V block (one commit group). */
+template <typename T, int BR, int BC, int TW, int THREADS>
+__device__ __forceinline__ void dq_prologue(const FlashParams &p, int b, int h, int i0,
+                                            unsigned char *sQ, unsigned char *sdO,
+                                            const TileLoader<T, BC, TW, THREADS> &kload,
+                                            const TileLoader<T, BC, TW, THREADS> &vload,
+                                            unsigned char *sK, unsigned char *sV)
+{
+    TileLoader<T, BR, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
+    TileLoader<T, BR, TW, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
+    kload.load(sK, 0);
+    vload.load(sV, 0);
+    cp_async_commit();
+}
+
 /* ---- dK, dV ---- */
 
 template <typename T, int D, int DK, int BM, int NWG>
@@ -127,23 +219,18 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BN = 64 * NWG, THREADS = NWG * WG_THREADS, ST = BWD_STAGES;
-    constexpr int TW = FT_TW(D), KV_BYTES = BN * TW * 2, Q_BYTES = BM * TW * 2;
+    constexpr int TW = FT_TW(D), KV_BYTES = BN * TW * 2;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sK = smem, *const sV = sK + KV_BYTES, *const sQ = sV + KV_BYTES;
-    unsigned char *const sdO = sQ + ST * Q_BYTES;
-    float *const sL = reinterpret_cast<float *>(sdO + ST * Q_BYTES); /* [ST][BM] LSE, log2 */
-    float *const sD = sL + ST * BM;                                   /* [ST][BM] D */
+    unsigned char *const sK = smem, *const sV = sK + KV_BYTES;
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
-    const int G = p.H / p.Hk, shift = p.Nk - p.Nq;
+    const int shift = p.Nk - p.Nq;
     const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
-    /* query blocks that see a key of this block, for each head of the group */
-    const int ib0 = flash_query_start(p, j0) / BM;
-    const int per_head = (p.Nq + BM - 1) / BM - ib0;
-    const int total = per_head > 0 ? G * per_head : 0;
+    QueryStream<T, BM, TW, THREADS, ST> qs(p, sV + KV_BYTES, j0, hk);
+    const int total = qs.total;
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; i++)
@@ -153,30 +240,9 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
         return;
     }
-
-    /* the next block to copy: head lh, queries li0 .. (stepped, no division) */
-    int lh = hk * G, li0 = ib0 * BM;
-    auto load_block = [&](int t) {
-        const int h = lh, i0 = li0;
-        li0 += BM;
-        if (li0 >= p.Nq) {
-            li0 = ib0 * BM;
-            lh++;
-        }
-        const int st = t % ST;
-        TileLoader<T, BM, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
-        TileLoader<T, BM, TW, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
-        if (tid < 2 * BM) {
-            const int r = tid % BM, row = i0 + r;
-            const float *src = (tid < BM ? p.lse2 : p.D) + ((int64_t)b * p.H + h) * p.Nq;
-            cp_async_4((tid < BM ? sL : sD) + st * BM + r, src + (row < p.Nq ? row : 0),
-                       row < p.Nq);
-        }
-    };
-
     TileLoader<T, BN, TW, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
     TileLoader<T, BN, TW, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
-    load_block(0);
+    qs.load(p, b, 0);
     cp_async_commit();
 
     float s[BM / 2], dp[BM / 2];
@@ -185,25 +251,21 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     const float sl2 = p.scale_log2;
 
     auto top = [&](int t) {
-        cp_async_wait_n<0>();
-        fence_proxy_async();
-        __syncthreads();
+        stages_ready();
         if (t + 1 < total)
-            load_block(t + 1);
+            qs.load(p, b, t + 1);
         cp_async_commit();
     };
-    auto q_tile = [&](int t) { return smem_addr(sQ + (t % ST) * Q_BYTES); };
-    auto do_tile = [&](int t) { return smem_addr(sdO + (t % ST) * Q_BYTES); };
+    auto q_tile = [&](int t) { return qs.q(t); };
+    auto do_tile = [&](int t) { return qs.dout(t); };
     /* P^T (rows keys, columns queries) from S^T, straight into the A
      * fragments of dV += P^T dO; dS^T below takes P from them (rounded to
      * 16 bits, as the naive path rounds it), which keeps S^T and dP^T from
      * being live together. */
-    int ci0 = ib0 * BM; /* the query block probs works on, stepped (no division) */
     auto probs = [&](int t) {
         pin_all<BM / 2>(s);
-        const int i0 = ci0;
-        ci0 = ci0 + BM < p.Nq ? ci0 + BM : ib0 * BM;
-        const float *L = sL + (t % ST) * BM;
+        const int i0 = qs.next_i0(p);
+        const float *L = qs.lse(t);
         const bool edge = i0 + BM > p.Nq || (p.causal && wkey0 + 15 > i0 + shift);
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
@@ -228,7 +290,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     /* dS^T = P^T (dP^T - D) into the A fragments of dK += dS^T Q */
     auto dscores = [&](int t) {
         pin_all<BM / 2>(dp);
-        const float *Dq = sD + (t % ST) * BM;
+        const float *Dq = qs.D(t);
 #pragma unroll
         for (int kk = 0; kk < BM / 16; kk++)
 #pragma unroll
@@ -300,15 +362,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
     unsigned char *const sV = sK + ST * KV_BYTES;
 
-    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
-    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4;
-    const int nblocks = (p.Nq + BR - 1) / BR;
-    /* causal: the longest rows first, so the short ones fill the tail */
-    const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int i0 = qb * BR, h = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int wwarp = (tid / FT_WARP) % 4;
+    const QueryBlock qblk = query_block<BR, BC>(p);
+    const int i0 = qblk.i0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk), shift = p.Nk - p.Nq;
-    const int nq = min(BR, p.Nq - i0);
-    const int nkb = (flash_key_end(p, i0 + nq - 1) + BC - 1) / BC;
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
     float dq[D / 2];
 #pragma unroll
@@ -319,20 +377,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
         return;
     }
     float lse[2], Dr[2]; /* rows g, g + 8 */
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = wrow0 + g + 8 * r;
-        const int64_t o = ((int64_t)b * p.H + h) * p.Nq + row;
-        lse[r] = row < p.Nq ? p.lse2[o] : INFINITY;
-        Dr[r] = row < p.Nq ? p.D[o] : 0.f;
-    }
+    row_stats(p, b, h, wrow0, lse, Dr);
 
     const TileLoader<T, BC, TW, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    TileLoader<T, BR, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
-    TileLoader<T, BR, TW, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
-    kload.load(sK, 0);
-    vload.load(sV, 0);
-    cp_async_commit();
+    dq_prologue<T, BR, BC, TW, THREADS>(p, b, h, i0, sQ, sdO, kload, vload, sK, sV);
 
     float s[BC / 2], dp[BC / 2];
     uint32_t df[BC / 16][4];
@@ -340,9 +388,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     const float sl2 = p.scale_log2;
 
     auto top = [&](int j) {
-        cp_async_wait_n<0>();
-        fence_proxy_async();
-        __syncthreads();
+        stages_ready();
         if (j + 1 < nkb) {
             kload.load(sK + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
             vload.load(sV + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
@@ -457,23 +503,20 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int D = 256, BN = 64, BM = 64, THREADS = 2 * WG_THREADS, ST = 2;
-    constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BM * D * 2, P_BYTES = BN * BM * 2;
+    constexpr int KV_BYTES = BN * D * 2, P_BYTES = BN * BM * 2;
+    using Stream = QueryStream<T, BM, D, THREADS, ST>;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sK = smem, *const sV = sK + KV_BYTES, *const sQ = sV + KV_BYTES;
-    unsigned char *const sdO = sQ + ST * Q_BYTES, *const sP = sdO + ST * Q_BYTES;
+    unsigned char *const sK = smem, *const sV = sK + KV_BYTES, *const sP = sV + KV_BYTES;
     unsigned char *const sdS = sP + P_BYTES;
-    float *const sL = reinterpret_cast<float *>(sdS + P_BYTES); /* [ST][BM] LSE, log2 */
-    float *const sD = sL + ST * BM;                              /* [ST][BM] D */
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
-    const int G = p.H / p.Hk, shift = p.Nk - p.Nq;
+    const int shift = p.Nk - p.Nq;
     const int wkey0 = j0 + wwarp * 16; /* this warp's first key */
-    const int ib0 = flash_query_start(p, j0) / BM;
-    const int per_head = (p.Nq + BM - 1) / BM - ib0;
-    const int total = per_head > 0 ? G * per_head : 0;
+    Stream qs(p, sdS + P_BYTES, j0, hk);
+    const int total = qs.total;
     float dk[64], dv[64]; /* columns 128 wg .. 128 wg + 127 */
 #pragma unroll
     for (int i = 0; i < 64; i++)
@@ -483,39 +526,19 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         store_acc<T, 128>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f, 128 * wg);
         return;
     }
-    auto block_of = [&](int t, int &h, int &i0) {
-        h = hk * G + t / per_head;
-        i0 = (ib0 + t % per_head) * BM;
-    };
-    auto load_block = [&](int t) {
-        int h, i0;
-        block_of(t, h, i0);
-        const int st = t % ST;
-        TileLoader<T, BM, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
-        TileLoader<T, BM, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
-        if (tid < 2 * BM) {
-            const int r = tid % BM, row = i0 + r;
-            const float *src = (tid < BM ? p.lse2 : p.D) + ((int64_t)b * p.H + h) * p.Nq;
-            cp_async_4((tid < BM ? sL : sD) + st * BM + r, src + (row < p.Nq ? row : 0),
-                       row < p.Nq);
-        }
-    };
     TileLoader<T, BN, D, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
     TileLoader<T, BN, D, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
-    load_block(0);
+    qs.load(p, b, 0);
     cp_async_commit();
 
     float s[16], dp[16];
     const float sl2 = p.scale_log2;
     for (int t = 0; t < total; t++) {
-        cp_async_wait_n<0>();
-        fence_proxy_async();
-        __syncthreads();
+        stages_ready();
         if (t + 1 < total)
-            load_block(t + 1);
+            qs.load(p, b, t + 1);
         cp_async_commit();
-        const int st = t % ST;
-        const uint32_t q_addr = smem_addr(sQ + st * Q_BYTES), do_addr = smem_addr(sdO + st * Q_BYTES);
+        const uint32_t q_addr = qs.q(t), do_addr = qs.dout(t);
         /* S^T, dP^T for this warpgroup's 32 queries */
         wgmma_fence();
         product_abt<T, 32, DK, BN, BM>(s, smem_addr(sK), q_addr + wg * 32 * 128);
@@ -524,9 +547,8 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         wgmma_wait<0>();
         pin_all<16>(s);
         pin_all<16>(dp);
-        int h, i0;
-        block_of(t, h, i0);
-        const float *L = sL + st * BM, *Dq = sD + st * BM;
+        const int i0 = qs.next_i0(p);
+        const float *L = qs.lse(t), *Dq = qs.D(t);
         const bool edge = i0 + BM > p.Nq || (p.causal && wkey0 + 15 > i0 + shift);
 #pragma unroll
         for (int n = 0; n < 4; n++)
@@ -578,14 +600,11 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
     unsigned char *const sV = sK + ST * KV_BYTES, *const sdS = sV + ST * KV_BYTES;
 
-    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
-    const int wwarp = (tid / FT_WARP) % 4, g = lane / 4;
-    const int nblocks = (p.Nq + BR - 1) / BR;
-    const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int i0 = qb * BR, h = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int wwarp = (tid / FT_WARP) % 4;
+    const QueryBlock qblk = query_block<BR, BC>(p);
+    const int i0 = qblk.i0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk), shift = p.Nk - p.Nq;
-    const int nq = min(BR, p.Nq - i0);
-    const int nkb = (flash_key_end(p, i0 + nq - 1) + BC - 1) / BC;
     const int wrow0 = i0 + wwarp * 16;
     float dq[64]; /* columns 128 wg .. 128 wg + 127 */
 #pragma unroll
@@ -596,26 +615,14 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
         return;
     }
     float lse[2], Dr[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = wrow0 + g + 8 * r;
-        const int64_t o = ((int64_t)b * p.H + h) * p.Nq + row;
-        lse[r] = row < p.Nq ? p.lse2[o] : INFINITY;
-        Dr[r] = row < p.Nq ? p.D[o] : 0.f;
-    }
+    row_stats(p, b, h, wrow0, lse, Dr);
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
-    TileLoader<T, BR, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
-    kload.load(sK, 0);
-    vload.load(sV, 0);
-    cp_async_commit();
+    dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload, sK, sV);
 
     float s[16], dp[16];
     const float sl2 = p.scale_log2;
     for (int j = 0; j < nkb; j++) {
-        cp_async_wait_n<0>();
-        fence_proxy_async();
-        __syncthreads();
+        stages_ready();
         if (j + 1 < nkb) {
             kload.load(sK + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
             vload.load(sV + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
@@ -666,51 +673,33 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 template <typename T, int D, int DK, int BM, int BC>
 static ft_status launch_bwd_wgmma(const FlashParams &p)
 {
-    constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
+    constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES, TW = FT_TW(D);
     const char *func = "ft_attention_backward";
-    if (p.Nk > 0) {
-        const size_t smem = 1024 + (size_t)(2 * BN + 2 * ST * BM) * FT_TW(D) * sizeof(T) +
-                            2 * ST * BM * sizeof(float);
-        auto kernel = flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG>;
-        FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem));
-        kernel<<<dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS, smem>>>(p);
-        FT_CUDA_CHECK_LAUNCH(func);
-    }
-    {
-        const size_t smem = 1024 + (size_t)(2 * BR + 2 * ST * BC) * FT_TW(D) * sizeof(T);
-        auto kernel = flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG>;
-        FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem));
-        kernel<<<dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS, smem>>>(p);
-        FT_CUDA_CHECK_LAUNCH(func);
-    }
-    return FT_OK;
+    if (p.Nk > 0)
+        FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG>,
+                            dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
+                            1024 + (size_t)2 * BN * TW * sizeof(T) +
+                                QueryStream<T, BM, TW, NWG * WG_THREADS, ST>::BYTES,
+                            p, func));
+    return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG>,
+                        dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS,
+                        1024 + (size_t)(2 * BR + 2 * ST * BC) * TW * sizeof(T), p, func);
 }
 
 template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams &p)
 {
-    const char *func = "ft_attention_backward";
     constexpr int D = 256, ROWS = 64, THREADS = 2 * WG_THREADS;
-    if (p.Nk > 0) {
-        const size_t smem = 1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) +
-                            2 * ROWS * ROWS * sizeof(T) + 2 * 2 * ROWS * sizeof(float);
-        auto kernel = flash_bwd_dkdv_wide_kernel<T, DK>;
-        FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem));
-        kernel<<<dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B), THREADS, smem>>>(p);
-        FT_CUDA_CHECK_LAUNCH(func);
-    }
-    {
-        const size_t smem = 1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) +
-                            ROWS * ROWS * sizeof(T);
-        auto kernel = flash_bwd_dq_wide_kernel<T, DK>;
-        FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem));
-        kernel<<<dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B), THREADS, smem>>>(p);
-        FT_CUDA_CHECK_LAUNCH(func);
-    }
-    return FT_OK;
+    const char *func = "ft_attention_backward";
+    if (p.Nk > 0)
+        FT_TRY(flash_launch(flash_bwd_dkdv_wide_kernel<T, DK>, dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B),
+                            THREADS,
+                            1024 + (size_t)2 * ROWS * D * sizeof(T) + 2 * ROWS * ROWS * sizeof(T) +
+                                QueryStream<T, ROWS, D, THREADS, 2>::BYTES,
+                            p, func));
+    return flash_launch(flash_bwd_dq_wide_kernel<T, DK>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
+                        THREADS,
+                        1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) + ROWS * ROWS * sizeof(T),
+                        p, func);
 }
 
 /* D: the head dim rounded up to 64, 128 or 256; DK: to 32, 64, 96, 128,

@@ -113,6 +113,19 @@ ft_status flash_fwd_sm90(const FlashParams &p);
 ft_status flash_bwd_sm90(const FlashParams &p);
 bool flash_sm90_usable(int device);
 
+/* Launches kernel(p) with `smem` bytes of dynamic shared memory (raising
+ * the kernel's limit first); CUDA failures become ft_status for `func`. */
+template <typename Kernel>
+static ft_status flash_launch(Kernel kernel, dim3 grid, int threads, size_t smem,
+                              const FlashParams &p, const char *func)
+{
+    FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)smem));
+    kernel<<<grid, threads, smem>>>(p);
+    FT_CUDA_CHECK_LAUNCH(func);
+    return FT_OK;
+}
+
 #define SIMT_WARPS 4 /* warps per CTA of the SIMT kernels: one query or key row each */
 #define FT_SIMT_MAX_COLS 8 /* columns per lane: head_dim up to 8 * 32 = 256 */
 

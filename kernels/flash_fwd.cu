@@ -265,30 +265,12 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
     cp_async_wait<0>();
 
     /* finish: the quad's partial sums, normalise, store O and LSE */
-    T *out = reinterpret_cast<T *>(p.out.data);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int row = wrow0 + mt * 16 + g + 8 * r;
-            float sum = l[mt][r];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (row >= p.Nq)
-                continue;
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            const int64_t base = row_offset(p.out, b, row, h);
-#pragma unroll
-            for (int n = 0; n < NT_O; n++) {
-                const int col = n * 8 + t4 * 2;
-                if (col < p.d) /* d % 8 == 0: both columns or neither */
-                    *reinterpret_cast<uint32_t *>(out + base + col) =
-                        MmaType<T>::pack(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
-            }
-            if (t4 == 0)
-                p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
-                    sum > 0.f ? (m[mt][r] + log2f(sum)) / FT_LOG2E : -INFINITY;
-        }
+        for (int r = 0; r < 2; r++)
+            store_out_row<T, NT_O>(p, b, h, wrow0 + mt * 16 + g + 8 * r, r, &o[mt][0][0], l[mt][r],
+                                   m[mt][r]);
 }
 
 /* ---- launch ---- */
@@ -353,14 +335,8 @@ static ft_status launch_fwd_mma(const FlashParams &p)
 {
     constexpr int BR = 16 * MT * MMA_WARPS;
     const size_t smem = (size_t)(BR + 4 * BC) * (D + 8) * sizeof(T); /* Q, 2 x K, 2 x V */
-    auto kernel = flash_fwd_mma_kernel<T, D, BC, MT>;
-    FT_CUDA_TRY("ft_attention_forward",
-                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)smem));
-    dim3 grid((p.Nq + BR - 1) / BR, p.H, p.B);
-    kernel<<<grid, MMA_WARPS * FT_WARP, smem>>>(p);
-    FT_CUDA_CHECK_LAUNCH("ft_attention_forward");
-    return FT_OK;
+    return flash_launch(flash_fwd_mma_kernel<T, D, BC, MT>, dim3((p.Nq + BR - 1) / BR, p.H, p.B),
+                        MMA_WARPS * FT_WARP, smem, p, "ft_attention_forward");
 }
 
 template <typename T>

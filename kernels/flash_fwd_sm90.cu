@@ -75,14 +75,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4; /* warp in the warpgroup */
     const int g = lane / 4, t4 = lane % 4;
-    const int nblocks = (p.Nq + BR - 1) / BR;
-    /* causal: the longest rows first, so the short ones fill the tail */
-    const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int i0 = qb * BR, h = blockIdx.y, b = blockIdx.z;
+    const QueryBlock qblk = query_block<BR, BC>(p);
+    const int i0 = qblk.i0, nq = qblk.nq, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
-    const int nq = min(BR, p.Nq - i0);
     const int shift = p.Nk - p.Nq; /* key j visible to query i when j <= i + shift */
-    const int nkb = (flash_key_end(p, i0 + nq - 1) + BC - 1) / BC; /* key blocks */
     if (nkb == 0) { /* no row sees a key: O = 0, LSE = -inf */
         for (int idx = tid; idx < nq * p.d; idx += THREADS)
             store_elem(p.out.data, row_offset(p.out, b, i0 + idx / p.d, h) + idx % p.d, p.dtype, 0.f);
@@ -110,9 +106,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
      * are copied into the stages that K_{j-1} and V_{j-2} left (K runs one
      * block ahead of V). */
     auto top = [&](int j) {
-        cp_async_wait_n<0>(); /* this thread's copies landed */
-        fence_proxy_async();  /* ... visible to the tensor cores */
-        __syncthreads();      /* ... every thread's; the other stages are free */
+        stages_ready();
         if (j + 1 < nkb)
             kload.load(sK + ((j + 1) & 1) * KV_BYTES, (j + 1) * BC);
         if (j < nkb)
@@ -223,28 +217,9 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     cp_async_wait_n<0>();
 
     /* finish: the quad's partial sums, normalise, store O and LSE */
-    T *out = reinterpret_cast<T *>(p.out.data);
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = wrow0 + g + 8 * r;
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (row >= p.Nq)
-            continue;
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        const int64_t base = row_offset(p.out, b, row, h);
-#pragma unroll
-        for (int n = 0; n < NT_O; n++) {
-            const int col = n * 8 + t4 * 2;
-            if (col < p.d) /* d % 8 == 0: both columns or neither */
-                *reinterpret_cast<uint32_t *>(out + base + col) =
-                    MmaType<T>::pack(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-        }
-        if (t4 == 0)
-            p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
-                sum > 0.f ? m[r] * p.scale + logf(sum) : -INFINITY;
-    }
+    for (int r = 0; r < 2; r++)
+        store_out_row<T, NT_O>(p, b, h, wrow0 + g + 8 * r, r, o, l[r], m[r] * sl2);
 #endif
 }
 
@@ -253,14 +228,9 @@ static ft_status launch_fwd_wgmma(const FlashParams &p)
 {
     constexpr int BR = 64 * NWG;
     const size_t smem = 1024 + (size_t)(BR + 4 * BC) * FT_TW(D) * sizeof(T); /* Q, 2 x K, 2 x V */
-    auto kernel = flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB>;
-    FT_CUDA_TRY("ft_attention_forward",
-                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)smem));
-    dim3 grid((p.Nq + BR - 1) / BR, p.H, p.B);
-    kernel<<<grid, NWG * WG_THREADS, smem>>>(p);
-    FT_CUDA_CHECK_LAUNCH("ft_attention_forward");
-    return FT_OK;
+    return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB>,
+                        dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS, smem, p,
+                        "ft_attention_forward");
 }
 
 /* D: the head dim rounded up to 64, 128 or 256; DK: to 32, 64, 96, 128,

@@ -58,6 +58,35 @@ template <> struct MmaType<__nv_bfloat16> {
     }
 };
 
+/* The end of one forward row: `row` is row g + 8 r of a 16-row tile whose
+ * O accumulators acc[4 n + 2 r + e] hold columns 8 n + 2 t + e (mma.sync's
+ * C layout, wgmma's too). Adds up the quad's shares of the row sum, then
+ * stores O / sum and LSE (m_log2: the row maximum in log2 units). Every
+ * lane of the warp calls it (the sum is shuffled). */
+template <typename T, int NT_O>
+__device__ __forceinline__ void store_out_row(const FlashParams &p, int b, int h, int row, int r,
+                                              const float *acc, float l_part, float m_log2)
+{
+    const int t4 = threadIdx.x % 4;
+    float sum = l_part;
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (row >= p.Nq)
+        return;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    T *out = reinterpret_cast<T *>(p.out.data) + row_offset(p.out, b, row, h);
+#pragma unroll
+    for (int n = 0; n < NT_O; n++) {
+        const int col = n * 8 + t4 * 2;
+        if (col < p.d) /* d % 8 == 0: both columns or neither */
+            *reinterpret_cast<uint32_t *>(out + col) =
+                MmaType<T>::pack(acc[4 * n + 2 * r] * inv, acc[4 * n + 2 * r + 1] * inv);
+    }
+    if (t4 == 0)
+        p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
+            sum > 0.f ? (m_log2 + log2f(sum)) / FT_LOG2E : -INFINITY;
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void *p)
 {
     return (uint32_t)__cvta_generic_to_shared(p);

@@ -228,6 +228,34 @@ template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
     }
 };
 
+/* Waits until every thread's cp.async copies have landed and are visible
+ * to the tensor cores (and every thread is done with the stage about to be
+ * refilled). */
+__device__ __forceinline__ void stages_ready()
+{
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    fence_proxy_async();
+    __syncthreads();
+}
+
+/* The query block of a CTA that walks the keys (the forward, dQ): BR rows
+ * from i0 (under the causal mask the longest rows first, so that the short
+ * ones fill the tail), nq of them inside the sequence, and the nkb blocks
+ * of BC keys that any of them sees. */
+struct QueryBlock {
+    int i0, nq, nkb;
+};
+template <int BR, int BC> __device__ __forceinline__ QueryBlock query_block(const FlashParams &p)
+{
+    const int nblocks = (p.Nq + BR - 1) / BR;
+    const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    QueryBlock q;
+    q.i0 = qb * BR;
+    q.nq = min(BR, p.Nq - q.i0);
+    q.nkb = (flash_key_end(p, q.i0 + q.nq - 1) + BC - 1) / BC;
+    return q;
+}
+
 /* Keeps the compiler from moving register reads or writes across wgmma's
  * asynchronous window (the asm statements name the registers). */
 __device__ __forceinline__ void pin(float &x) { asm volatile("" : "+f"(x)::"memory"); }
