@@ -498,6 +498,26 @@ __device__ __forceinline__ void store_tile32(unsigned char *tile, const float *a
                 MmaType<T>::pack(acc[4 * n + 2 * r], acc[4 * n + 2 * r + 1]);
 }
 
+/* The two warpgroups each computed one 64 x 64 product of the block (S or
+ * dP); warpgroup w keeps columns 32 w .. 32 w + 31 of its own (mine) and
+ * receives the same columns of the other's (theirs) through xbuf (16 KB):
+ * thread t of one warpgroup holds the same places as thread t of the other,
+ * so the swap is thread to thread. Ends with a barrier; xbuf is read until
+ * the caller's next barrier. */
+__device__ __forceinline__ void swap_halves(const float *x, float *mine, float *theirs, float *xbuf)
+{
+    const int wg = threadIdx.x / WG_THREADS, t = threadIdx.x % WG_THREADS;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        xbuf[i * 2 * WG_THREADS + wg * WG_THREADS + t] = wg ? x[i] : x[16 + i];
+        mine[i] = wg ? x[16 + i] : x[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        theirs[i] = xbuf[i * 2 * WG_THREADS + (1 - wg) * WG_THREADS + t];
+}
+
 template <typename T, int DK>
 __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(FlashParams p)
 {
@@ -531,7 +551,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     qs.load(p, b, 0);
     cp_async_commit();
 
-    float s[16], dp[16];
+    float x[32], s[16], dp[16];
     const float sl2 = p.scale_log2;
     for (int t = 0; t < total; t++) {
         stages_ready();
@@ -539,14 +559,21 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
             qs.load(p, b, t + 1);
         cp_async_commit();
         const uint32_t q_addr = qs.q(t), do_addr = qs.dout(t);
-        /* S^T, dP^T for this warpgroup's 32 queries */
+        /* warpgroup 0: S^T = K Q^T, warpgroup 1: dP^T = V dO^T, all 64
+         * queries (one product each reads K or V once); then each keeps its
+         * 32 queries of both (the swap goes through sP, free until now) */
         wgmma_fence();
-        product_abt<T, 32, DK, BN, BM>(s, smem_addr(sK), q_addr + wg * 32 * 128);
-        product_abt<T, 32, DK, BN, BM>(dp, smem_addr(sV), do_addr + wg * 32 * 128);
+        product_abt<T, 64, DK, BN, BM>(x, wg ? smem_addr(sV) : smem_addr(sK), wg ? do_addr : q_addr);
         wgmma_commit();
         wgmma_wait<0>();
-        pin_all<16>(s);
-        pin_all<16>(dp);
+        pin_all<32>(x);
+        float mine[16], theirs[16];
+        swap_halves(x, mine, theirs, reinterpret_cast<float *>(sP));
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            s[i] = wg ? theirs[i] : mine[i];
+            dp[i] = wg ? mine[i] : theirs[i];
+        }
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t), *Dq = qs.D(t);
         const bool edge = i0 + BM > p.Nq || (p.causal && wkey0 + 15 > i0 + shift);
@@ -570,6 +597,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
             mask_acc<16>(s, wkey0, i0 + wg * 32, masked);
             mask_acc<16>(dp, wkey0, i0 + wg * 32, masked);
         }
+        __syncthreads(); /* both warpgroups have read the swap */
         store_tile32<T>(sP, s, wg * 32);
         store_tile32<T>(sdS, dp, wg * 32);
         fence_proxy_async();
@@ -599,6 +627,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
     unsigned char *const sV = sK + ST * KV_BYTES, *const sdS = sV + ST * KV_BYTES;
+    float *const xbuf = reinterpret_cast<float *>(sdS + BR * BC * 2); /* swap_halves */
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
@@ -619,7 +648,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
     dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload, sK, sV);
 
-    float s[16], dp[16];
+    float x[32], s[16], dp[16];
     const float sl2 = p.scale_log2;
     for (int j = 0; j < nkb; j++) {
         stages_ready();
@@ -630,14 +659,20 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
         cp_async_commit();
         const uint32_t k_addr = smem_addr(sK + (j % ST) * KV_BYTES);
         const uint32_t v_addr = smem_addr(sV + (j % ST) * KV_BYTES);
-        /* S, dP for this warpgroup's 32 keys */
+        /* warpgroup 0: S = Q K^T, warpgroup 1: dP = dO V^T, all 64 keys;
+         * then each keeps its 32 keys of both */
         wgmma_fence();
-        product_abt<T, 32, DK, BR, BC>(s, smem_addr(sQ), k_addr + wg * 32 * 128);
-        product_abt<T, 32, DK, BR, BC>(dp, smem_addr(sdO), v_addr + wg * 32 * 128);
+        product_abt<T, 64, DK, BR, BC>(x, wg ? smem_addr(sdO) : smem_addr(sQ), wg ? v_addr : k_addr);
         wgmma_commit();
         wgmma_wait<0>();
-        pin_all<16>(s);
-        pin_all<16>(dp);
+        pin_all<32>(x);
+        float mine[16], theirs[16];
+        swap_halves(x, mine, theirs, xbuf);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            s[i] = wg ? theirs[i] : mine[i];
+            dp[i] = wg ? mine[i] : theirs[i];
+        }
         const int j0 = j * BC;
         const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
 #pragma unroll
@@ -698,7 +733,8 @@ template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams
                             p, func));
     return flash_launch(flash_bwd_dq_wide_kernel<T, DK>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
                         THREADS,
-                        1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) + ROWS * ROWS * sizeof(T),
+                        1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) + ROWS * ROWS * sizeof(T) +
+                            2 * WG_THREADS * 16 * sizeof(float),
                         p, func);
 }
 
