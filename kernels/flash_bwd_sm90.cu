@@ -42,7 +42,7 @@
  *       328, d = 128: 382; LSE in log2 units from the dot kernel: d = 128:
  *       400.
  *   Other head dims (N = 16384): d = 32: 235, d = 96: 331; the wide kernels
- *   d = 192: 267, d = 256: 303 (the mma.sync kernels: 56 and 78).
+ *   d = 192: 272, d = 256: 316 (the mma.sync kernels: 56 and 78).
  *   ptxas: the f16 dK/dV kernel for d <= 64 (255 registers) spills 4 bytes
  *   (one value stored and reloaded once per CTA, outside the block loop);
  *   the others do not spill.
@@ -456,18 +456,24 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
  *
  * A 64 x 256 f32 accumulator takes 128 registers a thread, so dK and dV
  * (or dQ) of 64 rows cannot both live in one warpgroup. Here the two
- * warpgroups of a CTA share 64 rows and split the work: each computes the
- * score products for half of the other side's block (64 x 32), writes its
- * P and dS (16 bits) to shared memory, and after a barrier each updates
- * half of the head dim of the gradients with P and dS from shared memory
+ * warpgroups of a CTA share 64 rows and split the work: warpgroup 0
+ * computes S (S^T), warpgroup 1 dP (dP^T), each for the whole 64 x 64
+ * block; they swap halves thread to thread (swap_halves) so that each has
+ * S and dP for 32 of the other side's rows, compute P and dS there and
+ * write them (16 bits) to shared memory; after a barrier each updates half
+ * of the head dim of the gradients with P and dS from shared memory
  * (K-major A) times the tile read transposed. D = 256 (d = 192 pads to it,
  * with the score products over DK = 192 columns only). Nothing overlaps
  * here: products, elementwise work and barriers take turns. With only 64
  * keys (or queries) per CTA every Q/dO (K/V) byte copied serves half as
  * many rows as at d = 128, and the two stages of 64 x 256 tiles fill the
  * shared memory, so a third stage (what the overlap of the narrower kernels
- * needs) does not fit. Measured: d = 256: 303 TFLOP/s (0.79x of d = 128),
- * d = 192: 267 (0.70x; a quarter of the gradient columns are padding). */
+ * needs) does not fit.
+ * Measured (H200, f16, N = 16384, non-causal, TFLOP/s): first version, each
+ * warpgroup computing S and dP for 32 rows (m64n32, K and V each read
+ * twice): d = 192: 267, d = 256: 303; the split above: 272 and 316 (0.70x
+ * and 0.81x of d = 128; d = 192 pays for the padding of its gradient
+ * products to 256 columns). */
 
 /* gradient half (64 x 128) += F B: F a 64 x 64 shared tile [row][k]
  * (16-bit, swizzled), B this warpgroup's 128 columns of a [64][256] tile
