@@ -43,9 +43,8 @@
  *       400.
  *   Other head dims (N = 16384): d = 32: 235, d = 96: 331; the wide kernels
  *   d = 192: 272, d = 256: 316 (the mma.sync kernels: 56 and 78).
- *   ptxas: the f16 dK/dV kernel for d <= 64 (255 registers) spills 4 bytes
- *   (one value stored and reloaded once per CTA, outside the block loop);
- *   the others do not spill.
+ *   ptxas: no spills (the d <= 64 dK/dV kernel spilled 4 bytes at 255
+ *   registers until its query blocks were stepped without divisions).
  */
 #include "flash_wgmma.cuh"
 

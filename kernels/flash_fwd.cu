@@ -28,8 +28,10 @@
  *       d = 64: 174, d = 128: 201. ldmatrix-bound: one B fragment per 2 mma.
  *   v2  two m-tiles per warp (128 rows per CTA) and double-buffered K/V:
  *       d = 64: 178, d = 128: 235. d = 256 keeps one m-tile (registers).
- *   ptxas: D = 128, MT = 2 uses 255 registers and spills 16 bytes (a few
- *   reloads per block, cost not separated); the others do not spill.
+ *   ptxas: D = 128, MT = 2 is at 255 registers and spills: a 16-byte stack
+ *   frame, 48 bytes of spill stores and 32 of loads in the sm_80 code, 16
+ *   and 48 in the sm_90a code (a few reloads per block; cost not
+ *   separated); the others do not spill.
  * On Hopper (compute capability 9.0, built with 90a) f16/bf16 go to the
  * wgmma kernel of flash_fwd_sm90.cu instead (453 TFLOP/s at d = 128 on the
  * H200); these kernels serve the other GPUs, and the H200 with FT_NO_WGMMA
