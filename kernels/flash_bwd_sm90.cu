@@ -743,8 +743,8 @@ template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams
                         p, func);
 }
 
-/* D: the head dim rounded up to 64, 128 or 256; DK: to 32, 64, 96, 128,
- * 192 or 256, the columns the score products multiply. */
+/* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
+ * 128, 192 or 256, the columns the score products multiply. */
 template <typename T> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)

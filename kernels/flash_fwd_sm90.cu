@@ -233,8 +233,8 @@ static ft_status launch_fwd_wgmma(const FlashParams &p)
                         "ft_attention_forward");
 }
 
-/* D: the head dim rounded up to 64, 128 or 256; DK: to 32, 64, 96, 128,
- * 192 or 256, the columns Q K^T multiplies. */
+/* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
+ * 128, 192 or 256, the columns Q K^T multiplies. */
 template <typename T> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
