@@ -18,6 +18,14 @@
  * t = lane % 4), the mma.sync m16n8 C layout repeated along N; the A
  * fragment from registers is mma.sync's m16n8k16 A layout. So, as with
  * mma.sync, S's accumulators converted to 16 bits are P's A fragments.
+ *
+ * Also here, shared by flash_fwd_sm90.cu and flash_bwd_sm90.cu: the products
+ * over a tile (product_abt: A B^T, both K-major; product_fb: register
+ * fragments times a tile read transposed), the cp.async tile copies into
+ * the swizzled layout (TileLoader), the barrier that makes a stage visible
+ * to the tensor cores (stages_ready), a CTA's query block (query_block),
+ * and pin (keeps the compiler from moving accumulator reads across the
+ * asynchronous window) and ex2 (exp2 without range handling).
  */
 #ifndef FT_FLASH_WGMMA_CUH
 #define FT_FLASH_WGMMA_CUH
