@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     wgmma_commit();
     wgmma_wait<0>();
     pin_all<D / 2>(dk);
-    cp_async_wait_n<0>();
+    cp_async_wait<0>();
 
     store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, p.scale);
     store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     issue_grad(nkb - 1);
     wgmma_wait<0>();
     pin_all<D / 2>(dq);
-    cp_async_wait_n<0>();
+    cp_async_wait<0>();
 
     store_acc<T, D>(p.dq, b, h, wrow0, p.Nq, p.d, dq, p.scale);
 #endif
@@ -616,7 +616,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         pin_all<64>(dv);
         pin_all<64>(dk);
     }
-    cp_async_wait_n<0>();
+    cp_async_wait<0>();
     store_acc<T, 128>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, p.scale, 128 * wg);
     store_acc<T, 128>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f, 128 * wg);
 #endif
@@ -703,7 +703,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
         wgmma_wait<0>();
         pin_all<64>(dq);
     }
-    cp_async_wait_n<0>();
+    cp_async_wait<0>();
     store_acc<T, 128>(p.dq, b, h, wrow0, p.Nq, p.d, dq, p.scale, 128 * wg);
 #endif
 }

@@ -100,12 +100,6 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
 
 /* ---- tensor cores ---- */
 
-/* wait until at most n of this thread's cp.async groups are pending */
-template <int N> __device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 /* MT m-tiles of 16 rows per warp: each K or V fragment read from shared
  * memory feeds MT mma instructions, which halves the shared-memory traffic
  * per FLOP at MT = 2 (the limit at MT = 1 was ldmatrix, not the tensor

@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 #pragma unroll
     for (int i = 0; i < D / 2; i++)
         pin(o[i]);
-    cp_async_wait_n<0>();
+    cp_async_wait<0>();
 
     /* finish: the quad's partial sums, normalise, store O and LSE */
 #pragma unroll

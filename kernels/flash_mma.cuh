@@ -116,6 +116,11 @@ __device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool val
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+/* wait until at most N of this thread's cp.async groups are pending */
+template <int N> __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 /* Copies rows row0 .. row0+ROWS-1 of head `head` of t (batch b) into a
  * shared tile [ROWS][LD], 8 elements per cp.async; rows past n and columns

@@ -45,11 +45,6 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t lo, uint32_t hi)
 {
     return ((uint64_t)hi << 32) | lo;
 }
-__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo)
-{
-    return make_desc(desc_lo(addr, lbo), FT_DESC_HI(sbo));
-}
-
 /* Width of the shared tiles for head dim D: at least one 64-column chunk
  * (a 32-wide head leaves the second half of each row unread). */
 #define FT_TW(D) ((D) < 64 ? 64 : (D))
@@ -81,7 +76,6 @@ __device__ __forceinline__ void fence_proxy_async()
 #define FT_ACC16(d) FT_ACC8(d, 0), FT_ACC8(d, 8)
 #define FT_ACC32(d) FT_ACC32_AT(d, 0)
 #define FT_ACC64(d) FT_ACC32_AT(d, 0), FT_ACC32_AT(d, 32)
-#define FT_ACC96(d) FT_ACC64(d), FT_ACC32_AT(d, 64)
 #define FT_ACC128(d) FT_ACC64(d), FT_ACC32_AT(d, 64), FT_ACC32_AT(d, 96)
 #define FT_REG16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define FT_REG32 \
@@ -91,12 +85,6 @@ __device__ __forceinline__ void fence_proxy_async()
     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
     "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
     "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
-#define FT_REG96 \
-    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
-    "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
-    "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64," \
-    "%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85," \
-    "%86,%87,%88,%89,%90,%91,%92,%93,%94,%95}"
 #define FT_REG128 \
     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
     "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
@@ -153,11 +141,6 @@ template <typename T, int N> struct Wgmma;
                   FT_REG64 ", %64, %65, p, 1, 1, 0, ",                                \
                   "%69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "      \
                   FT_REG64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n") \
-    FT_WGMMA_PAIR(TYPE, TY, 192, FT_REG96, FT_ACC96(d),                                      \
-                  "%98, 0;\nwgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "      \
-                  FT_REG96 ", %96, %97, p, 1, 1, 0, ",                                \
-                  "%101, 0;\nwgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "      \
-                  FT_REG96 ", {%96, %97, %98, %99}, %100, p, 1, 1, 1;\n}\n") \
     FT_WGMMA_PAIR(TYPE, TY, 256, FT_REG128, FT_ACC128(d),                                      \
                   "%130, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "      \
                   FT_REG128 ", %128, %129, p, 1, 1, 0, ",                                \
@@ -196,11 +179,6 @@ __device__ __forceinline__ void product_fb(float *acc, const uint32_t (*f)[4], u
 }
 
 #define WG_THREADS 128
-
-template <int N> __device__ __forceinline__ void cp_async_wait_n()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 /* Rows j0 .. j0+ROWS-1 of one head of t into a swizzled [ROWS][D] tile;
  * rows past n and columns past d are zeros. Each thread copies the same
@@ -241,7 +219,7 @@ template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
  * refilled). */
 __device__ __forceinline__ void stages_ready()
 {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
 }
