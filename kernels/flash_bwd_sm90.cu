@@ -43,6 +43,8 @@
  *       400.
  *   Other head dims (N = 16384): d = 32: 235, d = 96: 331; the wide kernels
  *   d = 192: 272, d = 256: 316 (the mma.sync kernels: 56 and 78).
+ *   w5  the copies fill only the D columns the products read (d = 32 had
+ *       zero-filled 64): d = 32: 229 -> 240 (causal 220 -> 232).
  *   ptxas: no spills (the d <= 64 dK/dV kernel spilled 4 bytes at 255
  *   registers until its query blocks were stepped without divisions).
  */
@@ -124,8 +126,8 @@ template <int N> __device__ __forceinline__ void pin_all(float *x)
  * the CTA's first key to the end. Q, dO, LSE (log2 units) and D of block t
  * are copied into stage t % ST of `base`; two cursors step through the
  * blocks without divisions, one for the copies, one for the arithmetic. */
-template <typename T, int BM, int TW, int THREADS, int ST> struct QueryStream {
-    static constexpr int Q_BYTES = BM * TW * 2;
+template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
+    static constexpr int Q_BYTES = BM * FT_TW(HD) * 2;
     static constexpr size_t BYTES = (size_t)ST * (2 * Q_BYTES + 2 * BM * sizeof(float));
     unsigned char *sQ, *sdO;
     float *sL, *sD;
@@ -154,8 +156,8 @@ template <typename T, int BM, int TW, int THREADS, int ST> struct QueryStream {
             li0 = ib0 * BM;
             lh++;
         }
-        TileLoader<T, BM, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
-        TileLoader<T, BM, TW, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
+        TileLoader<T, BM, HD, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
+        TileLoader<T, BM, HD, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
         const int tid = threadIdx.x;
         if (tid < 2 * BM) {
             const int r = tid % BM, row = i0 + r;
@@ -197,15 +199,15 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
 
 /* The start of a dQ kernel: copies this CTA's BR rows of Q and dO and the
  * first K, V block (one commit group). */
-template <typename T, int BR, int BC, int TW, int THREADS>
+template <typename T, int BR, int BC, int D, int THREADS>
 __device__ __forceinline__ void dq_prologue(const FlashParams &p, int b, int h, int i0,
                                             unsigned char *sQ, unsigned char *sdO,
-                                            const TileLoader<T, BC, TW, THREADS> &kload,
-                                            const TileLoader<T, BC, TW, THREADS> &vload,
+                                            const TileLoader<T, BC, D, THREADS> &kload,
+                                            const TileLoader<T, BC, D, THREADS> &vload,
                                             unsigned char *sK, unsigned char *sV)
 {
-    TileLoader<T, BR, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
-    TileLoader<T, BR, TW, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
+    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
+    TileLoader<T, BR, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
     kload.load(sK, 0);
     vload.load(sV, 0);
     cp_async_commit();
@@ -228,7 +230,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     const int shift = p.Nk - p.Nq;
     const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
-    QueryStream<T, BM, TW, THREADS, ST> qs(p, sV + KV_BYTES, j0, hk);
+    QueryStream<T, BM, D, THREADS, ST> qs(p, sV + KV_BYTES, j0, hk);
     const int total = qs.total;
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -239,8 +241,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
         return;
     }
-    TileLoader<T, BN, TW, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
-    TileLoader<T, BN, TW, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
+    TileLoader<T, BN, D, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
+    TileLoader<T, BN, D, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
     qs.load(p, b, 0);
     cp_async_commit();
 
@@ -378,8 +380,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     float lse[2], Dr[2]; /* rows g, g + 8 */
     row_stats(p, b, h, wrow0, lse, Dr);
 
-    const TileLoader<T, BC, TW, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    dq_prologue<T, BR, BC, TW, THREADS>(p, b, h, i0, sQ, sdO, kload, vload, sK, sV);
+    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
+    dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload, sK, sV);
 
     float s[BC / 2], dp[BC / 2];
     uint32_t df[BC / 16][4];
@@ -719,7 +721,7 @@ static ft_status launch_bwd_wgmma(const FlashParams &p)
         FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG>,
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
                             1024 + (size_t)2 * BN * TW * sizeof(T) +
-                                QueryStream<T, BM, TW, NWG * WG_THREADS, ST>::BYTES,
+                                QueryStream<T, BM, D, NWG * WG_THREADS, ST>::BYTES,
                             p, func));
     return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG>,
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS,

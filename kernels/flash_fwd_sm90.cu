@@ -20,6 +20,8 @@
  *       multiplies): d = 96 runs D = 128, DK = 96; d = 192 runs D = 256,
  *       DK = 192. Shapes: d <= 64: 64-key blocks, two CTAs per SM;
  *       d <= 128: 128-key blocks; d > 128: 64-key blocks; 12 instantiations.
+ *       Where the tiles are wider than DK (d = 32 and 192), V carries a
+ *       column of ones and P V yields the row sums (below, w6).
  *
  * Built when the CUDA architectures include 90a (FT_HAVE_SM90A); used on
  * devices of compute capability 9.0 unless FT_NO_WGMMA is set; the
@@ -54,6 +56,21 @@
  *   exponentials and the softmax's other per-score instructions, not the
  *   products, bound it, and d = 32 has half the FLOPs per score), d = 96:
  *   371, d = 192: 420, d = 256: 470.
+ *   w6  the row sums from the tensor cores: V's columns DK .. DK+7 (unused
+ *       at d = 32 and 192) hold ones, so P V's column DK is the row sum,
+ *       rescaled with O; the per-score add goes (d = 32 with P V 40 wide).
+ *       The copies fill only the D columns the products read (d = 32 had
+ *       zero-filled all 64). d = 32: 238 -> 248 (causal 230 -> 241),
+ *       d = 192: 0.92x -> 0.97x of d = 128 in the same run. With 128-key
+ *       blocks (d = 96) it was slower: 0.86x -> 0.76x of d = 128, so d = 96
+ *       keeps the adds. Tried at d = 32, all slower than 248: 128-key blocks
+ *       (150 registers, one CTA per SM) 205; 3 or 4 warpgroups 200 to 206;
+ *       three CTAs per SM (78 registers, 192 bytes spilled) 132. ncu at
+ *       d = 32: 344 instructions per thread per 64-key block, 64% of issue
+ *       slots busy, the MUFU pipe at 52%; ex2.approx.f16x2 would not help:
+ *       on sm_90 it is two MUFU.EX2.F16, 16 results per clock per SM like
+ *       the f32 form (measured, with its error: 3.4e-3 relative, 7x the
+ *       f16 rounding).
  *   ptxas: no spills; 128 to 239 registers.
  */
 #include "flash_wgmma.cuh"
@@ -66,7 +83,13 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BR = 64 * NWG, THREADS = NWG * WG_THREADS;
     constexpr int TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
-    constexpr int NT_S = BC / 8, NT_O = D / 8;
+    /* When the tiles are wider than the score products' DK columns (d = 32
+     * in 64-wide rows, d = 96 and 192 in D = 128 and 256), V's columns
+     * DK .. DK+7 hold ones and P V's column DK is P's row sum: added up by
+     * the tensor cores and rescaled with O, no per-score add. */
+    constexpr bool ONES = DK < TW && BC == 64;
+    constexpr int DO = ONES && DK + 8 > D ? DK + 8 : D; /* the width of P V */
+    constexpr int NT_S = BC / 8, NT_O = DO / 8;
     extern __shared__ unsigned char smem_raw[];
     /* the swizzle is on address bits: chunks must start on 1024 bytes */
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -89,16 +112,23 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
     const float sl2 = p.scale_log2;
 
-    const TileLoader<T, BC, TW, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    TileLoader<T, BR, TW, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
+    /* the copies fill D columns (zeros past d): the products read no more */
+    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d),
+        vload(p.v, b, hk, p.Nk, p.d, ONES ? DK : -1);
+    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
     kload.load(sK, 0);
     cp_async_commit();
+    if (ONES && tid < 2 * BC) { /* both V stages; made visible by top(0) */
+        const uint32_t one = MmaType<T>::pack(1.f, 1.f);
+        *reinterpret_cast<uint4 *>(sV + (tid / BC) * KV_BYTES + swz_offset<BC>(tid % BC, DK)) =
+            make_uint4(one, one, one, one);
+    }
 
-    float o[D / 2], s[BC / 2];
+    float o[DO / 2], s[BC / 2];
     uint32_t pa[BC / 16][4];
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g, g+8; raw units */
 #pragma unroll
-    for (int i = 0; i < D / 2; i++)
+    for (int i = 0; i < DO / 2; i++)
         o[i] = 0.f;
 
     const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128;
@@ -118,7 +148,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         wgmma_commit();
     };
     auto issue_pv = [&](int j) {
-        product_fb<T, BC, D>(o, pa, smem_addr(sV + (j & 1) * KV_BYTES));
+        product_fb<T, BC, DO>(o, pa, smem_addr(sV + (j & 1) * KV_BYTES));
         wgmma_commit();
     };
     /* mask where needed, online softmax in raw units (exp2 by one FFMA) */
@@ -158,17 +188,19 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
                 for (int e = 0; e < 2; e++) {
                     float &v = s[4 * n + 2 * r + e];
                     v = ex2(fmaf(v, sl2, -ms));
-                    sum4[(2 * n + e) % 4] += v;
+                    if (!ONES)
+                        sum4[(2 * n + e) % 4] += v;
                 }
             /* this thread's share; the quad adds up at the end */
-            l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
+            if (!ONES)
+                l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
             m[r] = m_new;
         }
     };
     /* O *= alpha, and P (16 bits) from S: S's accumulators are P's A fragments */
     auto rescale_pack = [&]() {
 #pragma unroll
-        for (int i = 0; i < D / 2; i++)
+        for (int i = 0; i < DO / 2; i++)
             pin(o[i]);
 #pragma unroll
         for (int n = 0; n < NT_O; n++) {
@@ -212,14 +244,17 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     issue_pv(nkb - 1);
     wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < D / 2; i++)
+    for (int i = 0; i < DO / 2; i++)
         pin(o[i]);
     cp_async_wait<0>();
 
-    /* finish: the quad's partial sums, normalise, store O and LSE */
+    /* finish: the quad's partial sums (with ones in V, the whole sum sits in
+     * every lane: one lane of the quad gives it), normalise, store O, LSE */
 #pragma unroll
-    for (int r = 0; r < 2; r++)
-        store_out_row<T, NT_O>(p, b, h, wrow0 + g + 8 * r, r, o, l[r], m[r] * sl2);
+    for (int r = 0; r < 2; r++) {
+        const float l_part = ONES ? (t4 == 0 ? o[4 * (DK / 8) + 2 * r] : 0.f) : l[r];
+        store_out_row<T, NT_O>(p, b, h, wrow0 + g + 8 * r, r, o, l_part, m[r] * sl2);
+    }
 #endif
 }
 

@@ -74,10 +74,12 @@ __device__ __forceinline__ void fence_proxy_async()
         "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define FT_ACC32_AT(d, i) FT_ACC8(d, i), FT_ACC8(d, i + 8), FT_ACC8(d, i + 16), FT_ACC8(d, i + 24)
 #define FT_ACC16(d) FT_ACC8(d, 0), FT_ACC8(d, 8)
+#define FT_ACC20(d) FT_ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19])
 #define FT_ACC32(d) FT_ACC32_AT(d, 0)
 #define FT_ACC64(d) FT_ACC32_AT(d, 0), FT_ACC32_AT(d, 32)
 #define FT_ACC128(d) FT_ACC64(d), FT_ACC32_AT(d, 64), FT_ACC32_AT(d, 96)
 #define FT_REG16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
+#define FT_REG20 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}"
 #define FT_REG32 \
     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
     "%23,%24,%25,%26,%27,%28,%29,%30,%31}"
@@ -96,7 +98,9 @@ __device__ __forceinline__ void fence_proxy_async()
 
 /* Wgmma<T, N>::ss: d (+)= A B, m64nNk16, A and B from shared memory, both
  * K-major; ::sst: the same with B MN-major (transposed). ::rs: A from
- * registers, B from shared memory MN-major. accumulate = 0 overwrites d. */
+ * registers, B from shared memory MN-major. accumulate = 0 overwrites d.
+ * N = 32, 40 (the forward's P V at d = 32, with a column of ones), 64, 128,
+ * 256. */
 template <typename T, int N> struct Wgmma;
 
 #define FT_WGMMA_PAIR(TYPE, TY, N, REGS, ACC, SS_OPS, RS_OPS)                                \
@@ -131,6 +135,11 @@ template <typename T, int N> struct Wgmma;
                   FT_REG16 ", %16, %17, p, 1, 1, 0, ",                                \
                   "%21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "      \
                   FT_REG16 ", {%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n") \
+    FT_WGMMA_PAIR(TYPE, TY, 40, FT_REG20, FT_ACC20(d),                                      \
+                  "%22, 0;\nwgmma.mma_async.sync.aligned.m64n40k16.f32." TY "." TY " "      \
+                  FT_REG20 ", %20, %21, p, 1, 1, 0, ",                                \
+                  "%25, 0;\nwgmma.mma_async.sync.aligned.m64n40k16.f32." TY "." TY " "      \
+                  FT_REG20 ", {%20, %21, %22, %23}, %24, p, 1, 1, 1;\n}\n") \
     FT_WGMMA_PAIR(TYPE, TY, 64, FT_REG32, FT_ACC32(d),                                      \
                   "%34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "      \
                   FT_REG32 ", %32, %33, p, 1, 1, 0, ",                                \
@@ -181,7 +190,8 @@ __device__ __forceinline__ void product_fb(float *acc, const uint32_t (*f)[4], u
 #define WG_THREADS 128
 
 /* Rows j0 .. j0+ROWS-1 of one head of t into a swizzled [ROWS][D] tile;
- * rows past n and columns past d are zeros. Each thread copies the same
+ * rows past n and columns past d are zeros, except the 8 columns from
+ * keep (if any), which are left as they are. Each thread copies the same
  * column piece of rows r0, r0 + RP, ...: its shared offsets and global
  * pointer are worked out once. */
 template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
@@ -191,7 +201,9 @@ template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
     int64_t row_stride, rp_stride; /* elements between rows, and RP rows */
     uint32_t dst; /* byte offset of (r0, c) in the tile */
     int rows_left; /* n - r0, or 0 when column c is past d */
-    __device__ __forceinline__ TileLoader(const FlashTensor &t, int b, int head, int n_rows, int d)
+    bool skip; /* column c is keep's */
+    __device__ __forceinline__ TileLoader(const FlashTensor &t, int b, int head, int n_rows, int d,
+                                          int keep = -1)
     {
         const int c = (threadIdx.x % CHUNKS) * 8, r0 = threadIdx.x / CHUNKS;
         row_stride = t.row_stride;
@@ -199,11 +211,14 @@ template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
         src = (const T *)t.data + row_offset(t, b, r0, head) + c;
         dst = swz_offset<ROWS>(r0, c);
         rows_left = c < d ? n_rows - r0 : 0;
+        skip = c == keep;
     }
     __device__ __forceinline__ void load(unsigned char *tile, int j0) const
     {
         const T *g = src + (int64_t)j0 * row_stride;
         const int left = rows_left - j0;
+        if (skip)
+            return;
 #pragma unroll
         for (int it = 0; it < ITERS; it++, g += rp_stride) {
             if (ROWS % RP != 0 && (int)(dst / 128) + it * RP >= ROWS)
