@@ -104,8 +104,8 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
                          const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse);
 bool flash_rows_aligned(const ft_tensor *const *ts, int n);
 
-/* flash_fwd_sm90.cu (built for 90a): the wgmma forward, head dims <= 128,
- * f16/bf16, rows aligned. flash_sm90_usable: it was built and the device
+/* flash_fwd_sm90.cu (built for 90a): the wgmma forward, head dims up to
+ * 256, f16/bf16, rows aligned. flash_sm90_usable: it was built and the device
  * is of compute capability 9.0 (and FT_NO_WGMMA is not set in the
  * environment, which keeps the mma.sync kernels for comparison). */
 ft_status flash_fwd_sm90(const FlashParams &p);
