@@ -460,32 +460,39 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
  * warpgroups of a CTA share 64 rows and split the work: warpgroup 0
  * computes S (S^T), warpgroup 1 dP (dP^T), each for the whole 64 x 64
  * block; they swap halves thread to thread (swap_halves) so that each has
- * S and dP for 32 of the other side's rows, compute P and dS there and
- * write them (16 bits) to shared memory; after a barrier each updates half
- * of the head dim of the gradients with P and dS from shared memory
- * (K-major A) times the tile read transposed. D = 256 (d = 192 pads to it,
- * with the score products over DK = 192 columns only). Nothing overlaps
- * here: products, elementwise work and barriers take turns. With only 64
- * keys (or queries) per CTA every Q/dO (K/V) byte copied serves half as
- * many rows as at d = 128, and the two stages of 64 x 256 tiles fill the
- * shared memory, so a third stage (what the overlap of the narrower kernels
- * needs) does not fit.
+ * S and dP for 32 of the other side's rows and computes P and dS there.
+ * dK/dV: both are written (16 bits) to shared memory, and after a barrier
+ * warpgroup 0 updates dV with P, warpgroup 1 dK with dS (K-major A from
+ * shared memory, the Q or dO tile read transposed), each over all DK
+ * columns. dQ: each warpgroup multiplies its 32 keys of dS, straight from
+ * registers, by those 32 rows of K, over all DK columns; the two partial
+ * sums meet in shared memory at the end (in a fixed order: deterministic).
+ * The tiles are D = 256 wide; at d = 192 the score and gradient products
+ * run over DK = 192 columns only. Nothing overlaps here: products,
+ * elementwise work and barriers take turns. With only 64 keys (or queries)
+ * per CTA every Q/dO (K/V) byte copied serves half as many rows as at
+ * d = 128, and the two stages of 64 x 256 tiles fill the shared memory, so
+ * a third stage (what the overlap of the narrower kernels needs) does not
+ * fit.
  * Measured (H200, f16, N = 16384, non-causal, TFLOP/s): first version, each
  * warpgroup computing S and dP for 32 rows (m64n32, K and V each read
- * twice): d = 192: 267, d = 256: 303; the split above: 272 and 316 (0.70x
- * and 0.81x of d = 128; d = 192 pays for the padding of its gradient
- * products to 256 columns). */
+ * twice): d = 192: 267, d = 256: 303; S in one warpgroup, dP in the other:
+ * 272 and 316 (0.70x and 0.81x of d = 128), each warpgroup then updating
+ * 128 of the 256 columns of both gradients (d = 192 computed a quarter of
+ * them as padding); the split by gradient (dK/dV) and by key (dQ) above,
+ * with no padding: d = 192 275 -> 293 in the same run (N = 4096: 266 ->
+ * 289; ncu, N = 4096: dK/dV 2.61 -> 2.44 ms, dQ 2.05 -> 1.86 ms), d = 256
+ * unchanged (321). */
 
-/* gradient half (64 x 128) += F B: F a 64 x 64 shared tile [row][k]
- * (16-bit, swizzled), B this warpgroup's 128 columns of a [64][256] tile
- * read transposed */
-template <typename T>
+/* gradient (64 x N) += F B: F a 64 x 64 shared tile [row][k] (16-bit,
+ * swizzled), B the first N columns of a [64][256] tile read transposed */
+template <typename T, int N>
 __device__ __forceinline__ void product_sb(float *acc, uint32_t f_addr, uint32_t b_addr)
 {
     const uint32_t f = desc_lo(f_addr, 16), b = desc_lo(b_addr, 64 * 128);
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
-        Wgmma<T, 128>::sst(acc, make_desc(f + kk * 2, FT_DESC_HI(1024)),
+        Wgmma<T, N>::sst(acc, make_desc(f + kk * 2, FT_DESC_HI(1024)),
                            make_desc(b + kk * 128, FT_DESC_HI(1024)), 1);
 }
 
@@ -544,13 +551,14 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     const int wkey0 = j0 + wwarp * 16; /* this warp's first key */
     Stream qs(p, sdS + P_BYTES, j0, hk);
     const int total = qs.total;
-    float dk[64], dv[64]; /* columns 128 wg .. 128 wg + 127 */
+    /* warpgroup 0 accumulates dV, warpgroup 1 dK, both DK columns wide */
+    float grad[DK / 2];
 #pragma unroll
-    for (int i = 0; i < 64; i++)
-        dk[i] = dv[i] = 0.f;
+    for (int i = 0; i < DK / 2; i++)
+        grad[i] = 0.f;
+    const FlashTensor &gt = wg ? p.dk : p.dv;
     if (total == 0) {
-        store_acc<T, 128>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, 1.f, 128 * wg);
-        store_acc<T, 128>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f, 128 * wg);
+        store_acc<T, DK>(gt, b, hk, wkey0, p.Nk, p.d, grad, 1.f);
         return;
     }
     TileLoader<T, BN, D, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
@@ -609,18 +617,16 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         store_tile32<T>(sdS, dp, wg * 32);
         fence_proxy_async();
         __syncthreads();
-        /* this warpgroup's 128 columns of dV += P^T dO, dK += dS^T Q */
+        /* warpgroup 0: dV += P^T dO, warpgroup 1: dK += dS^T Q (the same
+         * instructions on other operands) */
         wgmma_fence();
-        product_sb<T>(dv, smem_addr(sP), do_addr + wg * 2 * BM * 128);
-        product_sb<T>(dk, smem_addr(sdS), q_addr + wg * 2 * BM * 128);
+        product_sb<T, DK>(grad, smem_addr(wg ? sdS : sP), wg ? q_addr : do_addr);
         wgmma_commit();
         wgmma_wait<0>();
-        pin_all<64>(dv);
-        pin_all<64>(dk);
+        pin_all<DK / 2>(grad);
     }
     cp_async_wait<0>();
-    store_acc<T, 128>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, p.scale, 128 * wg);
-    store_acc<T, 128>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f, 128 * wg);
+    store_acc<T, DK>(gt, b, hk, wkey0, p.Nk, p.d, grad, wg ? p.scale : 1.f);
 #endif
 }
 
@@ -633,8 +639,8 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
-    unsigned char *const sV = sK + ST * KV_BYTES, *const sdS = sV + ST * KV_BYTES;
-    float *const xbuf = reinterpret_cast<float *>(sdS + BR * BC * 2); /* swap_halves */
+    unsigned char *const sV = sK + ST * KV_BYTES;
+    float *const xbuf = reinterpret_cast<float *>(sV + ST * KV_BYTES); /* swap_halves */
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
@@ -642,12 +648,15 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     const int i0 = qblk.i0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk), shift = p.Nk - p.Nq;
     const int wrow0 = i0 + wwarp * 16;
-    float dq[64]; /* columns 128 wg .. 128 wg + 127 */
+    /* each warpgroup's share of dQ over its 32 keys of every block, DK
+     * columns wide; the two shares are added at the end */
+    float dq[DK / 2];
 #pragma unroll
-    for (int i = 0; i < 64; i++)
+    for (int i = 0; i < DK / 2; i++)
         dq[i] = 0.f;
     if (nkb == 0) {
-        store_acc<T, 128>(p.dq, b, h, wrow0, p.Nq, p.d, dq, 1.f, 128 * wg);
+        if (wg == 0)
+            store_acc<T, DK>(p.dq, b, h, wrow0, p.Nq, p.d, dq, 1.f);
         return;
     }
     float lse[2], Dr[2];
@@ -695,18 +704,33 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             mask_acc<16>(dp, wrow0, j0 + wg * 32, [&](int row, int col) {
                 return col >= p.Nk || (p.causal && col > row + shift);
             });
-        store_tile32<T>(sdS, dp, wg * 32);
-        fence_proxy_async();
-        __syncthreads();
-        /* this warpgroup's 128 columns of dQ += dS K */
+        /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
+        uint32_t df[2][4];
+        pack_frags<T, 32>(df, dp);
         wgmma_fence();
-        product_sb<T>(dq, smem_addr(sdS), k_addr + wg * 2 * BC * 128);
+        product_fb<T, 32, DK, BC>(dq, df, k_addr + wg * 32 * 128);
         wgmma_commit();
         wgmma_wait<0>();
-        pin_all<64>(dq);
+        pin_all<DK / 2>(dq);
     }
     cp_async_wait<0>();
-    store_acc<T, 128>(p.dq, b, h, wrow0, p.Nq, p.d, dq, p.scale, 128 * wg);
+    /* warpgroup 1's share through the K stages (free now), in the same
+     * thread-to-element places; warpgroup 0 adds it and stores */
+    __syncthreads();
+    float *const share = reinterpret_cast<float *>(sK);
+    const int t = tid % WG_THREADS;
+    if (wg == 1) {
+#pragma unroll
+        for (int i = 0; i < DK / 2; i++)
+            share[i * WG_THREADS + t] = dq[i];
+    }
+    __syncthreads();
+    if (wg == 0) {
+#pragma unroll
+        for (int i = 0; i < DK / 2; i++)
+            dq[i] += share[i * WG_THREADS + t];
+        store_acc<T, DK>(p.dq, b, h, wrow0, p.Nq, p.d, dq, p.scale);
+    }
 #endif
 }
 
@@ -740,7 +764,7 @@ template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams
                             p, func));
     return flash_launch(flash_bwd_dq_wide_kernel<T, DK>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
                         THREADS,
-                        1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) + ROWS * ROWS * sizeof(T) +
+                        1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) +
                             2 * WG_THREADS * 16 * sizeof(float),
                         p, func);
 }

@@ -77,6 +77,7 @@ __device__ __forceinline__ void fence_proxy_async()
 #define FT_ACC20(d) FT_ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19])
 #define FT_ACC32(d) FT_ACC32_AT(d, 0)
 #define FT_ACC64(d) FT_ACC32_AT(d, 0), FT_ACC32_AT(d, 32)
+#define FT_ACC96(d) FT_ACC64(d), FT_ACC32_AT(d, 64)
 #define FT_ACC128(d) FT_ACC64(d), FT_ACC32_AT(d, 64), FT_ACC32_AT(d, 96)
 #define FT_REG16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define FT_REG20 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}"
@@ -87,6 +88,12 @@ __device__ __forceinline__ void fence_proxy_async()
     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
     "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
     "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define FT_REG96 \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
+    "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
+    "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64," \
+    "%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85," \
+    "%86,%87,%88,%89,%90,%91,%92,%93,%94,%95}"
 #define FT_REG128 \
     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
     "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
@@ -100,7 +107,7 @@ __device__ __forceinline__ void fence_proxy_async()
  * K-major; ::sst: the same with B MN-major (transposed). ::rs: A from
  * registers, B from shared memory MN-major. accumulate = 0 overwrites d.
  * N = 32, 40 (the forward's P V at d = 32, with a column of ones), 64, 128,
- * 256. */
+ * 192 (the wide backward's gradients at d = 192), 256. */
 template <typename T, int N> struct Wgmma;
 
 #define FT_WGMMA_PAIR(TYPE, TY, N, REGS, ACC, SS_OPS, RS_OPS)                                \
@@ -150,6 +157,11 @@ template <typename T, int N> struct Wgmma;
                   FT_REG64 ", %64, %65, p, 1, 1, 0, ",                                \
                   "%69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "      \
                   FT_REG64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n") \
+    FT_WGMMA_PAIR(TYPE, TY, 192, FT_REG96, FT_ACC96(d),                                      \
+                  "%98, 0;\nwgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "      \
+                  FT_REG96 ", %96, %97, p, 1, 1, 0, ",                                \
+                  "%101, 0;\nwgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " "      \
+                  FT_REG96 ", {%96, %97, %98, %99}, %100, p, 1, 1, 1;\n}\n") \
     FT_WGMMA_PAIR(TYPE, TY, 256, FT_REG128, FT_ACC128(d),                                      \
                   "%130, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "      \
                   FT_REG128 ", %128, %129, p, 1, 1, 0, ",                                \
@@ -176,12 +188,12 @@ __device__ __forceinline__ void product_abt(float *acc, uint32_t a_addr, uint32_
     }
 }
 
-/* acc (64 x D) += F B over K rows: F the register fragments, B a swizzled
- * [K][D] tile read transposed (MN-major). */
-template <typename T, int K, int D>
+/* acc (64 x D) += F B over K rows: F the register fragments, B K rows of
+ * a swizzled [ROWS][D] tile read transposed (MN-major). */
+template <typename T, int K, int D, int ROWS = K>
 __device__ __forceinline__ void product_fb(float *acc, const uint32_t (*f)[4], uint32_t b_addr)
 {
-    const uint32_t b = desc_lo(b_addr, K * 128);
+    const uint32_t b = desc_lo(b_addr, ROWS * 128);
 #pragma unroll
     for (int kk = 0; kk < K / 16; kk++)
         Wgmma<T, D>::rs(acc, f[kk], make_desc(b + kk * 16 * 128 / 16, FT_DESC_HI(1024)), 1);
