@@ -5,7 +5,7 @@
  * reproducible; D = rowsum(dO * O) (and LSE in log2 units) come from
  * flash_bwd.cu's dot kernel.
  *
- *   flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG>: one CTA per 64 x NWG
+ *   flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS>: one CTA per 64 x NWG
  *       keys of one (batch, kv head); each warpgroup owns 64 keys. K and V
  *       stay in shared memory; Q, dO, LSE and D blocks of BM queries stream
  *       through three stages (every query head of the GQA group in turn).
@@ -16,14 +16,15 @@
  *       it), into the A fragments of dK += dS^T Q. S^T_t is issued with
  *       dK_{t-1}'s product, dP^T_t with dV_t's, and the elementwise work
  *       runs while the tensor cores finish the second of each pair.
- *   flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG>: one CTA per 64 x NWG
+ *   flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS>: one CTA per 64 x NWG
  *       queries; K and V blocks stream through three stages. Per block:
  *       S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K; block j's score
  *       products are issued with block j-1's dQ product.
  *   *_wide_kernel<T, DK>: head dims 192 and 256 (below).
  * Three stages because block t-1's tiles are still read while block t+1's
  * are copied. D, DK as in flash_fwd_sm90.cu; BM = 128 for d <= 64 (64
- * above), BC = 128 for d <= 64 (64 above).
+ * above), BC = 128 for d <= 64 (64 above); TURNS (the two warpgroups issue
+ * their products in turn, w6) at d = 64.
  *
  * Check: spec/cuda_attention_spec.lua (busted, tag gpu) against the CPU f64
  * reference; scripts/bench.lua checks, then times.
@@ -45,6 +46,11 @@
  *   d = 192: 272, d = 256: 316 (the mma.sync kernels: 56 and 78).
  *   w5  the copies fill only the D columns the products read (d = 32 had
  *       zero-filled 64): d = 32: 229 -> 240 (causal 220 -> 232).
+ *   w6  the two warpgroups take turns to issue their products (Turns in
+ *       flash_wgmma.cuh), as in the forward's w7. Same run, turns against
+ *       none (mean of two runs): d = 64 +6% to +9% (N = 16384: 320 ->
+ *       342); d = 128 -2% to +2%, d = 96 and 32 +-1%: turns at d = 64
+ *       only.
  *   ptxas: no spills (the d <= 64 dK/dV kernel spilled 4 bytes at 255
  *   registers until its query blocks were stepped without divisions).
  */
@@ -215,7 +221,7 @@ __device__ __forceinline__ void dq_prologue(const FlashParams &p, int b, int h, 
 
 /* ---- dK, dV ---- */
 
-template <typename T, int D, int DK, int BM, int NWG>
+template <typename T, int D, int DK, int BM, int NWG, bool TURNS>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -307,12 +313,15 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 
     /* Block t: S^T_t with dK += dS^T_{t-1} Q_{t-1} (P^T_t computed meanwhile),
      * then dP^T_t with dV += P^T_t dO_t (dS^T_t computed meanwhile). */
+    const Turns<TURNS> turns(wg);
     auto second_half = [&](int t) {
         wgmma_fence();
+        turns.wait();
         product_abt<T, BM, DK, BN, BM>(dp, v_addr, do_tile(t));
         wgmma_commit();
         product_fb<T, BM, D>(dv, pf, do_tile(t));
         wgmma_commit();
+        turns.pass();
         wgmma_wait<1>();
         dscores(t);
         wgmma_wait<0>();
@@ -320,18 +329,22 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     };
     top(0);
     wgmma_fence();
+    turns.wait();
     product_abt<T, BM, DK, BN, BM>(s, k_addr, q_tile(0));
     wgmma_commit();
+    turns.pass();
     wgmma_wait<0>();
     probs(0);
     second_half(0);
     for (int t = 1; t < total; t++) {
         top(t);
         wgmma_fence();
+        turns.wait();
         product_abt<T, BM, DK, BN, BM>(s, k_addr, q_tile(t));
         wgmma_commit();
         product_fb<T, BM, D>(dk, df, q_tile(t - 1));
         wgmma_commit();
+        turns.pass();
         wgmma_wait<1>();
         probs(t);
         wgmma_wait<0>();
@@ -339,8 +352,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         second_half(t);
     }
     wgmma_fence();
+    turns.wait();
     product_fb<T, BM, D>(dk, df, q_tile(total - 1));
     wgmma_commit();
+    turns.pass(true);
     wgmma_wait<0>();
     pin_all<D / 2>(dk);
     cp_async_wait<0>();
@@ -352,7 +367,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 
 /* ---- dQ ---- */
 
-template <typename T, int D, int DK, int BC, int NWG>
+template <typename T, int D, int DK, int BC, int NWG, bool TURNS>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -426,17 +441,22 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
             });
     };
 
+    const Turns<TURNS> turns(wg);
     top(0);
     wgmma_fence();
+    turns.wait();
     issue_scores(0);
+    turns.pass();
     wgmma_wait<0>();
     elementwise(0);
     pack_frags<T, BC>(df, dp);
     for (int j = 1; j < nkb; j++) {
         top(j);
         wgmma_fence();
+        turns.wait();
         issue_scores(j);
         issue_grad(j - 1);
+        turns.pass();
         wgmma_wait<1>(); /* block j's scores are done; j-1's dQ product may run */
         elementwise(j);
         wgmma_wait<0>();
@@ -444,7 +464,9 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
         pack_frags<T, BC>(df, dp);
     }
     wgmma_fence();
+    turns.wait();
     issue_grad(nkb - 1);
+    turns.pass(true);
     wgmma_wait<0>();
     pin_all<D / 2>(dq);
     cp_async_wait<0>();
@@ -736,18 +758,18 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 
 /* ---- launch ---- */
 
-template <typename T, int D, int DK, int BM, int BC>
+template <typename T, int D, int DK, int BM, int BC, bool TURNS>
 static ft_status launch_bwd_wgmma(const FlashParams &p)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES, TW = FT_TW(D);
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG>,
+        FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS>,
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
                             1024 + (size_t)2 * BN * TW * sizeof(T) +
                                 QueryStream<T, BM, D, NWG * WG_THREADS, ST>::BYTES,
                             p, func));
-    return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG>,
+    return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS>,
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS,
                         1024 + (size_t)(2 * BR + 2 * ST * BC) * TW * sizeof(T), p, func);
 }
@@ -774,13 +796,13 @@ template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams
 template <typename T> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
-        return launch_bwd_wgmma<T, 32, 32, 128, 128>(p);
+        return launch_bwd_wgmma<T, 32, 32, 128, 128, false>(p);
     if (p.d <= 64)
-        return launch_bwd_wgmma<T, 64, 64, 128, 128>(p);
+        return launch_bwd_wgmma<T, 64, 64, 128, 128, true>(p);
     if (p.d <= 96)
-        return launch_bwd_wgmma<T, 128, 96, 64, 64>(p);
+        return launch_bwd_wgmma<T, 128, 96, 64, 64, false>(p);
     if (p.d <= 128)
-        return launch_bwd_wgmma<T, 128, 128, 64, 64>(p);
+        return launch_bwd_wgmma<T, 128, 128, 64, 64, false>(p);
     if (p.d <= 192)
         return launch_bwd_wide<T, 192>(p);
     return launch_bwd_wide<T, 256>(p);

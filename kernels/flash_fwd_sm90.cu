@@ -2,7 +2,7 @@
  * flash_fwd_sm90.cu - the flash forward pass on Hopper's warpgroup matrix
  * products (wgmma, sm_90a), f16/bf16, every head dim up to 256.
  *
- *   flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB>: one CTA of NWG
+ *   flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS>: one CTA of NWG
  *       warpgroups per 64 x NWG query rows of one (batch, head); each
  *       warpgroup owns 64 rows. Q, K and V tiles sit in shared memory in the
  *       128-byte swizzled layout (flash_wgmma.cuh); K and V in two stages,
@@ -21,7 +21,8 @@
  *       DK = 192. Shapes: d <= 64: 64-key blocks, two CTAs per SM;
  *       d <= 128: 128-key blocks; d > 128: 64-key blocks; 12 instantiations.
  *       Where the tiles are wider than DK (d = 32 and 192), V carries a
- *       column of ones and P V yields the row sums (below, w6).
+ *       column of ones and P V yields the row sums (below, w6). TURNS: the
+ *       two warpgroups issue their products in turn (w7; d = 96, 128).
  *
  * Built when the CUDA architectures include 90a (FT_HAVE_SM90A); used on
  * devices of compute capability 9.0 unless FT_NO_WGMMA is set; the
@@ -71,13 +72,23 @@
  *       on sm_90 it is two MUFU.EX2.F16, 16 results per clock per SM like
  *       the f32 form (measured, with its error: 3.4e-3 relative, 7x the
  *       f16 rounding).
- *   ptxas: no spills; 128 to 239 registers.
+ *   w7  the two warpgroups take turns to issue their products (named
+ *       barriers, Turns in flash_wgmma.cuh): one's softmax runs under the
+ *       other's products instead of both at once. Same run, turns against
+ *       none, N = 1024 to 16384 (mean of two runs each): d = 128 +3% to
+ *       +8% (N = 16384: 448 -> 471 causal), d = 96 +2% to +7%; d = 64
+ *       -5% to +3%, d = 32 -1% to -2%, d = 192 and 256 +-2%: turns only
+ *       at d = 96 and 128. Each warpgroup with its own K/V stages and
+ *       barrier (64-key blocks, so that they fit; no CTA-wide barrier)
+ *       plus turns: slower (d = 128: 431 against 449, d = 64: 348 against
+ *       378); d = 128 with 64-key blocks alone: 420.
+ *   ptxas: no spills; 102 to 242 registers.
  */
 #include "flash_wgmma.cuh"
 
 #include <math.h>
 
-template <typename T, int D, int DK, int BC, int NWG, int MINB>
+template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS>
 __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -218,6 +229,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         }
     };
 
+    const Turns<TURNS> turns(wg);
+
     /* Iteration j issues S_j = Q K_j and O += P_{j-1} V_{j-1} together; the
      * softmax of S_j runs while the tensor cores work on P_{j-1} V_{j-1}.
      * Both warpgroups run every block (at most one wholly masked block for
@@ -225,15 +238,19 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
      * prove uniform is serialised. */
     top(0);
     wgmma_fence();
+    turns.wait();
     issue_s(0);
+    turns.pass();
     wgmma_wait<0>();
     softmax(0);
     rescale_pack();
     for (int j = 1; j < nkb; j++) {
         top(j);
         wgmma_fence();
+        turns.wait();
         issue_s(j);
         issue_pv(j - 1);
+        turns.pass();
         wgmma_wait<1>(); /* S_j is done; P_{j-1} V_{j-1} may still run */
         softmax(j);
         wgmma_wait<0>();
@@ -241,7 +258,9 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     }
     top(nkb);
     wgmma_fence();
+    turns.wait();
     issue_pv(nkb - 1);
+    turns.pass(true);
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < DO / 2; i++)
@@ -258,31 +277,32 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 #endif
 }
 
-template <typename T, int D, int DK, int BC, int NWG, int MINB>
+template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS>
 static ft_status launch_fwd_wgmma(const FlashParams &p)
 {
     constexpr int BR = 64 * NWG;
     const size_t smem = 1024 + (size_t)(BR + 4 * BC) * FT_TW(D) * sizeof(T); /* Q, 2 x K, 2 x V */
-    return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB>,
+    return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS>,
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS, smem, p,
                         "ft_attention_forward");
 }
 
 /* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
- * 128, 192 or 256, the columns Q K^T multiplies. */
+ * 128, 192 or 256, the columns Q K^T multiplies. Turns where they measured
+ * faster (d = 96, 128; w7). */
 template <typename T> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
-        return launch_fwd_wgmma<T, 32, 32, 64, 2, 2>(p);
+        return launch_fwd_wgmma<T, 32, 32, 64, 2, 2, false>(p);
     if (p.d <= 64)
-        return launch_fwd_wgmma<T, 64, 64, 64, 2, 2>(p);
+        return launch_fwd_wgmma<T, 64, 64, 64, 2, 2, false>(p);
     if (p.d <= 96)
-        return launch_fwd_wgmma<T, 128, 96, 128, 2, 1>(p);
+        return launch_fwd_wgmma<T, 128, 96, 128, 2, 1, true>(p);
     if (p.d <= 128)
-        return launch_fwd_wgmma<T, 128, 128, 128, 2, 1>(p);
+        return launch_fwd_wgmma<T, 128, 128, 128, 2, 1, true>(p);
     if (p.d <= 192)
-        return launch_fwd_wgmma<T, 256, 192, 64, 2, 1>(p);
-    return launch_fwd_wgmma<T, 256, 256, 64, 2, 1>(p);
+        return launch_fwd_wgmma<T, 256, 192, 64, 2, 1, false>(p);
+    return launch_fwd_wgmma<T, 256, 256, 64, 2, 1, false>(p);
 }
 
 /* f16/bf16, 16-byte aligned rows (the caller checks). */

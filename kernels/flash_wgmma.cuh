@@ -217,7 +217,8 @@ template <typename T, int ROWS, int D, int THREADS> struct TileLoader {
     __device__ __forceinline__ TileLoader(const FlashTensor &t, int b, int head, int n_rows, int d,
                                           int keep = -1)
     {
-        const int c = (threadIdx.x % CHUNKS) * 8, r0 = threadIdx.x / CHUNKS;
+        const int tx = threadIdx.x % THREADS; /* THREADS threads share the copy */
+        const int c = (tx % CHUNKS) * 8, r0 = tx / CHUNKS;
         row_stride = t.row_stride;
         rp_stride = RP * t.row_stride;
         src = (const T *)t.data + row_offset(t, b, r0, head) + c;
@@ -250,6 +251,41 @@ __device__ __forceinline__ void stages_ready()
     fence_proxy_async();
     __syncthreads();
 }
+/* Named barriers: bar_sync waits until n threads have reached barrier id
+ * (bar_arrive counts one and goes on). */
+__device__ __forceinline__ void bar_sync(int id, int n)
+{
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int n)
+{
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+/* The two warpgroups of a CTA take turns to issue their products: wait()
+ * before issuing, pass() after (named barriers 3 and 4), so that the tensor
+ * cores take one warpgroup's products, then the other's, and the
+ * elementwise work of one runs under the products of the other. Both must
+ * make the same number of rounds; warpgroup 1 lets warpgroup 0 begin and
+ * skips its last pass (nobody would wait for it). ON = false: no-ops. */
+template <bool ON> struct Turns {
+    int wg;
+    __device__ __forceinline__ explicit Turns(int warpgroup) : wg(warpgroup)
+    {
+        if (ON && wg == 1)
+            bar_arrive(3, 2 * WG_THREADS);
+    }
+    __device__ __forceinline__ void wait() const
+    {
+        if (ON)
+            bar_sync(3 + wg, 2 * WG_THREADS);
+    }
+    __device__ __forceinline__ void pass(bool last = false) const
+    {
+        if (ON && !(last && wg == 1))
+            bar_arrive(4 - wg, 2 * WG_THREADS);
+    }
+};
 
 /* The query block of a CTA that walks the keys (the forward, dQ): BR rows
  * from i0 (under the causal mask the longest rows first, so that the short
