@@ -82,7 +82,7 @@
  *       barrier (64-key blocks, so that they fit; no CTA-wide barrier)
  *       plus turns: slower (d = 128: 431 against 449, d = 64: 348 against
  *       378); d = 128 with 64-key blocks alone: 420.
- *   ptxas: no spills; 102 to 242 registers.
+ *   ptxas: no spills; 102 to 240 registers.
  */
 #include "flash_wgmma.cuh"
 
@@ -95,9 +95,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     constexpr int BR = 64 * NWG, THREADS = NWG * WG_THREADS;
     constexpr int TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
     /* When the tiles are wider than the score products' DK columns (d = 32
-     * in 64-wide rows, d = 96 and 192 in D = 128 and 256), V's columns
-     * DK .. DK+7 hold ones and P V's column DK is P's row sum: added up by
-     * the tensor cores and rescaled with O, no per-score add. */
+     * in 64-wide rows, d = 192 in D = 256) and the blocks have 64 keys,
+     * V's columns DK .. DK+7 hold ones and P V's column DK is P's row sum:
+     * added up by the tensor cores and rescaled with O, no per-score add
+     * (d = 96, 128-key blocks, measured slower with it and keeps the adds). */
     constexpr bool ONES = DK < TW && BC == 64;
     constexpr int DO = ONES && DK + 8 > D ? DK + 8 : D; /* the width of P V */
     constexpr int NT_S = BC / 8, NT_O = DO / 8;

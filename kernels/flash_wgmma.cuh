@@ -23,9 +23,11 @@
  * over a tile (product_abt: A B^T, both K-major; product_fb: register
  * fragments times a tile read transposed), the cp.async tile copies into
  * the swizzled layout (TileLoader), the barrier that makes a stage visible
- * to the tensor cores (stages_ready), a CTA's query block (query_block),
- * and pin (keeps the compiler from moving accumulator reads across the
- * asynchronous window) and ex2 (exp2 without range handling).
+ * to the tensor cores (stages_ready), named barriers (bar_sync,
+ * bar_arrive) and the warpgroups' turns at the tensor cores (Turns), a
+ * CTA's query block (query_block), and pin (keeps the compiler from moving
+ * accumulator reads across the asynchronous window) and ex2 (exp2 without
+ * range handling).
  */
 #ifndef FT_FLASH_WGMMA_CUH
 #define FT_FLASH_WGMMA_CUH
@@ -267,7 +269,10 @@ __device__ __forceinline__ void bar_arrive(int id, int n)
  * cores take one warpgroup's products, then the other's, and the
  * elementwise work of one runs under the products of the other. Both must
  * make the same number of rounds; warpgroup 1 lets warpgroup 0 begin and
- * skips its last pass (nobody would wait for it). ON = false: no-ops. */
+ * skips its last pass (nobody would wait for it). ON = false: no-ops.
+ * The barrier ids come from a register, so ptxas reserves all 16 barriers
+ * of the CTA: fine where it is used (one CTA per SM), to be kept in mind
+ * before using it with several CTAs per SM. */
 template <bool ON> struct Turns {
     int wg;
     __device__ __forceinline__ explicit Turns(int warpgroup) : wg(warpgroup)
