@@ -120,13 +120,6 @@ __device__ __forceinline__ void mask_acc(float *acc, int row0, int col0, F maske
             acc[i] = 0.f;
 }
 
-template <int N> __device__ __forceinline__ void pin_all(float *x)
-{
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        pin(x[i]);
-}
-
 /* The blocks of BM queries that a CTA of keys walks (dK/dV), for each
  * query head of its GQA group in turn: those from the first query that sees
  * the CTA's first key to the end. Q, dO, LSE (log2 units) and D of block t
@@ -201,6 +194,31 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
         lse[r] = row < p.Nq ? p.lse2[o] : INFINITY;
         Dr[r] = row < p.Nq ? p.D[o] : 0.f;
     }
+}
+
+/* dQ's dS = P (dP - D), in place of dp, for this thread's rows (row0 + g,
+ * + 8) and N accumulator entries from key col0, P = exp2(S scale log2e -
+ * LSE); in a block at an edge (its keys end at block_end), keys past the
+ * end or above the causal diagonal are zeroed. */
+template <int N>
+__device__ __forceinline__ void dq_dscores(const FlashParams &p, float *dp, const float *s,
+                                           const float *lse, const float *Dr, int row0,
+                                           int col0, int block_end)
+{
+    const int shift = p.Nk - p.Nq;
+#pragma unroll
+    for (int n = 0; n < N / 4; n++)
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int idx = 4 * n + 2 * r + e;
+                dp[idx] = ex2(fmaf(s[idx], p.scale_log2, -lse[r])) * (dp[idx] - Dr[r]);
+            }
+    if (block_end > p.Nk || (p.causal && block_end - 1 > row0 + shift))
+        mask_acc<N>(dp, row0, col0, [&](int row, int col) {
+            return col >= p.Nk || (p.causal && col > row + shift);
+        });
 }
 
 /* The start of a dQ kernel: copies this CTA's BR rows of Q and dO and the
@@ -382,7 +400,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     const int wwarp = (tid / FT_WARP) % 4;
     const QueryBlock qblk = query_block<BR, BC>(p);
     const int i0 = qblk.i0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / (p.H / p.Hk), shift = p.Nk - p.Nq;
+    const int hk = h / (p.H / p.Hk);
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
     float dq[D / 2];
 #pragma unroll
@@ -401,7 +419,6 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     float s[BC / 2], dp[BC / 2];
     uint32_t df[BC / 16][4];
     const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128, do_addr = smem_addr(sdO) + wg * 64 * 128;
-    const float sl2 = p.scale_log2;
 
     auto top = [&](int j) {
         stages_ready();
@@ -424,21 +441,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     auto elementwise = [&](int j) {
         pin_all<BC / 2>(s);
         pin_all<BC / 2>(dp);
-        const int j0 = j * BC;
-        const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
-#pragma unroll
-        for (int n = 0; n < BC / 8; n++)
-#pragma unroll
-            for (int r = 0; r < 2; r++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int idx = 4 * n + 2 * r + e;
-                    dp[idx] = ex2(fmaf(s[idx], sl2, -lse[r])) * (dp[idx] - Dr[r]);
-                }
-        if (edge)
-            mask_acc<BC / 2>(dp, wrow0, j0, [&](int row, int col) {
-                return col >= p.Nk || (p.causal && col > row + shift);
-            });
+        dq_dscores<BC / 2>(p, dp, s, lse, Dr, wrow0, j * BC, (j + 1) * BC);
     };
 
     const Turns<TURNS> turns(wg);
@@ -668,7 +671,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     const int wwarp = (tid / FT_WARP) % 4;
     const QueryBlock qblk = query_block<BR, BC>(p);
     const int i0 = qblk.i0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / (p.H / p.Hk), shift = p.Nk - p.Nq;
+    const int hk = h / (p.H / p.Hk);
     const int wrow0 = i0 + wwarp * 16;
     /* each warpgroup's share of dQ over its 32 keys of every block, DK
      * columns wide; the two shares are added at the end */
@@ -687,7 +690,6 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload, sK, sV);
 
     float x[32], s[16], dp[16];
-    const float sl2 = p.scale_log2;
     for (int j = 0; j < nkb; j++) {
         stages_ready();
         if (j + 1 < nkb) {
@@ -711,21 +713,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        const int j0 = j * BC;
-        const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
-#pragma unroll
-        for (int n = 0; n < 4; n++)
-#pragma unroll
-            for (int r = 0; r < 2; r++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int idx = 4 * n + 2 * r + e;
-                    dp[idx] = ex2(fmaf(s[idx], sl2, -lse[r])) * (dp[idx] - Dr[r]);
-                }
-        if (edge)
-            mask_acc<16>(dp, wrow0, j0 + wg * 32, [&](int row, int col) {
-                return col >= p.Nk || (p.causal && col > row + shift);
-            });
+        dq_dscores<16>(p, dp, s, lse, Dr, wrow0, j * BC + wg * 32, (j + 1) * BC);
         /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
         uint32_t df[2][4];
         pack_frags<T, 32>(df, dp);

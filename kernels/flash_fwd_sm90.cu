@@ -166,9 +166,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     /* mask where needed, online softmax in raw units (exp2 by one FFMA) */
     float alpha[2];
     auto softmax = [&](int j) {
-#pragma unroll
-        for (int i = 0; i < BC / 2; i++)
-            pin(s[i]);
+        pin_all<BC / 2>(s);
         const int j0 = j * BC;
         if (j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift)) {
 #pragma unroll
@@ -211,9 +209,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     };
     /* O *= alpha, and P (16 bits) from S: S's accumulators are P's A fragments */
     auto rescale_pack = [&]() {
-#pragma unroll
-        for (int i = 0; i < DO / 2; i++)
-            pin(o[i]);
+        pin_all<DO / 2>(o);
 #pragma unroll
         for (int n = 0; n < NT_O; n++) {
             o[4 * n + 0] *= alpha[0];
@@ -263,9 +259,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     issue_pv(nkb - 1);
     turns.pass(true);
     wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < DO / 2; i++)
-        pin(o[i]);
+    pin_all<DO / 2>(o);
     cp_async_wait<0>();
 
     /* finish: the quad's partial sums (with ones in V, the whole sum sits in

@@ -314,6 +314,12 @@ template <int BR, int BC> __device__ __forceinline__ QueryBlock query_block(cons
  * asynchronous window (the asm statements name the registers). */
 __device__ __forceinline__ void pin(float &x) { asm volatile("" : "+f"(x)::"memory"); }
 __device__ __forceinline__ void pin(uint32_t &x) { asm volatile("" : "+r"(x)::"memory"); }
+template <int N> __device__ __forceinline__ void pin_all(float *x)
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        pin(x[i]);
+}
 
 __device__ __forceinline__ float ex2(float x)
 {
