@@ -1,0 +1,4 @@
+/*
+ * safetensors.c - reading and writing .safetensors files.
+ */
+#include "internal.h"
