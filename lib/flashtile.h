@@ -339,6 +339,58 @@ FT_API ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk,
 FT_API ft_status ft_save_npy(const ft_tensor *t, const char *path);
 FT_API ft_status ft_load_npy(ft_tensor **out, const char *path);
 
+/* safetensors (Hugging Face's checkpoint format): named tensors of dtypes
+ * F64, F32, F16, BF16, I32, I64 (flashtile's six) and a "__metadata__" map
+ * of string keys to string values, in one file.
+ *
+ * ft_safetensors_save writes count tensors under names (each non-empty,
+ * valid UTF-8, distinct, not "__metadata__") and meta_count metadata pairs
+ * (keys distinct, keys and values valid UTF-8); either count may be 0 and
+ * its arrays NULL then. Tensors may have any layout; CUDA tensors are
+ * copied to the CPU. The file holds the tensors in name order, their data
+ * contiguous after a header padded with spaces to a multiple of 8 bytes.
+ * It is written under a temporary name in the same directory and renamed
+ * over path, so a reader sees either the old file or the whole new one,
+ * and a failed save leaves path as it was. Inputs: path=1, names=2 (with
+ * count), tensors=3, meta_keys=4 (with meta_count), meta_values=5. */
+FT_API ft_status ft_safetensors_save(const char *path, int count,
+                                     const char *const *names,
+                                     ft_tensor *const *tensors, int meta_count,
+                                     const char *const *meta_keys,
+                                     const char *const *meta_values);
+
+/* An open .safetensors file: its checked header, the file kept open to
+ * read tensors from. Not for use by two threads at once. */
+typedef struct ft_safetensors ft_safetensors;
+
+/* Reads and checks the header of path into a new handle *out (free it with
+ * ft_safetensors_free); tensor data is read by ft_safetensors_tensor. A file
+ * that is not well-formed (truncated, header size over 100 MB, invalid
+ * JSON, unknown or missing fields, wrong types, duplicate names, offsets
+ * that are reversed, past the data or overlapping, a size that does not
+ * match dtype and shape) is FT_ERR_IO; a dtype of the format flashtile
+ * lacks (U8, F8_E4M3...), more than FT_MAX_DIMS dimensions, or a string
+ * holding U+0000 is FT_ERR_UNSUPPORTED. The messages name the path and
+ * the problem. */
+FT_API ft_status ft_safetensors_load(const char *path, ft_safetensors **out);
+/* Tensors are numbered 0..count-1 in name order (bytewise), metadata
+ * 0..meta_count-1 in key order. Strings stay valid until
+ * ft_safetensors_free. A NULL handle counts 0; an index out of range gives
+ * NULL (ft_safetensors_find: -1 when no tensor has the name). */
+FT_API int ft_safetensors_count(const ft_safetensors *st);
+FT_API const char *ft_safetensors_name(const ft_safetensors *st, int i);
+FT_API int ft_safetensors_find(const ft_safetensors *st, const char *name);
+/* Tensor i read from the file: a new contiguous CPU tensor *out owned by
+ * the caller. Inputs: st=1, i=2. */
+FT_API ft_status ft_safetensors_tensor(ft_safetensors *st, int i,
+                                       ft_tensor **out);
+FT_API int ft_safetensors_meta_count(const ft_safetensors *st);
+FT_API const char *ft_safetensors_meta_key(const ft_safetensors *st, int i);
+FT_API const char *ft_safetensors_meta_value(const ft_safetensors *st, int i);
+/* Closes the file and frees the handle; NULL is a no-op. Tensors already
+ * read stay valid. */
+FT_API void ft_safetensors_free(ft_safetensors *st);
+
 /* ---- CUDA devices -----------------------------------------------------------
  * In a build without CUDA, or on a machine without a GPU, the count is 0 and
  * the rest fail with a message saying which. */
@@ -373,6 +425,14 @@ typedef struct ft_memory_stats {
 FT_API ft_status ft_memory_stats_get(ft_device device, ft_memory_stats *out);
 /* Sets peak to the current in_use. */
 FT_API ft_status ft_reset_peak_memory(ft_device device);
+
+/* Tensor storage bytes (CPU and every CUDA device) allocated by the
+ * calling thread since it started, never decreasing; and bytes of storage
+ * alive now in the whole process. A garbage-collected host (the Lua
+ * binding) compares the first between its calls to learn how much memory
+ * its objects hold, and collects in proportion. */
+FT_API int64_t ft_thread_allocated_bytes(void);
+FT_API int64_t ft_storage_in_use(void);
 
 #ifdef __cplusplus
 }

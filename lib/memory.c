@@ -15,6 +15,19 @@
 
 static atomic_llong cpu_in_use;
 static atomic_llong cpu_peak;
+static atomic_llong all_in_use;                /* CPU and CUDA storage */
+static _Thread_local int64_t thread_allocated; /* by this thread, ever */
+
+/* Counted for every device, before the device-specific counters. */
+static void count_storage(size_t nbytes)
+{
+    thread_allocated += (int64_t)nbytes;
+    atomic_fetch_add(&all_in_use, (long long)nbytes);
+}
+
+int64_t ft_thread_allocated_bytes(void) { return thread_allocated; }
+
+int64_t ft_storage_in_use(void) { return (int64_t)atomic_load(&all_in_use); }
 
 static void count_alloc(long long nbytes)
 {
@@ -37,6 +50,7 @@ ft_status ft_storage_new(ft_storage **out, size_t nbytes, ft_device device,
             free(s);
             return st;
         }
+        count_storage(nbytes);
         atomic_init(&s->refcount, 1);
         s->nbytes = nbytes;
         s->device = device;
@@ -59,6 +73,7 @@ ft_status ft_storage_new(ft_storage **out, size_t nbytes, ft_device device,
     s->nbytes = nbytes;
     s->device = device;
     count_alloc((long long)nbytes);
+    count_storage(nbytes);
     *out = s;
     return FT_OK;
 }
@@ -69,6 +84,7 @@ void ft_storage_release(ft_storage *s)
 {
     if (!s || atomic_fetch_sub(&s->refcount, 1) != 1)
         return;
+    atomic_fetch_sub(&all_in_use, (long long)s->nbytes);
     if (s->device.type == FT_CUDA) {
         ft_device_free(s->data, s->device);
     } else {

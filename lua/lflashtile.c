@@ -29,15 +29,134 @@
 #define DEFAULT_DTYPE FT_F32
 #define DEFAULT_SEED 0x5eedULL
 
-/* ---- the few calls that differ between Lua 5.1/LuaJIT and 5.4 ---- */
+/* ---- the calls that differ between Lua 5.1/LuaJIT, 5.2, 5.3 and 5.4 ----
+ *
+ * The binding is written against 5.4's API; below 5.4 the missing calls
+ * are defined here in terms of the older ones. LuaJIT 2.1 has a few of
+ * 5.2's (luaL_setfuncs, luaL_testudata, luaL_setmetatable, luaL_newlib),
+ * recognised by luaL_newlib being defined. Integers: below 5.3 a Lua
+ * number is a double, and an "integer" is a double with an integral value
+ * (exactly what lua_tointegerx accepts in 5.3 and 5.4). */
 
-static void *compat_newudata(lua_State *L, size_t size)
+#if LUA_VERSION_NUM < 504
+#define lua_newuserdatauv(L, size, nuv) lua_newuserdata((L), (size))
+#endif
+
+#if LUA_VERSION_NUM < 503
+static int compat_isinteger(lua_State *L, int idx)
 {
-    return lua_newuserdatauv(L, size, 0);
+    if (lua_type(L, idx) != LUA_TNUMBER)
+        return 0;
+    lua_Number v = lua_tonumber(L, idx);
+    return v == floor(v) && v >= -0x1p63 && v < 0x1p63;
 }
 
-static int compat_isinteger(lua_State *L, int idx) { return lua_isinteger(L, idx); }
+static lua_Integer compat_tointegerx(lua_State *L, int idx, int *ok)
+{
+    *ok = compat_isinteger(L, idx);
+    return *ok ? (lua_Integer)lua_tonumber(L, idx) : 0;
+}
+#define lua_isinteger(L, idx) compat_isinteger((L), (idx))
+#define lua_tointegerx(L, idx, ok) compat_tointegerx((L), (idx), (ok))
 
+static int compat_getfield(lua_State *L, int idx, const char *key)
+{
+    lua_getfield(L, idx, key);
+    return lua_type(L, -1);
+}
+#define lua_getfield(L, idx, key) compat_getfield((L), (idx), (key))
+
+#if LUA_VERSION_NUM < 502
+#define lua_absindex(L, idx) \
+    ((idx) > 0 || (idx) <= LUA_REGISTRYINDEX ? (idx) : lua_gettop(L) + (idx) + 1)
+#endif
+
+static int lua_geti(lua_State *L, int idx, lua_Integer i)
+{
+    idx = lua_absindex(L, idx);
+    lua_pushinteger(L, i);
+    lua_gettable(L, idx);
+    return lua_type(L, -1);
+}
+
+static void lua_seti(lua_State *L, int idx, lua_Integer i)
+{
+    idx = lua_absindex(L, idx);
+    lua_pushinteger(L, i);
+    lua_insert(L, -2);
+    lua_settable(L, idx);
+}
+#endif
+
+#if LUA_VERSION_NUM < 502
+/* The length with __len honoured (5.1 calls it only for userdata, and
+ * lua_objlen calls it never). */
+static lua_Integer luaL_len(lua_State *L, int idx)
+{
+    idx = lua_absindex(L, idx);
+    if (luaL_callmeta(L, idx, "__len")) {
+        int ok = lua_type(L, -1) == LUA_TNUMBER;
+        lua_Number n = lua_tonumber(L, -1);
+        lua_pop(L, 1);
+        if (!ok || n != floor(n))
+            luaL_error(L, "%s", "object length is not an integer");
+        return (lua_Integer)n;
+    }
+    return (lua_Integer)lua_objlen(L, idx);
+}
+
+#ifndef luaL_newlib /* plain 5.1; LuaJIT 2.1 has these */
+static void luaL_setfuncs(lua_State *L, const luaL_Reg *l, int nup)
+{
+    luaL_checkstack(L, nup, "too many upvalues");
+    for (; l->name; l++) {
+        for (int i = 0; i < nup; i++)
+            lua_pushvalue(L, -nup);
+        lua_pushcclosure(L, l->func, nup);
+        lua_setfield(L, -(nup + 2), l->name);
+    }
+    lua_pop(L, nup);
+}
+
+static void *luaL_testudata(lua_State *L, int idx, const char *tname)
+{
+    void *p = lua_touserdata(L, idx);
+    if (!p || !lua_getmetatable(L, idx))
+        return NULL;
+    luaL_getmetatable(L, tname);
+    int same = lua_rawequal(L, -1, -2);
+    lua_pop(L, 2);
+    return same ? p : NULL;
+}
+
+static void luaL_setmetatable(lua_State *L, const char *tname)
+{
+    luaL_getmetatable(L, tname);
+    lua_setmetatable(L, -2);
+}
+
+#define luaL_newlib(L, l) (lua_newtable(L), luaL_setfuncs((L), (l), 0))
+#endif
+#endif
+
+/* luaL_newmetatable sets __name from 5.3 on; the messages above and
+ * tostring of a foreign object use it, so it is set in every version. */
+static int new_class_metatable(lua_State *L, const char *tname)
+{
+    int created = luaL_newmetatable(L, tname);
+    lua_pushstring(L, tname);
+    lua_setfield(L, -2, "__name");
+    return created;
+}
+
+/* lua_pushfstring's %s (a lua_Integer) exists from 5.3 on: sizes are
+ * formatted here instead, into a string left on the stack. */
+static const char *istr(lua_State *L, int64_t v)
+{
+    char buf[24];
+    snprintf(buf, sizeof buf, "%lld", (long long)v);
+    return lua_pushstring(L, buf), lua_tostring(L, -1);
+}
 /* ---- module state ---- */
 
 typedef struct generator {
@@ -52,14 +171,157 @@ static generator *get_generator(lua_State *L)
 
 /* ---- errors ---- */
 
-/* The Lua name of the running function, for messages without an
- * argument position. */
-static const char *current_name(lua_State *L)
+/* Every function of the binding knows its own name: luaopen records each
+ * one in a registry table {[function] = "name"}. Lua's own messages name a
+ * function only when the call site does (a pcall(ft.zeros, ...) or a tail
+ * call has no name; 5.2 to 5.4 then search package.loaded, 5.1 and LuaJIT
+ * print '?'), so the binding raises argument errors itself, the same way
+ * in every version. */
+static const char names_key = 0; /* its address keys the registry */
+
+/* The name of the running C function; *method is set when it was called
+ * as obj:name(...), where Lua's argument 1 is the object. */
+static const char *current_name_ex(lua_State *L, int *method)
 {
     lua_Debug ar;
-    if (lua_getstack(L, 0, &ar) && lua_getinfo(L, "n", &ar) && ar.name)
-        return ar.name;
-    return "?";
+    *method = 0;
+    if (!lua_getstack(L, 0, &ar))
+        return "?";
+    lua_getinfo(L, "nf", &ar); /* pushes the function */
+    int metamethod = ar.namewhat && strcmp(ar.namewhat, "metamethod") == 0;
+    if (ar.namewhat && strcmp(ar.namewhat, "method") == 0)
+        *method = 1;
+    lua_pushlightuserdata(L, (void *)&names_key);
+    lua_rawget(L, LUA_REGISTRYINDEX);
+    const char *name = NULL;
+    if (lua_istable(L, -1)) {
+        lua_pushvalue(L, -2);
+        lua_rawget(L, -2);
+        name = lua_tostring(L, -1); /* stays on the stack (an error follows) */
+        /* A tensor method counts its arguments after self however it was
+         * called (LuaJIT does not always see t:m() as a method call). */
+        if (name && name[0] == ':') {
+            name++;
+            if (!metamethod && luaL_testudata(L, 1, TENSOR_MT))
+                *method = 1;
+        }
+    }
+    if (!name)
+        name = ar.name ? ar.name : "?";
+    return name;
+}
+
+static const char *current_name(lua_State *L)
+{
+    int method;
+    return current_name_ex(L, &method);
+}
+
+/* luaL_argerror's message, with the name from the registry. */
+static int arg_error(lua_State *L, int arg, const char *msg)
+{
+    int method;
+    const char *name = current_name_ex(L, &method);
+    if (method) {
+        arg--;
+        if (arg == 0)
+            return luaL_error(L, "calling '%s' on bad self (%s)", name, msg);
+    }
+    return luaL_error(L, "bad argument #%d to '%s' (%s)", arg, name, msg);
+}
+
+/* luaL_typeerror's message: "<tname> expected, got <type or __name>". */
+static int type_error(lua_State *L, int arg, const char *tname)
+{
+    const char *got;
+    if (luaL_getmetafield(L, arg, "__name") && lua_type(L, -1) == LUA_TSTRING)
+        got = lua_tostring(L, -1);
+    else if (lua_type(L, arg) == LUA_TLIGHTUSERDATA)
+        got = "light userdata";
+    else
+        got = luaL_typename(L, arg);
+    return arg_error(L, arg, lua_pushfstring(L, "%s expected, got %s", tname, got));
+}
+
+static void *check_udata(lua_State *L, int arg, const char *tname)
+{
+    void *p = luaL_testudata(L, arg, tname);
+    if (!p)
+        type_error(L, arg, tname);
+    return p;
+}
+
+static const char *check_string(lua_State *L, int arg)
+{
+    if (!lua_isstring(L, arg))
+        type_error(L, arg, "string");
+    return lua_tostring(L, arg);
+}
+
+static void check_type(lua_State *L, int arg, int type)
+{
+    if (lua_type(L, arg) != type)
+        type_error(L, arg, lua_typename(L, type));
+}
+
+static lua_Number opt_number(lua_State *L, int arg, lua_Number def)
+{
+    if (lua_isnoneornil(L, arg))
+        return def;
+    if (lua_type(L, arg) != LUA_TNUMBER)
+        type_error(L, arg, "number");
+    return lua_tonumber(L, arg);
+}
+
+static lua_Integer check_integer(lua_State *L, int arg)
+{
+    int ok = 0;
+    lua_Integer v = lua_type(L, arg) == LUA_TNUMBER ? lua_tointegerx(L, arg, &ok) : 0;
+    if (!ok) {
+        if (lua_type(L, arg) == LUA_TNUMBER)
+            arg_error(L, arg, "number has no integer representation");
+        type_error(L, arg, "number");
+    }
+    return v;
+}
+
+static lua_Integer opt_integer(lua_State *L, int arg, lua_Integer def)
+{
+    return lua_isnoneornil(L, arg) ? def : check_integer(L, arg);
+}
+
+#define luaL_argerror(L, arg, msg) arg_error((L), (arg), (msg))
+#define luaL_typeerror(L, arg, tname) type_error((L), (arg), (tname))
+#define luaL_checkudata(L, arg, tname) check_udata((L), (arg), (tname))
+#undef luaL_checkstring
+#define luaL_checkstring(L, arg) check_string((L), (arg))
+#define luaL_checktype(L, arg, type) check_type((L), (arg), (type))
+#define luaL_checkinteger(L, arg) check_integer((L), (arg))
+#define luaL_optinteger(L, arg, def) opt_integer((L), (arg), (def))
+#define luaL_optnumber(L, arg, def) opt_number((L), (arg), (def))
+
+/* Records the name of every function in the table at -1 (keys not
+ * starting with "__" keep their name; metamethods are named after it
+ * without the underscores, "__add" -> "add"). */
+static void record_names(lua_State *L, const char *prefix)
+{
+    int tbl = lua_gettop(L);
+    lua_pushlightuserdata(L, (void *)&names_key);
+    lua_rawget(L, LUA_REGISTRYINDEX);
+    int names = lua_gettop(L);
+    lua_pushnil(L);
+    while (lua_next(L, tbl)) {
+        if (lua_type(L, -2) == LUA_TSTRING && lua_type(L, -1) == LUA_TFUNCTION) {
+            const char *key = lua_tostring(L, -2);
+            if (strncmp(key, "__", 2) == 0)
+                key += 2;
+            lua_pushvalue(L, -1);
+            lua_pushfstring(L, "%s%s", prefix, key);
+            lua_rawset(L, names);
+        }
+        lua_pop(L, 1);
+    }
+    lua_pop(L, 1);
 }
 
 /* Raises the last flashtile error. arg_offset maps the C function's input
@@ -87,6 +349,66 @@ static int raise_ft(lua_State *L, int arg_offset)
             raise_ft((L), call_offset_);                                     \
     } while (0)
 
+/* ---- memory the collector can see ----
+ *
+ * Lua's collector knows a tensor userdata as a few bytes; the storage
+ * behind it is invisible to it, so a loop making 4 MB tensors would let
+ * gigabytes of garbage pile up before a cycle ran. The binding keeps a
+ * debt per lua_State: the tensor bytes this thread allocated since the
+ * last look (ft_thread_allocated_bytes). Before each new tensor, once the
+ * debt passes the larger of GC_MIN_BYTES and the bytes alive after the
+ * last collection, it runs a full collection. Garbage is then at most
+ * about as large as the live tensors (plus GC_MIN_BYTES), and the work of
+ * the collections is proportional to the bytes allocated. Out of memory,
+ * on either device, still runs a full collection and one retry (CALL). */
+#define GC_MIN_BYTES ((int64_t)16 << 20)
+
+typedef struct gc_pressure {
+    int64_t last_seen; /* ft_thread_allocated_bytes() at the last look */
+    int64_t debt;      /* tensor bytes allocated since the last collection */
+    int64_t threshold; /* debt that triggers the next collection */
+} gc_pressure;
+
+static const char gc_pressure_key = 0; /* its address keys the registry */
+
+static gc_pressure *get_gc_pressure(lua_State *L)
+{
+    lua_pushlightuserdata(L, (void *)&gc_pressure_key);
+    lua_rawget(L, LUA_REGISTRYINDEX);
+    gc_pressure *p = (gc_pressure *)lua_touserdata(L, -1);
+    lua_pop(L, 1);
+    return p;
+}
+
+static void gc_pressure_init(lua_State *L)
+{
+    lua_pushlightuserdata(L, (void *)&gc_pressure_key);
+    gc_pressure *p = lua_newuserdatauv(L, sizeof *p, 0);
+    p->last_seen = ft_thread_allocated_bytes();
+    p->debt = 0;
+    p->threshold = GC_MIN_BYTES;
+    lua_rawset(L, LUA_REGISTRYINDEX);
+}
+
+static void gc_pressure_step(lua_State *L)
+{
+    gc_pressure *p = get_gc_pressure(L);
+    if (!p)
+        return;
+    int64_t now = ft_thread_allocated_bytes();
+    /* Another state on this thread may have allocated too; counting its
+     * bytes here only makes this state collect sooner. */
+    p->debt += now - p->last_seen;
+    p->last_seen = now;
+    if (p->debt < p->threshold)
+        return;
+    lua_gc(L, LUA_GCCOLLECT, 0);
+    int64_t live = ft_storage_in_use();
+    p->debt = 0;
+    p->last_seen = ft_thread_allocated_bytes();
+    p->threshold = live > GC_MIN_BYTES ? live : GC_MIN_BYTES;
+}
+
 /* ---- tensor userdata ---- */
 
 typedef struct ud_tensor {
@@ -96,7 +418,8 @@ typedef struct ud_tensor {
 /* Pushes an empty tensor userdata and returns the slot to fill. */
 static ft_tensor **push_slot(lua_State *L)
 {
-    ud_tensor *u = compat_newudata(L, sizeof *u);
+    gc_pressure_step(L);
+    ud_tensor *u = lua_newuserdatauv(L, sizeof *u, 0);
     u->t = NULL;
     luaL_setmetatable(L, TENSOR_MT);
     return &u->t;
@@ -153,8 +476,8 @@ static int check_shape_ex(lua_State *L, int idx, int64_t *shape, int *next, int 
                                                                   : luaL_typename(L, -1)));
             lua_pop(L, 1);
             if (v < 0 && !(allow_infer && v == -1))
-                luaL_argerror(L, idx, lua_pushfstring(L, "size %I of dim %d is negative",
-                                                      v, (int)i));
+                luaL_argerror(L, idx, lua_pushfstring(L, "size %s of dim %d is negative",
+                                                      istr(L, v), (int)i));
             shape[ndim++] = (int64_t)v;
         }
         *next = idx + 1;
@@ -166,8 +489,8 @@ static int check_shape_ex(lua_State *L, int idx, int64_t *shape, int *next, int 
             luaL_argerror(L, i, lua_pushfstring(L, "at most %d dims are supported", FT_MAX_DIMS));
         shape[ndim] = check_size(L, i, "size");
         if (shape[ndim] < 0 && !(allow_infer && shape[ndim] == -1))
-            luaL_argerror(L, i, lua_pushfstring(L, "size %I of dim %d is negative",
-                                                (lua_Integer)shape[ndim], ndim + 1));
+            luaL_argerror(L, i, lua_pushfstring(L, "size %s of dim %d is negative",
+                                                istr(L, shape[ndim]), ndim + 1));
         ndim++;
         i++;
     }
@@ -212,8 +535,8 @@ static int64_t check_index(lua_State *L, int idx, int64_t size, int dim)
 {
     int64_t i = check_size(L, idx, "index");
     if (i < 1 || i > size)
-        luaL_argerror(L, idx, lua_pushfstring(L, "index %I out of range for dim %d of size %I",
-                                              (lua_Integer)i, dim + 1, (lua_Integer)size));
+        luaL_argerror(L, idx, lua_pushfstring(L, "index %s out of range for dim %d of size %s",
+                                              istr(L, i), dim + 1, istr(L, size)));
     return i - 1;
 }
 
@@ -264,7 +587,7 @@ static options check_options(lua_State *L, int idx, ft_dtype default_dtype)
             luaL_argerror(L, idx, ft_last_error_detail());
     }
     if (lua_getfield(L, idx, "seed") != LUA_TNIL) {
-        if (!compat_isinteger(L, -1))
+        if (!lua_isinteger(L, -1))
             luaL_argerror(L, idx, "option 'seed' must be an integer");
         o.has_seed = 1;
         o.seed = (uint64_t)lua_tointeger(L, -1);
@@ -303,7 +626,7 @@ static void push_element(lua_State *L, const ft_tensor *t, const int64_t *index)
 /* Stores the Lua number at idx into element index. */
 static void store_element(lua_State *L, ft_tensor *t, const int64_t *index, int idx)
 {
-    if (compat_isinteger(L, idx) && !ft_dtype_is_float(t->dtype))
+    if (lua_isinteger(L, idx) && !ft_dtype_is_float(t->dtype))
         ft_set_int(t, index, (int64_t)lua_tointeger(L, idx));
     else
         ft_set(t, index, lua_tonumber(L, idx));
@@ -371,8 +694,8 @@ static int l_full(lua_State *L)
         for (int d = 0; d < ndim; d++) {
             shape[d] = check_size(L, d + 1, "size");
             if (shape[d] < 0)
-                luaL_argerror(L, d + 1, lua_pushfstring(L, "size %I of dim %d is negative",
-                                                        (lua_Integer)shape[d], d + 1));
+                luaL_argerror(L, d + 1, lua_pushfstring(L, "size %s of dim %d is negative",
+                                                        istr(L, shape[d]), d + 1));
         }
         next = last;
     }
@@ -413,6 +736,27 @@ static int l_manual_seed(lua_State *L)
     g->seed = (uint64_t)luaL_checkinteger(L, 1);
     g->offset = 0;
     return 0;
+}
+
+/* ft.derive_seed(seed, k): a seed for part k of something seeded with
+ * seed (a splitmix64 step, so that seeds 1 and 2 do not share streams
+ * between their parts). With 64-bit Lua integers (5.3 on) the full 64-bit
+ * value, wrapped to a signed integer; below 5.3 a Lua number holds 53 bits
+ * exactly, and the top 53 bits are returned. */
+static int l_derive_seed(lua_State *L)
+{
+    uint64_t seed = (uint64_t)check_size(L, 1, "seed");
+    uint64_t k = (uint64_t)check_size(L, 2, "k");
+    uint64_t z = seed * 0x9E3779B97F4A7C15ULL + k * 0x632BE59BD9B4E019ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+#if LUA_VERSION_NUM >= 503
+    lua_pushinteger(L, (lua_Integer)z);
+#else
+    lua_pushnumber(L, (lua_Number)(z >> 11));
+#endif
+    return 1;
 }
 
 /* ft.arange(stop), ft.arange(start, stop[, step]) [, opts]: start,
@@ -486,8 +830,8 @@ static void nested_fill(lua_State *L, int idx, ft_tensor *t, int d, int64_t *ind
         return;
     }
     if (lua_type(L, idx) != LUA_TTABLE || luaL_len(L, idx) != t->shape[d])
-        luaL_argerror(L, 1, lua_pushfstring(L, "ragged nested table: expected %I elements at depth %d",
-                                            (lua_Integer)t->shape[d], d + 1));
+        luaL_argerror(L, 1, lua_pushfstring(L, "ragged nested table: expected %s elements at depth %d",
+                                            istr(L, t->shape[d]), d + 1));
     for (int64_t i = 0; i < t->shape[d]; i++) {
         index[d] = i;
         lua_geti(L, idx, (lua_Integer)i + 1);
@@ -647,12 +991,12 @@ static int t_narrow(lua_State *L)
     int64_t start = check_size(L, 3, "start");
     int64_t length = check_size(L, 4, "length");
     if (start < 1 || start > t->shape[d] + 1)
-        luaL_argerror(L, 3, lua_pushfstring(L, "start %I out of range for dim %d of size %I",
-                                            (lua_Integer)start, d + 1, (lua_Integer)t->shape[d]));
+        luaL_argerror(L, 3, lua_pushfstring(L, "start %s out of range for dim %d of size %s",
+                                            istr(L, start), d + 1, istr(L, t->shape[d])));
     if (length < 0 || length > t->shape[d] - (start - 1))
-        luaL_argerror(L, 4, lua_pushfstring(L, "length %I from start %I exceeds dim %d of size %I",
-                                            (lua_Integer)length, (lua_Integer)start, d + 1,
-                                            (lua_Integer)t->shape[d]));
+        luaL_argerror(L, 4, lua_pushfstring(L, "length %s from start %s exceeds dim %d of size %s",
+                                            istr(L, length), istr(L, start), d + 1,
+                                            istr(L, t->shape[d])));
     ft_tensor **slot = push_slot(L);
     int call_offset_ = 0;
     CALL(L, ft_narrow(slot, t, d, start - 1, length));
@@ -699,9 +1043,9 @@ static ft_tensor *zero_based_index(lua_State *L, int idx, int64_t size)
             int64_t v = 0;
             ft_get_int(index, &i, &v);
             if (v < 1 || v > size)
-                luaL_argerror(L, idx, lua_pushfstring(L, "index[%I] = %I is out of range 1..%I",
-                                                      (lua_Integer)i + 1, (lua_Integer)v,
-                                                      (lua_Integer)size));
+                luaL_argerror(L, idx, lua_pushfstring(L, "index[%s] = %s is out of range 1..%s",
+                                                      istr(L, i + 1), istr(L, v),
+                                                      istr(L, size)));
         }
     ft_tensor **slot = push_slot(L);
     int call_offset_ = idx - 2; /* C: op = 1, the index = 2 */
@@ -756,6 +1100,56 @@ static int t_clone(lua_State *L)
     return 1;
 }
 
+/* Converts t (at 1) to dtype and device; t itself when nothing changes,
+ * as torch does. */
+static int convert(lua_State *L, ft_tensor *t, ft_dtype dtype, ft_device device)
+{
+    if (dtype == t->dtype && ft_device_equal(device, t->device)) {
+        lua_settop(L, 1);
+        return 1;
+    }
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_to(slot, t, dtype, device));
+    return 1;
+}
+
+/* t:cuda([index]): to CUDA device index (default 0). */
+static int t_cuda(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    ft_device device = {FT_CUDA, 0};
+    char name[32] = "cuda";
+    if (!lua_isnoneornil(L, 2)) {
+        int64_t i = check_size(L, 2, "device index");
+        if (i < 0 || i > 1 << 20)
+            luaL_argerror(L, 2, lua_pushfstring(L, "device index %s out of range", istr(L, i)));
+        snprintf(name, sizeof name, "cuda:%d", (int)i);
+    }
+    if (ft_device_parse(name, &device) != FT_OK)
+        luaL_error(L, "cuda: %s", ft_last_error_detail());
+    return convert(L, t, t->dtype, device);
+}
+
+static int t_cpu(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    return convert(L, t, t->dtype, (ft_device){FT_CPU, 0});
+}
+
+/* t:double(), t:float(), t:half(), t:bf16(), t:int(), t:long() */
+static int to_dtype(lua_State *L, ft_dtype dtype)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    return convert(L, t, dtype, t->device);
+}
+static int t_double(lua_State *L) { return to_dtype(L, FT_F64); }
+static int t_float(lua_State *L) { return to_dtype(L, FT_F32); }
+static int t_half(lua_State *L) { return to_dtype(L, FT_F16); }
+static int t_bf16(lua_State *L) { return to_dtype(L, FT_BF16); }
+static int t_int(lua_State *L) { return to_dtype(L, FT_I32); }
+static int t_long(lua_State *L) { return to_dtype(L, FT_I64); }
+
 /* t:to("f64"), t:to("cpu"), t:to{dtype=, device=}. Returns t itself when
  * nothing changes, as torch does. */
 static int t_to(lua_State *L)
@@ -781,14 +1175,7 @@ static int t_to(lua_State *L)
             luaL_argerror(L, 2, lua_pushfstring(L, "unknown dtype or device '%s' (dtypes: f64, f32, f16, bf16, i32, i64; devices: cpu, cuda, cuda:N)", name));
         }
     }
-    if (dtype == t->dtype && ft_device_equal(device, t->device)) {
-        lua_settop(L, 1);
-        return 1;
-    }
-    ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_to(slot, t, dtype, device));
-    return 1;
+    return convert(L, t, dtype, device);
 }
 
 static int t_copy(lua_State *L)
@@ -857,8 +1244,8 @@ static int t_item(lua_State *L)
 {
     ft_tensor *t = check_tensor(L, 1);
     if (ft_numel(t) != 1)
-        luaL_argerror(L, 1, lua_pushfstring(L, "item needs a tensor with one element, this one has %I",
-                                            (lua_Integer)ft_numel(t)));
+        luaL_argerror(L, 1, lua_pushfstring(L, "item needs a tensor with one element, this one has %s",
+                                            istr(L, ft_numel(t))));
     int64_t index[FT_MAX_DIMS] = {0};
     push_element(L, t, index);
     return 1;
@@ -1112,7 +1499,7 @@ static int64_t opt_field_integer(lua_State *L, int idx, const char *key, int64_t
 {
     int64_t r = def;
     if (lua_getfield(L, idx, key) != LUA_TNIL) {
-        if (!compat_isinteger(L, -1))
+        if (!lua_isinteger(L, -1))
             luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be an integer", key));
         r = (int64_t)lua_tointeger(L, -1);
     }
@@ -1296,7 +1683,7 @@ static int cuda_event_new(lua_State *L)
         if (ft_device_parse(luaL_checkstring(L, 1), &dev) != FT_OK)
             luaL_argerror(L, 1, ft_last_error_detail());
     }
-    ud_event *u = compat_newudata(L, sizeof *u);
+    ud_event *u = lua_newuserdatauv(L, sizeof *u, 0);
     u->e = NULL;
     luaL_setmetatable(L, EVENT_MT);
     int call_offset_ = 0;
@@ -1353,10 +1740,43 @@ static int t_free(lua_State *L)
     return 0;
 }
 
-/* t.shape, t.dtype, t.device, then the methods. */
+/* t[i] is t:select(1, i), as in torch7 and PyTorch: a view of row i, or
+ * the number at i for a 1-d tensor. Returns the 0-based row; key at 2. */
+static int64_t check_row_key(lua_State *L, const ft_tensor *t)
+{
+    int ok = 0;
+    lua_Integer i = lua_tointegerx(L, 2, &ok);
+    if (t->ndim == 0)
+        luaL_error(L, "%s", "t[i]: a 0-d tensor has no rows (use t:item())");
+    if (!ok)
+        luaL_error(L, "t[i]: index must be an integer, got %s", lua_tostring(L, 2));
+    if (i < 1 || i > t->shape[0])
+        luaL_error(L, "t[i]: index %s out of range 1..%s", istr(L, i), istr(L, t->shape[0]));
+    return (int64_t)i - 1;
+}
+
+/* Pushes row i (0-based) of t as a new view. */
+static ft_tensor *push_row(lua_State *L, ft_tensor *t, int64_t i)
+{
+    ft_tensor **slot = push_slot(L);
+    int call_offset_ = 0;
+    CALL(L, ft_select(slot, t, 0, i));
+    return *slot;
+}
+
+/* t.shape, t.dtype, t.device, t[i], then the methods. */
 static int t_index(lua_State *L)
 {
     ud_tensor *u = luaL_checkudata(L, 1, TENSOR_MT);
+    if (lua_type(L, 2) == LUA_TNUMBER) {
+        ft_tensor *t = check_tensor(L, 1);
+        int64_t i = check_row_key(L, t);
+        if (t->ndim == 1)
+            push_element(L, t, &i);
+        else
+            push_row(L, t, i);
+        return 1;
+    }
     if (lua_type(L, 2) == LUA_TSTRING) {
         const char *key = lua_tostring(L, 2);
         if (u->t && strcmp(key, "shape") == 0) {
@@ -1378,9 +1798,29 @@ static int t_index(lua_State *L)
     return 1;
 }
 
+/* t[i] = number (the element, or every element of row i) or t[i] = tensor
+ * (copied into row i, converting dtypes). Fields are read-only. */
 static int t_newindex(lua_State *L)
 {
-    return luaL_error(L, "%s", "tensor fields are read-only (use t:set(...) or t:copy(src))");
+    if (lua_type(L, 2) != LUA_TNUMBER)
+        return luaL_error(L, "%s", "tensor fields are read-only (use t:set(...) or t:copy(src))");
+    ft_tensor *t = check_tensor(L, 1);
+    int64_t i = check_row_key(L, t);
+    ft_tensor *src = lua_type(L, 3) == LUA_TNUMBER ? NULL : test_tensor(L, 3);
+    if (lua_type(L, 3) != LUA_TNUMBER && !src) {
+        if (luaL_testudata(L, 3, TENSOR_MT))
+            return luaL_error(L, "%s", "t[i] = v: v has been freed");
+        return luaL_error(L, "t[i] = v: v must be a number or a tensor, got %s",
+                          luaL_typename(L, 3));
+    }
+    if (t->ndim == 1 && !src) {
+        store_element(L, t, &i, 3);
+        return 0;
+    }
+    ft_tensor *row = push_row(L, t, i);
+    if ((src ? ft_copy(row, src) : ft_fill(row, lua_tonumber(L, 3))) != FT_OK)
+        return luaL_error(L, "t[i] = v: %s", ft_last_error_detail());
+    return 0;
 }
 
 static int t_rawstring(lua_State *L)
@@ -1405,6 +1845,9 @@ static const luaL_Reg tensor_methods[] = {
     {"dim", t_dim},         {"numel", t_numel},       {"size", t_size},
     {"stride", t_stride},   {"is_contiguous", t_is_contiguous},
     {"is_same_storage", t_is_same_storage},
+    {"cuda", t_cuda},       {"cpu", t_cpu},           {"double", t_double},
+    {"float", t_float},     {"half", t_half},         {"bf16", t_bf16},
+    {"int", t_int},         {"long", t_long},
     {"to", t_to},           {"view", t_view},         {"reshape", t_reshape},
     {"transpose", t_transpose}, {"permute", t_permute}, {"narrow", t_narrow},
     {"select", t_select},   {"contiguous", t_contiguous}, {"clone", t_clone},
@@ -1431,7 +1874,7 @@ static const luaL_Reg tensor_metamethods[] = {
 static const luaL_Reg module_functions[] = {
     {"tensor", l_tensor},       {"empty", l_empty},   {"zeros", l_zeros},
     {"ones", l_ones},           {"full", l_full},     {"rand", l_rand},
-    {"randn", l_randn},         {"arange", l_arange}, {"manual_seed", l_manual_seed},
+    {"randn", l_randn}, {"derive_seed", l_derive_seed},         {"arange", l_arange}, {"manual_seed", l_manual_seed},
     {"matmul", l_matmul},       {"max_abs_diff", l_max_abs_diff},
     {"allclose", l_allclose},   {"load", l_load},     {"memory_stats", l_memory_stats},
     {"reset_peak_memory", l_reset_peak_memory},       {"is_tensor", l_is_tensor},
@@ -1440,21 +1883,28 @@ static const luaL_Reg module_functions[] = {
 
 FT_API int luaopen_flashtile_core(lua_State *L)
 {
+    gc_pressure_init(L);
+    lua_pushlightuserdata(L, (void *)&names_key);
+    lua_newtable(L);
+    lua_rawset(L, LUA_REGISTRYINDEX);
     /* The metatable lives in this state's registry. */
-    luaL_newmetatable(L, TENSOR_MT);
+    new_class_metatable(L, TENSOR_MT);
     luaL_setfuncs(L, tensor_metamethods, 0);
+    record_names(L, "");
     lua_newtable(L); /* methods, the upvalue of __index */
     luaL_setfuncs(L, tensor_methods, 0);
+    record_names(L, ":");
     lua_pushvalue(L, -1);
     lua_pushcclosure(L, t_index, 1);
     lua_setfield(L, -3, "__index");
     /* stack: metatable, methods */
 
     lua_newtable(L); /* the module */
-    generator *g = compat_newudata(L, sizeof *g);
+    generator *g = lua_newuserdatauv(L, sizeof *g, 0);
     g->seed = DEFAULT_SEED;
     g->offset = 0;
     luaL_setfuncs(L, module_functions, 1);
+    record_names(L, "");
     lua_pushvalue(L, -2);
     lua_setfield(L, -2, "Tensor_methods");
     lua_pushvalue(L, -3);
@@ -1463,9 +1913,10 @@ FT_API int luaopen_flashtile_core(lua_State *L)
     lua_setfield(L, -2, "version");
 
     /* ft.cuda, and the event metatable */
-    luaL_newmetatable(L, EVENT_MT);
+    new_class_metatable(L, EVENT_MT);
     lua_newtable(L);
     luaL_setfuncs(L, event_methods, 0);
+    record_names(L, "");
     lua_setfield(L, -2, "__index");
     lua_pushcfunction(L, event_free);
     lua_setfield(L, -2, "__gc");
@@ -1473,6 +1924,7 @@ FT_API int luaopen_flashtile_core(lua_State *L)
     lua_setfield(L, -2, "__close");
     lua_pop(L, 1);
     luaL_newlib(L, cuda_functions);
+    record_names(L, "cuda.");
     lua_setfield(L, -2, "cuda");
     return 1;
 }

@@ -9,6 +9,10 @@
 -- would add up the CPU time of every OpenMP thread.
 local ft = require "flashtile"
 
+local function is_integer(v)
+  return type(v) == "number" and v == math.floor(v) and v > -2 ^ 63 and v < 2 ^ 63
+end
+
 local bench = {}
 
 local function median(xs)
@@ -16,8 +20,8 @@ local function median(xs)
   for i, x in ipairs(xs) do s[i] = x end
   table.sort(s)
   local n = #s
-  if n % 2 == 1 then return s[(n + 1) // 2] end
-  return (s[n // 2] + s[n // 2 + 1]) / 2
+  if n % 2 == 1 then return s[(n + 1) / 2] end
+  return (s[n / 2] + s[n / 2 + 1]) / 2
 end
 
 --- Times one run of fn on a CUDA device with events around it.
@@ -46,10 +50,10 @@ function bench.run(fn, opts)
     end
   end
   local warmup, reps = opts.warmup or 1, opts.reps or 5
-  if math.type(warmup) ~= "integer" or warmup < 0 then
+  if not is_integer(warmup) or warmup < 0 then
     error("bench.run: warmup must be an integer >= 0", 2)
   end
-  if math.type(reps) ~= "integer" or reps < 1 then
+  if not is_integer(reps) or reps < 1 then
     error("bench.run: reps must be an integer >= 1", 2)
   end
   local device = opts.device or "cpu"

@@ -20,6 +20,7 @@
 -- else false and a message naming the worst entry: which input, which
 -- index, which output element, both values. report.worst holds the same.
 local ft = require "flashtile"
+local unpack = table.unpack or unpack -- 5.1 and LuaJIT: the global
 
 local gradcheck = {}
 
@@ -30,16 +31,16 @@ local function unravel(shape, n)
   local idx = {}
   for d = #shape, 1, -1 do
     idx[d] = n % shape[d] + 1
-    n = n // shape[d]
+    n = math.floor(n / shape[d])
   end
   return idx
 end
 
 --- t[idx] = v (idx a list of 1-based indices).
 local function set_at(t, idx, v)
-  local args = { table.unpack(idx) }
+  local args = { unpack(idx) }
   args[#args + 1] = v
-  t:set(table.unpack(args))
+  t:set(unpack(args))
 end
 
 local function index_string(idx)
@@ -73,13 +74,13 @@ end
 local function numeric_column(forward, inputs, i, n, eps, dy)
   local x = inputs[i]
   local idx = unravel(x.shape, n)
-  local orig = x:get(table.unpack(idx))
+  local orig = x:get(unpack(idx))
   set_at(x, idx, orig + eps)
   -- a copy: forward may return its input or a view of it, which the next
   -- perturbation would change under our feet
-  local yp = forward(table.unpack(inputs)):clone()
+  local yp = forward(unpack(inputs)):clone()
   set_at(x, idx, orig - eps)
-  local ym = forward(table.unpack(inputs)):clone()
+  local ym = forward(unpack(inputs)):clone()
   set_at(x, idx, orig)
   if dy then return (project(yp, dy) - project(ym, dy)) / (2 * eps), idx end
   return (yp:double() - ym:double()) / (2 * eps), idx
@@ -97,7 +98,7 @@ local function run_check(forward, backward, inputs, opts, level)
     o[k] = v
   end
 
-  local y = forward(table.unpack(inputs))
+  local y = forward(unpack(inputs))
   if not ft.is_tensor(y) then error("gradcheck: forward must return a tensor", level + 1) end
   local worst = { err = -1 }
   local failures = 0
@@ -115,13 +116,13 @@ local function run_check(forward, backward, inputs, opts, level)
 
   if o.fast then
     local dy = ft.randn(y.shape, { dtype = "f64", seed = o.seed })
-    local grads = { backward(dy, table.unpack(inputs)) }
+    local grads = { backward(dy, unpack(inputs)) }
     for i, x in ipairs(inputs) do
       local g = grads[i]
       if g then
         for n = 0, x:numel() - 1 do
           local num, idx = numeric_column(forward, inputs, i, n, o.eps, dy)
-          compare(g:get(table.unpack(idx)), num, i, idx, nil)
+          compare(g:get(unpack(idx)), num, i, idx, nil)
         end
       end
     end
@@ -131,7 +132,7 @@ local function run_check(forward, backward, inputs, opts, level)
     for m = 0, y:numel() - 1 do
       local dy = ft.zeros(y.shape, { dtype = "f64" })
       if y:dim() > 0 then set_at(dy, unravel(y.shape, m), 1) else dy:fill(1) end
-      analytic[m] = { backward(dy, table.unpack(inputs)) }
+      analytic[m] = { backward(dy, unpack(inputs)) }
     end
     for i, x in ipairs(inputs) do
       if analytic[0] == nil or analytic[0][i] then
@@ -139,8 +140,8 @@ local function run_check(forward, backward, inputs, opts, level)
           local col, idx = numeric_column(forward, inputs, i, n, o.eps)
           for m = 0, y:numel() - 1 do
             local out_idx = unravel(y.shape, m)
-            local num = y:dim() > 0 and col:get(table.unpack(out_idx)) or col:item()
-            compare(analytic[m][i]:get(table.unpack(idx)), num, i, idx, out_idx)
+            local num = y:dim() > 0 and col:get(unpack(out_idx)) or col:item()
+            compare(analytic[m][i]:get(unpack(idx)), num, i, idx, out_idx)
           end
         end
       end

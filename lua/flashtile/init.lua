@@ -16,20 +16,10 @@ end
 local methods = core.Tensor_methods
 local Tensor = core.Tensor
 
--- dtype shorthands, as in torch
-local shorthands = {
-  double = "f64", float = "f32", half = "f16", bf16 = "bf16", int = "i32", long = "i64",
-}
-for name, dtype in pairs(shorthands) do
-  methods[name] = function(self) return self:to(dtype) end
-end
-
-function methods:cpu() return self:to("cpu") end
-
---- t:cuda([index]): the tensor on CUDA device index (default 0).
-function methods:cuda(index)
-  return self:to(index and ("cuda:" .. index) or "cuda")
-end
+-- t:double(), t:float(), t:half(), t:bf16(), t:int(), t:long(), t:cpu() and
+-- t:cuda([index]) are C methods (flashtile.core), so that their errors
+-- name them.
+local unpack = table.unpack or unpack -- 5.1 and LuaJIT: the global
 
 --- The shape as a string, "{2, 3}".
 local function shape_string(t)
@@ -60,7 +50,7 @@ local function collect(t, elide)
   local vals, index, nd = {}, {}, t:dim()
   local function rec(d)
     if d > nd then
-      vals[#vals + 1] = t:get(table.unpack(index, 1, nd))
+      vals[#vals + 1] = t:get(unpack(index, 1, nd))
       return
     end
     for _, i in ipairs(shown(t:size(d), elide)) do

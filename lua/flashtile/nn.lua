@@ -1,6 +1,11 @@
 --- flashtile.nn: neural-network modules in the manner of torch7's nn.
 --
 --   local ft = require "flashtile"
+
+--- An integral number (every Lua has numbers; only 5.3 on has integers).
+local function is_integer(v)
+  return type(v) == "number" and v == math.floor(v) and v > -2 ^ 63 and v < 2 ^ 63
+end
 --   local nn = require "flashtile.nn"
 --   local model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
 --   local y = model:forward(x)                 -- keeps what backward needs
@@ -59,7 +64,7 @@ end
 
 --- A positive integer, or an error naming the argument.
 local function check_count(ctx, name, v)
-  if math.type(v) ~= "integer" or v < 1 then
+  if not is_integer(v) or v < 1 then
     error(("%s: %s must be a positive integer, got %s"):format(ctx, name, tostring(v)), 4)
   end
   return v
@@ -104,7 +109,7 @@ local seed_counter = 0
 
 --- Resets the counter that modules built without {seed=} draw from.
 function nn.manual_seed(n)
-  if math.type(n) ~= "integer" then error("nn.manual_seed: seed must be an integer", 2) end
+  if not is_integer(n) then error("nn.manual_seed: seed must be an integer", 2) end
   seed_counter = n
 end
 
@@ -113,14 +118,10 @@ local function next_seed()
   return seed_counter
 end
 
---- A seed for part k of a module seeded with `seed` (a splitmix64 step, so
--- that seeds 1 and 2 do not share streams between their parts).
-local function derive(seed, k)
-  local z = seed * 0x9E3779B97F4A7C15 + k * 0x632BE59BD9B4E019
-  z = (z ~ (z >> 30)) * 0xBF58476D1CE4E5B9
-  z = (z ~ (z >> 27)) * 0x94D049BB133111EB
-  return z ~ (z >> 31)
-end
+--- A seed for part k of a module seeded with `seed` (a splitmix64 step in
+-- flashtile.core, so that seeds 1 and 2 do not share streams between their
+-- parts).
+local derive = ft.derive_seed
 nn.derive_seed = derive
 
 --- Reads {seed, dtype, device} into what tensor factories take.
@@ -771,7 +772,7 @@ function MultiheadAttention:__init(opts)
     error(("%s: kv_heads (%d) must divide heads (%d)"):format(ctx, o.kv_heads, o.heads), 3)
   end
   self.dim, self.heads, self.kv_heads = o.dim, o.heads, o.kv_heads
-  self.head_dim, self.causal = o.dim // o.heads, o.causal
+  self.head_dim, self.causal = math.floor(o.dim / o.heads), o.causal
   local seed = o.seed or next_seed()
   local function lin(k, n_in, n_out)
     return Linear(n_in, n_out, { bias = o.bias, seed = derive(seed, k), dtype = o.dtype, device = o.device })
