@@ -1,49 +1,15 @@
 /*
  * attention_naive.cu - the traditional attention on CUDA, the baseline the
- * flash kernels are measured against: the score matrix of every (batch,
- * head) is materialised in device memory and cuBLAS does every product.
- * Peak memory is O(B * H * Nq * Nk), which is the point: the buffers are
- * tensors from the device pool, so its statistics (ft.memory_stats) see
- * them.
- *
- * Forward, for each (b, h) with kv head hk = h / (H / Hk):
- *   S = scale * Q K^T                    GEMM into an f32 buffer (f64 for f64)
- *   P = softmax(S), causal mask, LSE     softmax_rows, one block per row
- *   O = P V                              GEMM into out
- * Backward, from P recomputed by a full softmax (out and lse are not read):
- *   dP = dO V^T                          GEMM into a second buffer
- *   dV = sum over the group of P^T dO    GEMMs, beta = 1 after the first head
- *   D_i = sum_j P_ij dP_ij, dS = P * (dP - D)   ds_rows, in place of dP
- *   dQ = scale dS K
- *   dK = sum over the group of scale dS^T Q
- * A row that sees no key has a zero P row and LSE = -inf; causal masks
- * align bottom-right (query i sees key j iff j <= i + Nk - Nq).
- *
- * Precision. Products accumulate in f32 (CUBLAS_COMPUTE_32F, never TF32)
- * for f32, f16 and bf16 inputs, and in f64 for f64; S, dP, the softmax and
- * D are f32 (f64). For f16/bf16, P and dS are rounded to the input dtype
- * before the GEMMs that read them (P V, P^T dO, dS K, dS^T Q), as PyTorch's
- * math backend does, and dK/dV are summed over a GQA group in f32 buffers,
- * then rounded once. f32 and f64 inputs keep P and dS in their own dtype.
- *
- * Layout. cuBLAS is column-major: a row-major [rows, cols] matrix with row
- * stride ld is the column-major [cols, rows] matrix with leading dimension
- * ld, so one head of q (row stride q->stride[1]) is used as it lies, and
- * the score buffers [B, H, Nq, Nk] are read as S^T [Nk, Nq]. Each product
- * is one cublasGemmStridedBatchedEx per (b, g), g the index of a query head
- * within its GQA group, batched over the Hk kv heads (query head hk * G + g
- * against kv head hk). A q/k/v/dout whose rows are closer than head_dim
- * elements (an expanded or overlapping view) is first packed contiguous.
- *
+ * flash kernels are measured against: S and P of every (batch, head)
+ * materialised in device memory (O(B * H * Nq * Nk), counted by the pool's
+ * statistics) and every product done by cuBLAS. f64, f32, f16, bf16.
  * Limits: seqlens, heads x head_dim and row strides up to INT_MAX (cuBLAS's
- * int); everything runs on the legacy default stream with one cuBLAS handle
- * per device, created on first use and kept for the process.
- *
+ * int); one cuBLAS handle per device, kept for the process.
  * Check: the CUDA specs compare impl "naive" on cuda against the CPU naive
  * path (f64 to ~1e-12; f16/bf16 within their rounding), with causal, GQA,
  * Nq != Nk, strided and expanded q/k/v, and Nq or Nk = 0. Run them with
  * FT_CUDA_SYNC=1 (errors at the launch that caused them) and under
- * compute-sanitizer.
+ * compute-sanitizer. Design: kernels/README.md.
  */
 #include <climits>
 #include <cmath>

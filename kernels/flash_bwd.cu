@@ -1,34 +1,14 @@
 /*
- * flash_bwd.cu - the flash backward pass on CUDA, with recomputation: P is
- * rebuilt from Q, K and the saved LSE, never stored. Three steps, none of
- * which uses atomics, so every gradient is bitwise reproducible (the
- * `deterministic` option costs nothing here):
- *
- *   flash_bwd_dot_kernel     D = rowsum(dO * O)                  [B, H, Nq]
- *   dK, dV for each K/V row or block: loop over the queries (and the
- *       query heads of a GQA group) that see it
- *   dQ for each Q row or block: loop over the keys it sees
- *
- * Kernels: *_simt_kernel, any dtype, one warp per row, lanes split the head
- * dim (the simple path: f32, and layouts the others cannot take);
- * *_mma_kernel<T, D, ...> for f16/bf16 on tensor cores (flash_mma.cuh),
- * instantiated for D = 64, 128, 256 (head dims rounded up, zero columns):
- * 6 instantiations of each of the two.
- *
- * Measured on the H200 (2026-11-30, f16, N = 16384, non-causal, TFLOP/s
- * counting 2.5 x the forward's FLOPs as FlashAttention does; the split into
- * two kernels actually computes about 3.5 x; FlashAttention-2: 277 at
- * d = 64, 298 at d = 128):
- *   v1  tiles loaded, then waited for: d = 64: 119, d = 128: 133; the dK/dV
- *       kernel spilled 36 bytes at D = 128 and 256.
- *   v2  both kernels double-buffer their tiles (the next Q/dO tile, or the
- *       next K/V block, copies while this one is multiplied): d = 64: 124,
- *       d = 128: 144; no spills in the tensor-core kernels (254 registers
- *       in dK/dV). The SIMT dK/dV kernel spills 4 bytes.
- * On Hopper (compute capability 9.0, built with 90a) f16/bf16 go to the
- * wgmma kernels of flash_bwd_sm90.cu after the dot kernel (400 TFLOP/s at
- * d = 128 on the H200); the kernels here serve the other GPUs, and the H200
- * with FT_NO_WGMMA set.
+ * flash_bwd.cu - the flash backward pass on CUDA, with recomputation and no
+ * atomics: flash_bwd_dot_kernel (D = rowsum(dO * O)), the dK/dV and dQ
+ * kernels on tensor cores (mma.sync; f16/bf16, sm_80 and later) and on the
+ * SIMT path (any dtype and layout), and the backward's choice between these
+ * and the wgmma kernels of flash_bwd_sm90.cu.
+ * Limits: as flash_fwd.cu's (head dims up to 256; the tensor cores need
+ * head_dim % 8 == 0 and 16-byte aligned rows).
+ * Check: spec/cuda_attention_spec.lua (busted, tag gpu; also ctest's
+ * cuda_attention_spec_mma, with FT_NO_WGMMA=1); scripts/bench.lua. Design
+ * and measurements: kernels/README.md.
  */
 #include "flash_mma.cuh"
 

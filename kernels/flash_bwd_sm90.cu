@@ -1,58 +1,14 @@
 /*
  * flash_bwd_sm90.cu - the flash backward pass on Hopper's warpgroup matrix
- * products (wgmma, sm_90a), f16/bf16, every head dim up to 256. Like
- * flash_bwd.cu, two kernels and no atomics, so the gradients are bitwise
- * reproducible; D = rowsum(dO * O) (and LSE in log2 units) come from
- * flash_bwd.cu's dot kernel.
- *
- *   flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS>: one CTA per 64 x NWG
- *       keys of one (batch, kv head); each warpgroup owns 64 keys. K and V
- *       stay in shared memory; Q, dO, LSE and D blocks of BM queries stream
- *       through three stages (every query head of the GQA group in turn).
- *       Per block: S^T = K Q^T (both operands in shared memory), P^T =
- *       exp2(S^T scale log2e - LSE log2e) straight into the A fragments of
- *       dV += P^T dO; then dP^T = V dO^T and dS^T = P^T (dP^T - D), with P
- *       taken back from those 16-bit fragments (as the naive path rounds
- *       it), into the A fragments of dK += dS^T Q. S^T_t is issued with
- *       dK_{t-1}'s product, dP^T_t with dV_t's, and the elementwise work
- *       runs while the tensor cores finish the second of each pair.
- *   flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS>: one CTA per 64 x NWG
- *       queries; K and V blocks stream through three stages. Per block:
- *       S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K; block j's score
- *       products are issued with block j-1's dQ product.
- *   *_wide_kernel<T, DK>: head dims 192 and 256 (below).
- * Three stages because block t-1's tiles are still read while block t+1's
- * are copied. D, DK as in flash_fwd_sm90.cu; BM = 128 for d <= 64 (64
- * above), BC = 128 for d <= 64 (64 above); TURNS (the two warpgroups issue
- * their products in turn, w6) at d = 64.
- *
+ * products (wgmma, sm_90a), f16/bf16, every head dim up to 256: a dK/dV and
+ * a dQ kernel, and *_wide_kernel for head dims 192 and 256. No atomics, so
+ * the gradients are bitwise reproducible; D = rowsum(dO * O) and LSE in
+ * log2 units come from flash_bwd.cu's dot kernel first.
+ * Built with 90a, used as flash_fwd_sm90.cu is; needs Nq > 0 (the caller
+ * checks).
  * Check: spec/cuda_attention_spec.lua (busted, tag gpu) against the CPU f64
- * reference; scripts/bench.lua checks, then times.
- *
- * Measured on the H200 (2026-11-30, f16, N = 16384, non-causal, TFLOP/s
- * counting 2.5 x the forward's FLOPs; the two kernels compute 3.5 x;
- * FlashAttention-2: 277 at d = 64, 298 at d = 128; the mma.sync kernels of
- * flash_bwd.cu: 124 and 144):
- *   w1  as above, BM = 64 everywhere: d = 64: 271, d = 128: 347. The first
- *       version kept S^T and dP^T live together and spilled 152 bytes at
- *       d = 128; taking P back from its fragments removed the spill.
- *   w2  d <= 64: BM = 128 in dK/dV: 271 -> 282 (dQ with 64-key blocks: 267).
- *   w3  masks in their own pass on edge blocks only: d = 64: 307, d = 128:
- *       368.
- *   w4  descriptors built once per product, stepped copy pointers: d = 64:
- *       328, d = 128: 382; LSE in log2 units from the dot kernel: d = 128:
- *       400.
- *   Other head dims (N = 16384): d = 32: 235, d = 96: 331; the wide kernels
- *   d = 192: 272, d = 256: 316 (the mma.sync kernels: 56 and 78).
- *   w5  the copies fill only the D columns the products read (d = 32 had
- *       zero-filled 64): d = 32: 229 -> 240 (causal 220 -> 232).
- *   w6  the two warpgroups take turns to issue their products (Turns in
- *       flash_wgmma.cuh), as in the forward's w7. Same run, turns against
- *       none (mean of two runs): d = 64 +6% to +9% (N = 16384: 320 ->
- *       342); d = 128 -2% to +2%, d = 96 and 32 +-1%: turns at d = 64
- *       only.
- *   ptxas: no spills (the d <= 64 dK/dV kernel spilled 4 bytes at 255
- *   registers until its query blocks were stepped without divisions).
+ * reference; scripts/bench.lua checks, then times; scripts/profile.lua runs
+ * one call for ncu. Design and measurements: kernels/README.md.
  */
 #include "flash_wgmma.cuh"
 
@@ -494,20 +450,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
  * sums meet in shared memory at the end (in a fixed order: deterministic).
  * The tiles are D = 256 wide; at d = 192 the score and gradient products
  * run over DK = 192 columns only. Nothing overlaps here: products,
- * elementwise work and barriers take turns. With only 64 keys (or queries)
- * per CTA every Q/dO (K/V) byte copied serves half as many rows as at
- * d = 128, and the two stages of 64 x 256 tiles fill the shared memory, so
- * a third stage (what the overlap of the narrower kernels needs) does not
- * fit.
- * Measured (H200, f16, N = 16384, non-causal, TFLOP/s): first version, each
- * warpgroup computing S and dP for 32 rows (m64n32, K and V each read
- * twice): d = 192: 267, d = 256: 303; S in one warpgroup, dP in the other:
- * 272 and 316 (0.70x and 0.81x of d = 128), each warpgroup then updating
- * 128 of the 256 columns of both gradients (d = 192 computed a quarter of
- * them as padding); the split by gradient (dK/dV) and by key (dQ) above,
- * with no padding: d = 192 275 -> 293 in the same run (N = 4096: 266 ->
- * 289; ncu, N = 4096: dK/dV 2.61 -> 2.44 ms, dQ 2.05 -> 1.86 ms), d = 256
- * unchanged (321). */
+ * elementwise work and barriers take turns (kernels/README.md says why, and
+ * what each version measured). */
 
 /* gradient (64 x N) += F B: F a 64 x 64 shared tile [row][k] (16-bit,
  * swizzled), B the first N columns of a [64][256] tile read transposed */

@@ -1,41 +1,14 @@
 /*
- * flash_fwd.cu - the flash forward pass on CUDA: online softmax over K/V
- * blocks, O kept in registers, LSE saved; nothing of size Nq x Nk exists.
- *
- * Two kernels:
- *   flash_fwd_mma_kernel<T, D, BC, MT>  f16/bf16 on tensor cores (mma.sync
- *       m16n8k16, ldmatrix, cp.async). One CTA of 4 warps per 16 x MT x 4
- *       query rows of one (batch, head); each warp owns MT m-tiles of 16
- *       rows, so every K/V fragment read from shared memory feeds MT mma.
- *       Q, K and V tiles sit in shared memory with rows padded by 8
- *       elements (16 bytes), which keeps ldmatrix free of bank conflicts;
- *       K and V are double-buffered (the copy of block j+1 overlaps the
- *       products of block j). The causal mask is applied only to blocks
- *       that cross the diagonal; blocks wholly above it are never loaded.
- *       D is the head dim rounded up to 64, 128 or 256 (zero columns):
- *       6 instantiations. Needs head_dim % 8 == 0 and 16-byte aligned rows.
- *   flash_fwd_simt_kernel  any dtype (f32, and any layout the mma kernel
- *       cannot take): one warp per query row, lanes split the head dim,
- *       keys one at a time. The simple path.
- *
- * Check: spec/cuda_attention_spec.lua (busted, tag gpu) compares both with
- * the CPU f64 reference; scripts/bench.lua checks, then times.
- *
- * Measured on the H200 (2026-11-30, f16, N = 16384, B x H = 1 x 2048/d,
- * non-causal, TFLOP/s; FlashAttention-2 on the same card: 302 at d = 64,
- * 340 at d = 128; bench/h200.md has every row):
- *   v1  one m-tile per warp, 64 x 64 blocks, K/V loaded then waited:
- *       d = 64: 174, d = 128: 201. ldmatrix-bound: one B fragment per 2 mma.
- *   v2  two m-tiles per warp (128 rows per CTA) and double-buffered K/V:
- *       d = 64: 178, d = 128: 235. d = 256 keeps one m-tile (registers).
- *   ptxas: D = 128, MT = 2 is at 255 registers and spills: a 16-byte stack
- *   frame, 48 bytes of spill stores and 32 of loads in the sm_80 code, 16
- *   and 48 in the sm_90a code (a few reloads per block; cost not
- *   separated); the others do not spill.
- * On Hopper (compute capability 9.0, built with 90a) f16/bf16 go to the
- * wgmma kernel of flash_fwd_sm90.cu instead (453 TFLOP/s at d = 128 on the
- * H200); these kernels serve the other GPUs, and the H200 with FT_NO_WGMMA
- * set (ctest's cuda_attention_spec_mma checks them there).
+ * flash_fwd.cu - the flash forward pass on CUDA: flash_fwd_mma_kernel
+ * (f16/bf16 on tensor cores: mma.sync, ldmatrix, cp.async; sm_80 and later)
+ * and flash_fwd_simt_kernel (any dtype and layout, one warp per query row);
+ * flash_params, flash_sm90_usable, and the forward's choice between these
+ * and the wgmma kernel of flash_fwd_sm90.cu.
+ * Limits: head dims up to 256; the tensor-core kernel needs f16/bf16,
+ * head_dim % 8 == 0 and 16-byte aligned rows (D rounded up to 64, 128, 256).
+ * Check: spec/cuda_attention_spec.lua (busted, tag gpu; on Hopper ctest's
+ * cuda_attention_spec_mma runs it with FT_NO_WGMMA=1 for these kernels);
+ * scripts/bench.lua. Design and measurements: kernels/README.md.
  */
 #include "flash_mma.cuh"
 

@@ -1,88 +1,13 @@
 /*
  * flash_fwd_sm90.cu - the flash forward pass on Hopper's warpgroup matrix
- * products (wgmma, sm_90a), f16/bf16, every head dim up to 256.
- *
- *   flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS>: one CTA of NWG
- *       warpgroups per 64 x NWG query rows of one (batch, head); each
- *       warpgroup owns 64 rows. Q, K and V tiles sit in shared memory in the
- *       128-byte swizzled layout (flash_wgmma.cuh); K and V in two stages,
- *       copied by cp.async. S = Q K^T is a chain of m64nBCk16 products with
- *       both operands in shared memory; the online softmax runs on S's
- *       accumulators in registers (exp2 by one FFMA and ex2.approx); O += P V
- *       takes P from registers and V from shared memory, transposed by the
- *       descriptor. Iteration j issues S_j = Q K_j together with
- *       O += P_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor
- *       cores work on the second (K runs one block ahead of V). Masks are
- *       applied in a separate pass, only on blocks at the end of K or across
- *       the causal diagonal; causal CTAs start with the longest rows.
- *       D: head dim rounded up to 32, 64, 128 or 256 (the width of O and of
- *       P V); DK: rounded up to a multiple of 32 (the columns Q K^T
- *       multiplies): d = 96 runs D = 128, DK = 96; d = 192 runs D = 256,
- *       DK = 192. Shapes: d <= 64: 64-key blocks, two CTAs per SM;
- *       d <= 128: 128-key blocks; d > 128: 64-key blocks; 12 instantiations.
- *       Where the tiles are wider than DK (d = 32 and 192), V carries a
- *       column of ones and P V yields the row sums (below, w6). TURNS: the
- *       two warpgroups issue their products in turn (w7; d = 96, 128).
- *
+ * products (wgmma, sm_90a): flash_fwd_wgmma_kernel, f16/bf16, every head
+ * dim up to 256 (12 instantiations).
  * Built when the CUDA architectures include 90a (FT_HAVE_SM90A); used on
- * devices of compute capability 9.0 unless FT_NO_WGMMA is set; the
- * mma.sync kernels of flash_fwd.cu run elsewhere. Check:
- * spec/cuda_attention_spec.lua (busted, tag gpu) against the CPU f64
- * reference; scripts/bench.lua checks, then times; scripts/profile.lua
- * runs one call for ncu.
- *
- * Measured on the H200 (2026-11-30, f16, N = 16384, B x H = 1 x 2048/d,
- * non-causal, TFLOP/s; FlashAttention-2 on the same card: 302 at d = 64,
- * 340 at d = 128; the mma.sync kernel of flash_fwd.cu: 178 and 235):
- *   w1  S, softmax, P V one after the other, 128 x 128 blocks, 2 warpgroups:
- *       d = 64: 204, d = 128: 278. Both products waited for at once.
- *   w2  S_j issued with P_{j-1} V_{j-1}, softmax overlapping the latter;
- *       exp2 on one FFMA + ex2.approx.ftz (was FMUL + exp2f's range code);
- *       copies with per-thread pointers: d = 64: 275, d = 128: 401.
- *   w3  d = 64 with 64-key blocks and two CTAs per SM (~120 registers):
- *       275 -> 304 (128-key blocks: 262-274; 192: 282; 3 or 4 warpgroups
- *       of 64-key blocks: 253, 273 - lockstep warpgroups, slower).
- *       d = 128 with 3 or 4 warpgroups: 391 (and spills), 336.
- *   w4  masks in their own pass on edge blocks only (the hot loop had
- *       carried the per-element index arithmetic: ncu showed the kernel
- *       issue-bound, 65% issue slots busy at d = 64, 17 instructions per
- *       score); max and sum in four partial chains: d = 64: 360, d = 128:
- *       405. Skipping the O rescale when no row maximum moved (a warp vote)
- *       was slower: 383 at d = 128.
- *   w5  descriptors built once per product (one 32-bit add per k-step
- *       instead of building each), copy pointers stepped by a precomputed
- *       stride: d = 64: 379, d = 128: 453 (the hot loop went from 412 to
- *       about 330 instructions per thread at d = 64).
- *   Other head dims (N = 16384): d = 32: 235 (0.62x of d = 64: the
- *   exponentials and the softmax's other per-score instructions, not the
- *   products, bound it, and d = 32 has half the FLOPs per score), d = 96:
- *   371, d = 192: 420, d = 256: 470.
- *   w6  the row sums from the tensor cores: V's columns DK .. DK+7 (unused
- *       at d = 32 and 192) hold ones, so P V's column DK is the row sum,
- *       rescaled with O; the per-score add goes (d = 32 with P V 40 wide).
- *       The copies fill only the D columns the products read (d = 32 had
- *       zero-filled all 64). d = 32: 238 -> 248 (causal 230 -> 241),
- *       d = 192: 0.92x -> 0.97x of d = 128 in the same run. With 128-key
- *       blocks (d = 96) it was slower: 0.86x -> 0.76x of d = 128, so d = 96
- *       keeps the adds. Tried at d = 32, all slower than 248: 128-key blocks
- *       (150 registers, one CTA per SM) 205; 3 or 4 warpgroups 200 to 206;
- *       three CTAs per SM (78 registers, 192 bytes spilled) 132. ncu at
- *       d = 32: 344 instructions per thread per 64-key block, 64% of issue
- *       slots busy, the MUFU pipe at 52%; ex2.approx.f16x2 would not help:
- *       on sm_90 it is two MUFU.EX2.F16, 16 results per clock per SM like
- *       the f32 form (measured, with its error: 3.4e-3 relative, 7x the
- *       f16 rounding).
- *   w7  the two warpgroups take turns to issue their products (named
- *       barriers, Turns in flash_wgmma.cuh): one's softmax runs under the
- *       other's products instead of both at once. Same run, turns against
- *       none, N = 1024 to 16384 (mean of two runs each): d = 128 +3% to
- *       +8% (N = 16384: 448 -> 471 causal), d = 96 +2% to +7%; d = 64
- *       -5% to +3%, d = 32 -1% to -2%, d = 192 and 256 +-2%: turns only
- *       at d = 96 and 128. Each warpgroup with its own K/V stages and
- *       barrier (64-key blocks, so that they fit; no CTA-wide barrier)
- *       plus turns: slower (d = 128: 431 against 449, d = 64: 348 against
- *       378); d = 128 with 64-key blocks alone: 420.
- *   ptxas: no spills; 102 to 240 registers.
+ * devices of compute capability 9.0 unless FT_NO_WGMMA is set. Needs
+ * head_dim % 8 == 0 and 16-byte aligned rows (the caller checks).
+ * Check: spec/cuda_attention_spec.lua (busted, tag gpu) against the CPU f64
+ * reference; scripts/bench.lua checks, then times; scripts/profile.lua runs
+ * one call for ncu. Design and measurements: kernels/README.md.
  */
 #include "flash_wgmma.cuh"
 
@@ -284,7 +209,7 @@ static ft_status launch_fwd_wgmma(const FlashParams &p)
 
 /* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
  * 128, 192 or 256, the columns Q K^T multiplies. Turns where they measured
- * faster (d = 96, 128; w7). */
+ * faster (d = 96, 128; kernels/README.md, forward w7). */
 template <typename T> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)

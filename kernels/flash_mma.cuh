@@ -1,17 +1,10 @@
 /*
  * flash_mma.cuh - the tensor-core building blocks of the flash kernels
  * (sm_80+): mma.sync m16n8k16 with f32 accumulators, ldmatrix (and .trans)
- * fragment loads from shared memory, cp.async tile copies. Fragment layouts
- * are those of the PTX ISA for m16n8k16 (.row.col):
- *
- *   A 16x16 (4 regs):  a0,a1 row g,   cols 2t..2t+1     (g = lane/4,
- *                      a2,a3 row g+8, cols 2t..2t+1      t = lane%4)
- *                      a4..a7 the same with cols + 8
- *   B 16x8  (2 regs):  b0,b1 rows 2t..2t+1, col g; b2,b3 rows + 8
- *   C 16x8  (4 f32):   c0,c1 row g, cols 2t..2t+1; c2,c3 row g+8
- *
- * so the C fragments of two adjacent n-tiles of S, converted to 16 bits,
- * are exactly the A fragment of P for the next product (no shuffles).
+ * fragment loads from shared memory, cp.async tile copies, and the store of
+ * a finished forward row. Fragment layouts are the PTX ISA's for m16n8k16
+ * (.row.col), written out in kernels/README.md: S's C fragments, converted
+ * to 16 bits, are P's A fragments. Check: spec/cuda_attention_spec.lua.
  */
 #ifndef FT_FLASH_MMA_CUH
 #define FT_FLASH_MMA_CUH

@@ -1,33 +1,12 @@
 /*
  * flash_wgmma.cuh - Hopper's warpgroup matrix products (wgmma, sm_90a) for
- * the flash kernels: shared-memory matrix descriptors for tiles in the
- * 128-byte swizzled layout, and m64nNk16 products with f32 accumulators.
- *
- * Shared tiles: a [rows][cols] tile of 16-bit elements is stored as
- * cols / 64 column chunks, each [rows][64] (128 bytes a row), one after the
- * other; inside a chunk, the 16-byte piece c of row r sits at piece
- * c ^ (r % 8). Every chunk starts on 1024 bytes. That is the PTX ISA's
- * canonical 128B-swizzle layout both ways round:
- *   K-major (Q, K as B of Q K^T): 8-row groups 1024 bytes apart (SBO);
- *     the k16 steps inside a chunk are +32 bytes on the start address.
- *   MN-major (V as B of P V, transposed): 8-key groups 1024 bytes apart
- *     (SBO), 64-column chunks rows * 128 bytes apart (LBO).
- *
- * Accumulator fragments (per warp of the warpgroup, rows 16 w .. 16 w + 15):
- * d[4 i + 2 r + e] is row g + 8 r, column 8 i + 2 t + e (g = lane / 4,
- * t = lane % 4), the mma.sync m16n8 C layout repeated along N; the A
- * fragment from registers is mma.sync's m16n8k16 A layout. So, as with
- * mma.sync, S's accumulators converted to 16 bits are P's A fragments.
- *
- * Also here, shared by flash_fwd_sm90.cu and flash_bwd_sm90.cu: the products
- * over a tile (product_abt: A B^T, both K-major; product_fb: register
- * fragments times a tile read transposed), the cp.async tile copies into
- * the swizzled layout (TileLoader), the barrier that makes a stage visible
- * to the tensor cores (stages_ready), named barriers (bar_sync,
- * bar_arrive) and the warpgroups' turns at the tensor cores (Turns), a
- * CTA's query block (query_block), and pin (keeps the compiler from moving
- * accumulator reads across the asynchronous window) and ex2 (exp2 without
- * range handling).
+ * the flash kernels: descriptors of shared tiles in the 128-byte swizzled
+ * layout (cols / 64 chunks of [rows][64], 16-byte piece c of row r at
+ * c ^ (r % 8), chunks on 1024 bytes), m64nNk16 products with f32
+ * accumulators, and what flash_fwd_sm90.cu and flash_bwd_sm90.cu share:
+ * product_abt, product_fb, TileLoader, stages_ready, bar_sync, bar_arrive,
+ * Turns, query_block, pin and ex2. Layouts and design: kernels/README.md.
+ * Check: as the two kernels that use it (spec/cuda_attention_spec.lua).
  */
 #ifndef FT_FLASH_WGMMA_CUH
 #define FT_FLASH_WGMMA_CUH

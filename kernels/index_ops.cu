@@ -4,6 +4,7 @@
  * the indexed dim, contiguous (t is made contiguous first when it is not;
  * index_add's t must be). Index entries are checked on the device: a bad
  * entry is skipped and reported through a flag, read back after the kernel.
+ * Check: spec/index_spec.lua (its gpu cases, against the CPU).
  */
 #include "kernels.h"
 

@@ -1,33 +1,10 @@
 /*
- * matmul.cu - ft_cuda_matmul through cuBLAS.
- *
- * f64 runs cublasDgemmStridedBatched; f32, f16 and bf16 run
- * cublasGemmStridedBatchedEx with CUBLAS_COMPUTE_32F (f32 accumulation;
- * for f32 inputs full f32 arithmetic, not TF32, so results stay close to
- * the CPU's sgemm). The output has the input dtype; cuBLAS rounds the f32
- * result to f16/bf16 to nearest even, as the CPU path does.
- *
- * Row-major trick: cuBLAS is column-major, and a row-major matrix read as
- * column-major is its transpose. C = A B (row-major) is computed as
- * C^T = B^T A^T (column-major): cuBLAS gets b first, then a, with m and n
- * swapped, and writes C with leading dimension n.
- *
- * Operands: an operand whose last stride is 1 (rows of the row-major
- * matrix contiguous, leading dimension = the row stride) goes to cuBLAS
- * as is (op N); one whose second-to-last stride is 1 (a transposed view,
- * leading dimension = the column stride) goes with op T. The batch stride
- * of a 3-d operand is its first stride (any value: strided-batched takes
- * one stride per operand). Anything else (both strides above 1, a leading
- * dimension cuBLAS cannot take) is first copied with ft_contiguous.
- *
- * Handles: one cuBLAS handle per CUDA device, created on first use on that
- * device and kept for the life of the process (never destroyed: the
- * library stays loaded, and destroying handles at exit races with the
- * CUDA runtime's own teardown). The table is guarded by a pthread mutex,
- * held only while a handle is looked up or created. The handle's
- * configuration (stream 0, the legacy default stream; default math mode)
- * is set once at creation and never changed, so that several host threads
- * may use one handle, which cuBLAS allows.
+ * matmul.cu - ft_cuda_matmul through cuBLAS: f64 in f64; f32, f16 and bf16
+ * with f32 accumulation (never TF32), the result in the input dtype.
+ * Operands cuBLAS cannot read as they lie are copied contiguous first.
+ * Limits: devices 0 to 63 (one cuBLAS handle each, kept for the process).
+ * Check: spec/cuda_ops_spec.lua (busted, tag gpu) against the CPU's CBLAS.
+ * Design: kernels/README.md.
  */
 #include <limits.h>
 #include <pthread.h>

@@ -1,37 +1,11 @@
 /*
  * tensor_ops.cu - the CUDA half of lib/tensor.c, lib/random.c and lib/ops.c:
  * copy, fill, rand/randn, elementwise ops, reductions, softmax and the
- * comparisons, on strided tensors of any dtype.
- *
- * The design favours few instantiations and exact agreement with the CPU:
- *
- *   - Every kernel is compiled once. Elements are loaded as double and
- *     stored from double through a runtime switch on the dtype (load_f64 /
- *     store_f64 below), and the math is done in double, exactly as the CPU
- *     code of lib/ does it. The f16/bf16 conversions are the bit-level
- *     round-to-nearest-even of lib/dtype.c, done on the bits of the double
- *     (no double rounding through f32); integer stores truncate and
- *     saturate, NaN -> 0, as ft_store_f64 does.
- *   - Strided operands travel by value in a small struct (geo): one shape,
- *     up to three stride rows. The host first drops dims of size 1 and
- *     merges dims that are contiguous in every operand, so a contiguous
- *     tensor becomes 1-d and its offsets need no division. Element i (in
- *     row-major order of the shape) is found by peeling the dims off i.
- *   - Elementwise kernels are grid-stride loops of 256 threads a block.
- *   - Where the CPU's result depends only on the elements (elementwise ops,
- *     copies, rand, max/min, reduce_dim along short or strided lines), the
- *     GPU gives the same bits. Products that feed sums are written with
- *     __dmul_rn/__dadd_rn so that nvcc cannot fuse them into an fma the CPU
- *     does not do. Transcendental functions (exp, log, pow, tanh, the
- *     sin/cos/log of Box-Muller) come from CUDA's libm, which may differ from
- *     the host's in the last bit of a double; the rounding to f32 or
- *     narrower almost always hides that. Sums over many elements are
- *     compensated (Neumaier) as on the CPU, but combined in a tree, so they
- *     can differ from the CPU's sequential order in the last bit.
- *
- * All work is queued on the legacy default stream (stream 0); temporary
- * buffers come from cudaMallocAsync on that stream and go back with
- * cudaFreeAsync on every path.
+ * comparisons, on strided tensors of any dtype, computed in double as the
+ * CPU computes them (the same bits wherever the CPU's result depends only
+ * on the elements). Work and temporary buffers on the legacy default stream.
+ * Check: spec/cuda_ops_spec.lua (busted, tag gpu) against the CPU. Design:
+ * kernels/README.md.
  */
 #include <math.h>
 #include <stdint.h>
