@@ -935,6 +935,44 @@ done:
         ft_tensor_free(t[k]);
 }
 
+/* CUDA tensors, contiguous or not, are saved through a CPU copy. Runs only
+ * where a GPU is present. */
+static void test_cuda(const char *path)
+{
+    if (ft_cuda_device_count() == 0)
+        return;
+    const ft_device gpu = {FT_CUDA, 0};
+    ft_tensor *h = empty(FT_BF16, 2, (const int64_t[]){3, 5});
+    ft_tensor *d = NULL, *dt = NULL, *ht = NULL;
+    if (h == NULL)
+        return;
+    CHECK_OK(ft_randn(h, 3, 0));
+    CHECK_OK(ft_to(&d, h, FT_BF16, gpu));
+    if (d != NULL)
+        CHECK_OK(ft_transpose(&dt, d, 0, 1));
+    CHECK_OK(ft_transpose(&ht, h, 0, 1));
+    if (d == NULL || dt == NULL || ht == NULL)
+        goto done;
+    const char *names[2] = {"gpu", "gpu.t"};
+    ft_tensor *ts[2] = {d, dt};
+    CHECK_OK(ft_safetensors_save(path, 2, names, ts, 0, NULL, NULL));
+    ft_safetensors *st = NULL;
+    CHECK_OK(ft_safetensors_load(path, &st));
+    for (int i = 0; st != NULL && i < 2; i++) {
+        ft_tensor *back = NULL;
+        CHECK_OK(ft_safetensors_tensor(st, i, &back));
+        if (back != NULL)
+            check_same(back, i == 0 ? h : ht, names[i]);
+        ft_tensor_free(back);
+    }
+    ft_safetensors_free(st);
+done:
+    ft_tensor_free(ht);
+    ft_tensor_free(dt);
+    ft_tensor_free(d);
+    ft_tensor_free(h);
+}
+
 /* ---- the API's argument checks ---- */
 
 static void test_arguments(const char *path)
@@ -1110,6 +1148,7 @@ int main(void)
         test_hand_written(path);
         test_malformed(path);
         test_corruption(path);
+        test_cuda(path);
         test_arguments(path);
         unlink(path);
     }
