@@ -1437,6 +1437,127 @@ static int l_load(lua_State *L)
     return 1;
 }
 
+/* ---- safetensors ---- */
+
+#define SAFETENSORS_MT "flashtile.safetensors"
+
+static int safetensors_gc(lua_State *L)
+{
+    ft_safetensors **h = lua_touserdata(L, 1);
+    if (h && *h) {
+        ft_safetensors_free(*h);
+        *h = NULL;
+    }
+    return 0;
+}
+
+/* Counts the entries of the table at idx; every key must be a string and
+ * every value pass check(L, value index, key), which raises otherwise. */
+static int count_named(lua_State *L, int idx, void (*check)(lua_State *, int, int, const char *))
+{
+    int n = 0;
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        if (lua_type(L, -2) != LUA_TSTRING)
+            luaL_argerror(L, idx, lua_pushfstring(L, "keys must be strings, got a %s key",
+                                                  luaL_typename(L, -2)));
+        check(L, lua_gettop(L), idx, lua_tostring(L, -2));
+        if (n == INT32_MAX / 2)
+            luaL_argerror(L, idx, "too many entries");
+        n++;
+        lua_pop(L, 1);
+    }
+    return n;
+}
+
+static void check_named_tensor(lua_State *L, int v, int arg, const char *name)
+{
+    ud_tensor *u = luaL_testudata(L, v, TENSOR_MT);
+    if (!u)
+        luaL_argerror(L, arg, lua_pushfstring(L, "'%s' is a %s, not a tensor", name,
+                                              luaL_typename(L, v)));
+    if (!u->t)
+        luaL_argerror(L, arg, lua_pushfstring(L, "'%s' has been freed", name));
+}
+
+static void check_named_string(lua_State *L, int v, int arg, const char *name)
+{
+    if (lua_type(L, v) != LUA_TSTRING)
+        luaL_argerror(L, arg, lua_pushfstring(L, "metadata '%s' must be a string, got %s", name,
+                                              luaL_typename(L, v)));
+}
+
+/* ft.save_safetensors(path, {name = tensor, ...} [, {key = "value", ...}]) */
+static int l_save_safetensors(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    int has_meta = !lua_isnoneornil(L, 3);
+    if (has_meta)
+        luaL_checktype(L, 3, LUA_TTABLE);
+    lua_settop(L, 3);
+    int n = count_named(L, 2, check_named_tensor);
+    int m = has_meta ? count_named(L, 3, check_named_string) : 0;
+    /* Scratch arrays in userdata (collected on any error), allocated before
+     * the pointers are taken: nothing runs Lua code after that. */
+    const char **names = lua_newuserdatauv(L, sizeof *names * (size_t)(n + 1), 0);
+    ft_tensor **tensors = lua_newuserdatauv(L, sizeof *tensors * (size_t)(n + 1), 0);
+    const char **keys = lua_newuserdatauv(L, sizeof *keys * (size_t)(m + 1), 0);
+    const char **values = lua_newuserdatauv(L, sizeof *values * (size_t)(m + 1), 0);
+    int i = 0;
+    lua_pushnil(L);
+    while (lua_next(L, 2) && i < n) {
+        names[i] = lua_tostring(L, -2);
+        tensors[i++] = ((ud_tensor *)lua_touserdata(L, -1))->t;
+        lua_pop(L, 1);
+    }
+    i = 0;
+    if (has_meta) {
+        lua_pushnil(L);
+        while (lua_next(L, 3) && i < m) {
+            keys[i] = lua_tostring(L, -2);
+            values[i++] = lua_tostring(L, -1);
+            lua_pop(L, 1);
+        }
+    }
+    int call_offset_ = -100; /* the C inputs are arrays: no Lua position */
+    CALL(L, ft_safetensors_save(path, n, names, tensors, m, keys, values));
+    return 0;
+}
+
+/* ft.load_safetensors(path) -> {name = tensor, ...}, {key = "value", ...} */
+static int l_load_safetensors(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    ft_safetensors **h = lua_newuserdatauv(L, sizeof *h, 0);
+    *h = NULL;
+    if (new_class_metatable(L, SAFETENSORS_MT)) {
+        lua_pushcfunction(L, safetensors_gc);
+        lua_setfield(L, -2, "__gc");
+    }
+    lua_setmetatable(L, -2);
+    int handle = lua_gettop(L);
+    int call_offset_ = 0;
+    CALL(L, ft_safetensors_load(path, h));
+    int n = ft_safetensors_count(*h), m = ft_safetensors_meta_count(*h);
+    lua_createtable(L, 0, n);
+    for (int i = 0; i < n; i++) {
+        ft_tensor **slot = push_slot(L);
+        call_offset_ = -100;
+        CALL(L, ft_safetensors_tensor(*h, i, slot));
+        lua_setfield(L, -2, ft_safetensors_name(*h, i));
+    }
+    lua_createtable(L, 0, m);
+    for (int i = 0; i < m; i++) {
+        lua_pushstring(L, ft_safetensors_meta_value(*h, i));
+        lua_setfield(L, -2, ft_safetensors_meta_key(*h, i));
+    }
+    lua_pushcfunction(L, safetensors_gc); /* close the file now */
+    lua_pushvalue(L, handle);
+    lua_call(L, 1, 0);
+    return 2;
+}
+
 /* ---- memory ---- */
 
 static ft_device opt_device(lua_State *L, int idx)
@@ -1876,7 +1997,8 @@ static const luaL_Reg module_functions[] = {
     {"ones", l_ones},           {"full", l_full},     {"rand", l_rand},
     {"randn", l_randn}, {"derive_seed", l_derive_seed},         {"arange", l_arange}, {"manual_seed", l_manual_seed},
     {"matmul", l_matmul},       {"max_abs_diff", l_max_abs_diff},
-    {"allclose", l_allclose},   {"load", l_load},     {"memory_stats", l_memory_stats},
+    {"allclose", l_allclose},   {"load", l_load}, {"save_safetensors", l_save_safetensors},
+    {"load_safetensors", l_load_safetensors},     {"memory_stats", l_memory_stats},
     {"reset_peak_memory", l_reset_peak_memory},       {"is_tensor", l_is_tensor},
     {"clock", l_clock},         {"attention", l_attention}, {"attention_backward", l_attention_backward},
     {NULL, NULL}};

@@ -1,11 +1,6 @@
 --- flashtile.nn: neural-network modules in the manner of torch7's nn.
 --
 --   local ft = require "flashtile"
-
---- An integral number (every Lua has numbers; only 5.3 on has integers).
-local function is_integer(v)
-  return type(v) == "number" and v == math.floor(v) and v > -2 ^ 63 and v < 2 ^ 63
-end
 --   local nn = require "flashtile.nn"
 --   local model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
 --   local y = model:forward(x)                 -- keeps what backward needs
@@ -22,6 +17,8 @@ end
 --   zero_grad(), train(), evaluate(), to(dtype or device) (in place,
 --   returns the module), clone(), replace(fn), apply(fn), find(typename),
 --   n_parameters(), and m(x) as a shorthand for m:forward(x).
+--   state_dict() -> {name = parameter} ("qkv.weight", "2.attn.out_proj.bias");
+--   load_state_dict(state [, {strict = true}]) copies them in (checked first).
 --
 -- Modules (shapes: x [..., dim] unless said):
 --   Linear(in, out, {bias = true})   [..., in] -> [..., out]; weight [out, in], bias [out]
@@ -48,6 +45,11 @@ end
 -- Initial scales follow PyTorch: Linear weights and biases uniform in
 -- (-1/sqrt(in), 1/sqrt(in)), embeddings standard normal, norms ones/zeros.
 local ft = require "flashtile"
+
+--- An integral number (every Lua has numbers; only 5.3 on has integers).
+local function is_integer(v)
+  return type(v) == "number" and v == math.floor(v) and v > -2 ^ 63 and v < 2 ^ 63
+end
 
 local nn = {}
 
@@ -301,6 +303,84 @@ end
 function Module:type()
   local params = self:parameters()
   if params[1] then return params[1].dtype, params[1].device end
+end
+
+-- ---- state: named parameters, for checkpoints -------------------------------
+
+--- The name a parent gives child i: the field that refers to it (the
+-- smallest name when several do), else its 1-based position.
+local function child_name(parent, i, child)
+  local best
+  for k, v in pairs(parent) do
+    if v == child and type(k) == "string" and k ~= "modules" and (not best or k < best) then
+      best = k
+    end
+  end
+  return best or tostring(i)
+end
+
+--- Calls fn(prefix .. name, module, param field) for every parameter, in
+-- parameters() order.
+local function each_named_param(m, prefix, fn)
+  for _, pg in ipairs(m._params) do fn(prefix .. pg[1], m, pg[1]) end
+  for i, c in ipairs(m.modules or {}) do
+    each_named_param(c, prefix .. child_name(m, i, c) .. ".", fn)
+  end
+end
+
+--- {name = parameter} with dotted names as PyTorch writes them
+-- ("qkv.weight", "1.attn.out_proj.bias", positions for unnamed children).
+-- The tensors are the parameters themselves (no copies):
+-- ft.save_safetensors(path, model:state_dict()) writes a checkpoint.
+function Module:state_dict()
+  local state = {}
+  each_named_param(self, "", function(name, m, field) state[name] = m[field] end)
+  return state
+end
+
+--- Copies state[name] into each parameter (converting dtype and device),
+-- after checking every name and shape first: a missing or unexpected name
+-- or a shape that differs is an error naming them all, and nothing is
+-- changed. {strict = false} allows missing and unexpected names. Returns
+-- the module.
+function Module:load_state_dict(state, opts)
+  if type(state) ~= "table" then
+    error(("load_state_dict: state must be a table of tensors, got %s"):format(type(state)), 2)
+  end
+  local o = check_opts("load_state_dict", opts, { strict = true })
+  local missing, wrong, seen, todo = {}, {}, {}, {}
+  each_named_param(self, "", function(name, m, field)
+    local t = state[name]
+    seen[name] = true
+    if t == nil then
+      missing[#missing + 1] = name
+    elseif not ft.is_tensor(t) then
+      wrong[#wrong + 1] = ("%s is a %s, not a tensor"):format(name, type(t))
+    elseif shape_string(t.shape) ~= shape_string(m[field].shape) then
+      wrong[#wrong + 1] = ("%s has shape %s, the module's is %s"):format(
+        name, shape_string(t.shape), shape_string(m[field].shape))
+    else
+      todo[#todo + 1] = { m[field], t }
+    end
+  end)
+  local unexpected = {}
+  for k in pairs(state) do
+    if not seen[k] then unexpected[#unexpected + 1] = tostring(k) end
+  end
+  table.sort(missing)
+  table.sort(unexpected)
+  local problems = wrong
+  if o.strict and #missing > 0 then
+    problems[#problems + 1] = "missing: " .. table.concat(missing, ", ")
+  end
+  if o.strict and #unexpected > 0 then
+    problems[#problems + 1] = "unexpected: " .. table.concat(unexpected, ", ")
+  end
+  if #problems > 0 then
+    error("load_state_dict: " .. table.concat(problems, "; "), 2)
+  end
+  for _, pair in ipairs(todo) do pair[1]:copy(pair[2]) end
+  return self
 end
 
 local function deep_copy(v, memo)
