@@ -1,6 +1,7 @@
 # Tests: each tests/test_*.c is a C program against the public header; each
-# spec/*_spec.lua is run by busted under the Lua 5.4 interpreter, with the
-# module taken from this build tree.
+# spec/*_spec.lua is run by busted under the interpreter of the Lua chosen
+# in cmake/lua.cmake, with the module taken from this build tree; the
+# embedding hosts (tests/embed_host.c) run Lua inside a C program.
 
 file(GLOB FT_C_TESTS CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/tests/test_*.c)
 foreach(src ${FT_C_TESTS})
@@ -12,14 +13,36 @@ foreach(src ${FT_C_TESTS})
   set_tests_properties(c_${name} PROPERTIES ENVIRONMENT "TMPDIR=${CMAKE_BINARY_DIR}")
 endforeach()
 
-find_program(FT_LUA_EXECUTABLE NAMES lua5.4 lua REQUIRED)
+# ---- busted, under the chosen interpreter --------------------------------------
+if(NOT FT_LUA_EXECUTABLE)
+  message(FATAL_ERROR "The specs need the Lua ${FT_LUA_NAME} interpreter, which was not found "
+                      "(Debian: apt-get install lua${FT_LUA_VERSION}, or luajit; or name it with "
+                      "-DFT_LUA_INTERPRETER=...; or configure with -DFT_BUILD_TESTS=OFF)")
+endif()
 find_program(FT_BUSTED NAMES busted REQUIRED)
+# Debian's busted is a Lua script, run here by the chosen interpreter; a
+# busted that is a shell wrapper (as luarocks installs it) runs as it is,
+# with the Lua it was installed for.
+file(STRINGS ${FT_BUSTED} FT_BUSTED_SHEBANG LIMIT_COUNT 1)
+if(FT_BUSTED_SHEBANG MATCHES "lua")
+  set(FT_BUSTED_COMMAND ${FT_LUA_EXECUTABLE} ${FT_BUSTED})
+  execute_process(COMMAND ${FT_LUA_EXECUTABLE} -e "require 'busted.runner'"
+                  RESULT_VARIABLE FT_BUSTED_RC OUTPUT_QUIET ERROR_QUIET)
+  if(NOT FT_BUSTED_RC EQUAL 0)
+    message(FATAL_ERROR "busted's modules are not installed for ${FT_LUA_EXECUTABLE} "
+                        "(require 'busted.runner' fails); install busted for Lua ${FT_LUA_VERSION}")
+  endif()
+else()
+  set(FT_BUSTED_COMMAND ${FT_BUSTED})
+  message(STATUS "flashtile: ${FT_BUSTED} is not a Lua script; the specs run under the Lua it chooses")
+endif()
 
 # Under the sanitizers the interpreter itself is not instrumented, so the
 # ASan runtime has to be loaded first. libgomp is preloaded too: it keeps a
 # small allocation from its start-up that LeakSanitizer would report once
 # the Lua state unloads the module (and libgomp with it) at exit.
 set(FT_SPEC_ENV "")
+set(FT_SANITIZER_ENV "")
 if(FT_SANITIZE)
   execute_process(COMMAND ${CMAKE_C_COMPILER} -print-file-name=libasan.so
                   OUTPUT_VARIABLE FT_ASAN_RUNTIME OUTPUT_STRIP_TRAILING_WHITESPACE)
@@ -29,17 +52,17 @@ if(FT_SANITIZE)
                     OUTPUT_VARIABLE FT_GOMP_RUNTIME OUTPUT_STRIP_TRAILING_WHITESPACE)
     string(APPEND FT_PRELOAD " ${FT_GOMP_RUNTIME}")
   endif()
-  list(APPEND FT_SPEC_ENV
-       "LD_PRELOAD=${FT_PRELOAD}"
+  list(APPEND FT_SANITIZER_ENV
        "ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:allocator_may_return_null=1"
        "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1")
+  list(APPEND FT_SPEC_ENV "LD_PRELOAD=${FT_PRELOAD}" ${FT_SANITIZER_ENV})
 endif()
 
 file(GLOB FT_SPECS CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/spec/*_spec.lua)
 foreach(spec ${FT_SPECS})
   get_filename_component(name ${spec} NAME_WE)
   add_test(NAME ${name}
-    COMMAND ${FT_LUA_EXECUTABLE} ${FT_BUSTED} --cpath=${CMAKE_BINARY_DIR}/?.so
+    COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
             --output=utfTerminal ${spec}
     WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
   set_tests_properties(${name} PROPERTIES ENVIRONMENT "${FT_SPEC_ENV}")
@@ -50,10 +73,48 @@ endforeach()
 # GPUs run) checked there too.
 if(FT_CUDA_ENABLED)
   add_test(NAME cuda_attention_spec_mma
-    COMMAND ${FT_LUA_EXECUTABLE} ${FT_BUSTED} --cpath=${CMAKE_BINARY_DIR}/?.so
+    COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
             --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/cuda_attention_spec.lua
     WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
   set(FT_MMA_ENV ${FT_SPEC_ENV})
   list(APPEND FT_MMA_ENV "FT_NO_WGMMA=1")
   set_tests_properties(cuda_attention_spec_mma PROPERTIES ENVIRONMENT "${FT_MMA_ENV}")
+endif()
+
+# ---- embedding hosts -------------------------------------------------------------
+# tests/embed_host.c, built two ways; each runs two Lua states on two threads.
+#   embed_host_static   the binding linked in (flashtile_lua_static), registered
+#                       with luaL_requiref; Lua from its shared library.
+#   embed_host_dynamic  Lua linked statically and its symbols exported (-Wl,-E);
+#                       the binding loaded from flashtile/core.so, as `lua` does.
+find_package(Threads REQUIRED)
+add_library(flashtile_lua_static STATIC lua/lflashtile.c)
+target_include_directories(flashtile_lua_static PUBLIC ${FT_LUA_INCLUDE_DIR})
+target_link_libraries(flashtile_lua_static PUBLIC flashtile)
+
+if(FT_LUA_LIBRARY)
+  add_executable(embed_host_static tests/embed_host.c)
+  target_link_libraries(embed_host_static PRIVATE flashtile_lua_static ${FT_LUA_LIBRARY}
+                        Threads::Threads m ${CMAKE_DL_LIBS})
+  add_test(NAME embed_host_static
+           COMMAND embed_host_static ${CMAKE_CURRENT_SOURCE_DIR}/lua)
+  set_tests_properties(embed_host_static PROPERTIES ENVIRONMENT "${FT_SANITIZER_ENV}")
+else()
+  message(STATUS "flashtile: no shared Lua ${FT_LUA_NAME} library found; embed_host_static not built")
+endif()
+
+if(FT_LUA_STATIC_LIBRARY)
+  add_executable(embed_host_dynamic tests/embed_host.c)
+  target_compile_definitions(embed_host_dynamic PRIVATE FT_EMBED_DYNAMIC=1)
+  target_include_directories(embed_host_dynamic PRIVATE ${FT_LUA_INCLUDE_DIR})
+  target_link_libraries(embed_host_dynamic PRIVATE ${FT_LUA_STATIC_LIBRARY}
+                        Threads::Threads m ${CMAKE_DL_LIBS})
+  # Export Lua's symbols from the executable, for flashtile/core.so.
+  set_target_properties(embed_host_dynamic PROPERTIES ENABLE_EXPORTS ON)
+  add_dependencies(embed_host_dynamic flashtile_core)
+  add_test(NAME embed_host_dynamic
+           COMMAND embed_host_dynamic ${CMAKE_CURRENT_SOURCE_DIR}/lua ${CMAKE_BINARY_DIR})
+  set_tests_properties(embed_host_dynamic PROPERTIES ENVIRONMENT "${FT_SANITIZER_ENV}")
+else()
+  message(STATUS "flashtile: no static Lua ${FT_LUA_NAME} library found; embed_host_dynamic not built")
 endif()
