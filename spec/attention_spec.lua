@@ -125,7 +125,7 @@ end
 local function reference(q, k, v, dout, causal, scale)
   local B, Nq, H, d = q:size(1), q:size(2), q:size(3), q:size(4)
   local Nk, Hk = k:size(2), k:size(3)
-  local G = H // Hk
+  local G = h.idiv(H, Hk)
   scale = scale or 1 / math.sqrt(d)
   local Q, K, V, dO = read4(q), read4(k), read4(v), read4(dout)
   local O, dQ = zeros4(B, Nq, H, d), zeros4(B, Nq, H, d)
@@ -135,7 +135,7 @@ local function reference(q, k, v, dout, causal, scale)
     L[b] = {}
     for hh = 1, H do
       L[b][hh] = {}
-      local hk = (hh - 1) // G + 1
+      local hk = h.idiv(hh - 1, G) + 1
       for i = 1, Nq do
         -- scores of the visible keys (0-based: j <= i + Nk - Nq)
         local s, m = {}, -math.huge
@@ -252,8 +252,11 @@ describe("attention (cpu)", function()
     -- a few more drawn from a fixed seed
     local rng_state = 12345
     local function rand_int(lo, hi) -- a small LCG, independent of math.random
-      rng_state = (rng_state * 1103515245 + 12345) % 2147483648
-      return lo + (rng_state >> 16) % (hi - lo + 1)
+      -- state * 1103515245 + 12345 mod 2^31, with the multiplier split in
+      -- 16-bit halves so that no product passes 2^53 (exact in doubles)
+      local mul_hi = (rng_state * 16838) % 32768 -- 1103515245 = 16838 * 2^16 + 20077
+      rng_state = (rng_state * 20077 + mul_hi * 65536 + 12345) % 2147483648
+      return lo + h.idiv(rng_state, 65536) % (hi - lo + 1)
     end
     local dims = { 8, 24, 33, 64, 128, 256, 17, 48 }
     for _ = 1, 6 do
@@ -496,7 +499,7 @@ describe("attention (cpu)", function()
       collectgarbage()
       ft.reset_peak_memory()
       local before = ft.memory_stats().in_use
-      local keep = table.pack(fn())
+      local keep = h.pack(fn())
       local peak = ft.memory_stats().peak
       keep = nil
       return peak - before
@@ -725,8 +728,8 @@ describe("attention (cpu)", function()
       out4, lse4 = ft.attention(q4, k4, v4)
     end
 
-    local A = function(...) local a = table.pack(...); return function() return ft.attention(table.unpack(a, 1, a.n)) end end
-    local BW = function(...) local a = table.pack(...); return function() return ft.attention_backward(table.unpack(a, 1, a.n)) end end
+    local A = function(...) local a = h.pack(...); return function() return ft.attention(h.unpack(a, 1, a.n)) end end
+    local BW = function(...) local a = h.pack(...); return function() return ft.attention_backward(h.unpack(a, 1, a.n)) end end
 
     -- name, function building the failing call (after setup), expected substrings
     local cases = {
@@ -859,7 +862,7 @@ describe("attention (cpu)", function()
       local name, build, needles = case[1], case[2], case[3]
       it(name .. " is a clear error, and the session goes on", function()
         setup()
-        h.assert_error(build(), table.unpack(needles))
+        h.assert_error(build(), h.unpack(needles))
         assert_session_goes_on()
       end)
     end

@@ -12,12 +12,283 @@ local assert = require "luassert"
 
 local h = { ft = ft }
 
+-- ---- Lua versions -------------------------------------------------------------
+--
+-- The specs run under Lua 5.1, 5.2, 5.3, 5.4 and LuaJIT 2.1. Below 5.3 a
+-- Lua number is a double: an i64 element reads back as a double, exact up
+-- to 2^53. Checks that need 5.3's integers are guarded with h.has_int64.
+
+--- true where Lua has a 64-bit integer subtype (5.3 and later).
+h.has_int64 = math.type ~= nil
+--- true under LuaJIT.
+h.is_luajit = type(rawget(_G, "jit")) == "table"
+
+--- table.unpack (5.2+) or unpack (5.1, LuaJIT).
+h.unpack = table.unpack or unpack
+
+--- table.pack: the arguments in a table with their count in n.
+function h.pack(...)
+  return { n = select("#", ...), ... }
+end
+
+--- floor(a / b): 5.3's a // b, spelled for every version.
+function h.idiv(a, b)
+  return math.floor(a / b)
+end
+
+-- ---- binary encodings -----------------------------------------------------------
+--
+-- Little- and big-endian bytes of f32, f64, i8/i16/i32/i64 and u8/u16/u32
+-- values, computed with plain arithmetic so that every Lua version builds
+-- the same bytes (string.pack exists only from 5.3 on; io_spec checks these
+-- against it there). f32 rounds to nearest, ties to even, like a C cast.
+
+local LOG2 = math.log(2)
+local TWO32 = 4294967296
+
+--- e with 2^e <= a < 2^(e + 1), for a finite a > 0.
+local function exponent_of(a)
+  local e = math.floor(math.log(a) / LOG2)
+  while 2 ^ e > a do e = e - 1 end
+  while 2 ^ (e + 1) <= a do e = e + 1 end
+  return e
+end
+
+--- r (>= 0) rounded to the nearest integer, ties to the even one.
+local function round_even(r)
+  local f = math.floor(r)
+  local d = r - f
+  if d > 0.5 or (d == 0.5 and f % 2 == 1) then return f + 1 end
+  return f
+end
+
+--- The bytes of a non-negative integer u < 2^(8 n), lowest first.
+local function le_bytes(u, n)
+  local out = {}
+  for i = 1, n do
+    local b = u % 256
+    out[i] = b
+    u = (u - b) / 256
+  end
+  return string.char(h.unpack(out))
+end
+
+--- The sign (0 or 1) of x, -0 and NaN included (a NaN counts as positive).
+local function sign_of(x)
+  if x < 0 or (x == 0 and 1 / x < 0) then return 1 end
+  return 0
+end
+
+--- The binary32 bit pattern of x as a number in [0, 2^32).
+local function f32_bits(x)
+  if x ~= x then return 0x7FC00000 end
+  local s = sign_of(x)
+  local a = math.abs(x)
+  local bits
+  if a == math.huge then
+    bits = 0x7F800000
+  elseif a == 0 then
+    bits = 0
+  else
+    local e = exponent_of(a)
+    if e < -126 then -- subnormal (or rounds up to the smallest normal)
+      bits = round_even(a / 2 ^ -149) -- 2^23 here is the smallest normal
+    else
+      local m = round_even(a / 2 ^ (e - 23))
+      if m == 2 ^ 24 then m, e = 2 ^ 23, e + 1 end
+      if e > 127 then
+        bits = 0x7F800000
+      else
+        bits = (e + 127) * 2 ^ 23 + (m - 2 ^ 23)
+      end
+    end
+  end
+  return s * 2 ^ 31 + bits
+end
+
+--- The binary64 bit pattern of x as two numbers in [0, 2^32): high, low.
+local function f64_words(x)
+  if x ~= x then return 0x7FF80000, 0 end
+  local s = sign_of(x)
+  local a = math.abs(x)
+  local ebits, mant
+  if a == math.huge then
+    ebits, mant = 2047, 0
+  elseif a == 0 then
+    ebits, mant = 0, 0
+  else
+    local e = exponent_of(a)
+    if e < -1022 then
+      ebits, mant = 0, a / 2 ^ -1074
+    else
+      ebits, mant = e + 1023, a / 2 ^ (e - 52) - 2 ^ 52
+    end
+  end
+  local lo = mant % TWO32
+  local hi = (mant - lo) / TWO32
+  return s * 2 ^ 31 + ebits * 2 ^ 20 + hi, lo
+end
+
+--- Checks that v is an integer in [lo, hi); names the format otherwise.
+local function check_int(v, lo, hi, what)
+  if type(v) ~= "number" or v ~= math.floor(v) or v < lo or v >= hi then
+    error(string.format("helper: %s value %s out of range or not an integer", what, tostring(v)), 3)
+  end
+end
+
+--- Little-endian encoders by format letter and size.
+local encode = {
+  f = function(v) return le_bytes(f32_bits(v), 4) end,
+  d = function(v)
+    local hi, lo = f64_words(v)
+    return le_bytes(lo, 4) .. le_bytes(hi, 4)
+  end,
+  i = function(v, n)
+    if n == 8 then
+      check_int(v, -2 ^ 63, 2 ^ 63, "i8")
+      -- exact for 5.3 integers and for doubles alike: lo is v mod 2^32 and
+      -- v - lo a multiple of 2^32 below 2^63, so the division is exact
+      local lo = v % TWO32
+      local hi = (v - lo) / TWO32
+      return le_bytes(lo, 4) .. le_bytes(hi % TWO32, 4)
+    end
+    check_int(v, -2 ^ (8 * n - 1), 2 ^ (8 * n - 1), "i" .. n)
+    return le_bytes(v % 2 ^ (8 * n), n)
+  end,
+  I = function(v, n)
+    check_int(v, 0, 2 ^ (8 * n), "I" .. n)
+    return le_bytes(v, n)
+  end,
+}
+
+-- 256^n as integer literals: integers in 5.3 and later
+local RANGE = { 256, 65536, 16777216, 4294967296 }
+
+--- The integer value of n little-endian bytes of s at pos (n <= 4), and
+-- with signed, two's complement (an integer in 5.3 and later).
+local function le_value(s, pos, n, signed)
+  local v = 0
+  for i = n, 1, -1 do v = v * 256 + s:byte(pos + i - 1) end
+  if signed and v >= RANGE[n] / 2 then v = v - RANGE[n] end
+  return v
+end
+
+local decode = {
+  f = function(s, pos)
+    local bits = le_value(s, pos, 4)
+    local sign = bits >= 2 ^ 31 and -1 or 1
+    bits = bits % 2 ^ 31
+    local m = bits % 2 ^ 23
+    local e = (bits - m) / 2 ^ 23
+    local v
+    if e == 255 then
+      v = m == 0 and math.huge or 0 / 0
+    elseif e == 0 then
+      v = m * 2 ^ -149
+    else
+      v = (m + 2 ^ 23) * 2 ^ (e - 150)
+    end
+    return sign * v
+  end,
+  d = function(s, pos)
+    local lo = le_value(s, pos, 4)
+    local hi = le_value(s, pos + 4, 4)
+    local sign = hi >= 2 ^ 31 and -1 or 1
+    hi = hi % 2 ^ 31
+    local mhi = hi % 2 ^ 20
+    local e = (hi - mhi) / 2 ^ 20
+    local m = mhi * 2 ^ 32 + lo
+    local v
+    if e == 2047 then
+      v = m == 0 and math.huge or 0 / 0
+    elseif e == 0 then
+      v = m * 2 ^ -1074
+    else
+      v = (m + 2 ^ 52) * 2 ^ (e - 1075)
+    end
+    return sign * v
+  end,
+  i = function(s, pos, n)
+    if n == 8 then
+      -- built from integer bytes: a 5.3 integer there, a double (exact to
+      -- 2^53) below 5.3
+      local lo, hi = 0, 0
+      for i = 4, 1, -1 do lo = lo * 256 + s:byte(pos + i - 1) end
+      for i = 8, 5, -1 do hi = hi * 256 + s:byte(pos + i - 1) end
+      if hi >= 2147483648 then hi = hi - 4294967296 end
+      return hi * 4294967296 + lo
+    end
+    return le_value(s, pos, n, true)
+  end,
+  I = function(s, pos, n) return le_value(s, pos, n, false) end,
+}
+
+--- The items of a string.pack-style format: { letter, size } pairs and the
+-- byte order. Formats: "<" little and ">" big endian (the default is
+-- little), then any of f (4 bytes), d (8), i1 i2 i4 i8, I1 I2 I4.
+local function parse_format(fmt)
+  local items, little = {}, true
+  for opt, digits in fmt:gmatch("([<>fdiI])(%d*)") do
+    if opt == "<" then
+      little = true
+    elseif opt == ">" then
+      little = false
+    else
+      local n = tonumber(digits) or (opt == "f" and 4 or opt == "d" and 8 or nil)
+      if n == nil or (opt == "f" and n ~= 4) or (opt == "d" and n ~= 8)
+        or (opt == "i" and n ~= 1 and n ~= 2 and n ~= 4 and n ~= 8)
+        or (opt == "I" and n ~= 1 and n ~= 2 and n ~= 4) then
+        error("helper: unsupported format item " .. opt .. digits .. " in " .. fmt, 3)
+      end
+      items[#items + 1] = { opt, n, little }
+    end
+  end
+  if fmt:gsub("[<>fdiI%d]", "") ~= "" then
+    error("helper: unsupported format " .. fmt, 3)
+  end
+  return items
+end
+
+--- string.pack(fmt, ...) for the formats above, in every Lua version.
+function h.bpack(fmt, ...)
+  local items = parse_format(fmt)
+  assert.are.equal(#items, select("#", ...), "h.bpack: one value per format item")
+  local out = {}
+  for i, item in ipairs(items) do
+    local bytes = encode[item[1]]((select(i, ...)), item[2])
+    out[i] = item[3] and bytes or bytes:reverse()
+  end
+  return table.concat(out)
+end
+
+--- string.unpack(fmt, s, pos): the values, then the position after them.
+function h.bunpack(fmt, s, pos)
+  pos = pos or 1
+  local out = {}
+  for i, item in ipairs(parse_format(fmt)) do
+    local n = item[2]
+    local piece = s:sub(pos, pos + n - 1)
+    if #piece < n then error("helper: data string too short for " .. fmt, 2) end
+    if not item[3] then piece = piece:reverse() end
+    out[i] = decode[item[1]](piece, 1, n)
+    pos = pos + n
+  end
+  out[#out + 1] = pos
+  return h.unpack(out)
+end
+
+--- x rounded to binary32 (to nearest, ties to even): the value an f32
+-- element holds after storing x.
+function h.f32(x)
+  return (h.bunpack("<f", h.bpack("<f", x)))
+end
+
 -- ---- errors -----------------------------------------------------------------
 
 --- Runs fn, asserts that it raised an error, and returns the message.
 function h.error_of(fn, ...)
-  local args = table.pack(...)
-  local call = function() return fn(table.unpack(args, 1, args.n)) end
+  local args = h.pack(...)
+  local call = function() return fn(h.unpack(args, 1, args.n)) end
   assert.has_error(call, nil, "expected an error, but the call returned normally")
   local ok, msg = pcall(call)
   assert.is_false(ok)
