@@ -1,91 +1,223 @@
--- flashtile's attention benchmark.
---
---   lua scripts/bench.lua [options]         (scripts/ftlua scripts/bench.lua from a build tree)
---
--- For each configuration (dtype x head dim x seqlen x causal x pass x impl)
--- it first checks the result against a reference (a wrong kernel never gets
--- a time), then times it (CUDA events, warm-up, median), and prints a table:
--- milliseconds, TFLOP/s (FlashAttention's FLOP count), peak extra memory,
--- and the ratio to the reference file's rows for the same configuration.
--- It writes a CSV and an SVG plot of TFLOP/s against seqlen.
---
--- Options (comma-separated lists):
---   --dtype f16,bf16        --hdim 64,128           --seqlen 1024,4096,16384
---   --causal false,true     --pass fwd,bwd          --impl flash
---   --tokens 16384          batch = tokens / seqlen
---   --width 2048            heads = width / head dim
---   --reference FILE        a CSV like ../shared/anchors/sdpa-h200.csv
---   --csv FILE              (default bench-results.csv)
---   --plot FILE             (default bench-results.svg)
---   --warmup 5 --reps 20    --device cuda
---   --no-check              skip the correctness check (not for published numbers)
-local ft = require "flashtile"
-local bench = require "flashtile.bench"
+-- flashtile's attention benchmark: `lua scripts/bench.lua --help` prints
+-- how to run it (the text of HELP below). Runs under Lua 5.1 to 5.4 and
+-- LuaJIT; from a clone it finds flashtile in lua/ and build/ (or
+-- $FT_BUILD_DIR) by itself (scripts/lib/paths.lua).
+
+local HELP = [[
+usage: lua scripts/bench.lua [options]
+
+flashtile's attention benchmark. For each configuration (impl x dtype x
+head dim x causal x pass x seqlen) it first checks the result against the
+naive path on a slice of the same inputs (a wrong kernel never gets a
+time), then times it (median of --reps runs after --warmup runs; CUDA
+events on the GPU, the wall clock on the CPU) and prints a table:
+milliseconds, TFLOP/s (FlashAttention's FLOP count), peak extra memory,
+and the ratio to the rows of a reference file for the same configuration.
+It writes a CSV and an SVG plot of TFLOP/s against seqlen.
+
+The benchmark is made for a CUDA GPU. Without one (no GPU, or flashtile
+built without CUDA) it stops at once with one line and exit status 1,
+unless --device cpu is given: then it times the CPU implementations
+(tiled and naive) instead, with smaller defaults (after the | below).
+
+Options (LIST: comma-separated values, e.g. --hdim 64,128):
+  --device DEVICE    cuda, cuda:N or cpu (default cuda)
+  --impl LIST        flash, naive on cuda; tiled, naive on cpu
+                     (default flash | tiled,naive)
+  --dtype LIST       f16, bf16, f32 (default f16,bf16 | f32)
+  --hdim LIST        head dims (default 64,128 | 64)
+  --seqlen LIST      sequence lengths (default 1024,4096,16384 | 256,1024)
+  --causal LIST      false, true (default false,true)
+  --pass LIST        fwd, bwd (default fwd,bwd)
+  --tokens N         batch = tokens / seqlen (default 16384 | 2048)
+  --width N          heads = width / head dim (default 2048 | 256)
+  --warmup N         untimed runs before the timed ones (default 5 | 1)
+  --reps N           timed runs, of which the median counts (default 20 | 5)
+  --reference FILE   ratios against this CSV's flash and cudnn rows,
+                     e.g. --reference bench/sdpa-h200.csv
+  --csv FILE         the results as CSV (default bench-results.csv)
+  --plot FILE        the SVG plot (default bench-results.svg)
+  --no-check         skip the correctness check (not for published numbers)
+  --help, -h         this text
+
+Exit status: 0 when every row ran, 1 when a row failed (its error is in
+the table) or no GPU is there for a GPU run, 2 for a bad option.
+
+Examples:
+  lua scripts/bench.lua --dtype f16,bf16 --hdim 64,128 --reference bench/sdpa-h200.csv
+  lua scripts/bench.lua --device cpu --seqlen 128,256,512
+]]
+
+local unpack = table.unpack or unpack
+local function pack(...) return { n = select("#", ...), ... } end
+local function is_int(v) return type(v) == "number" and v == math.floor(v) end
+local function log2(x) return math.log(x) / math.log(2) end
+
+local function die(status, fmt, ...)
+  io.stderr:write("bench.lua: ", fmt:format(...), "\n")
+  os.exit(status)
+end
 
 -- ---- options ----------------------------------------------------------------
 
-local opts = {
-  dtype = "f16,bf16", hdim = "64,128", seqlen = "1024,4096,16384", causal = "false,true",
-  pass = "fwd,bwd", impl = "flash", tokens = "16384", width = "2048", reference = nil,
-  csv = "bench-results.csv", plot = "bench-results.svg", warmup = "5", reps = "20",
-  device = nil, check = true,
+-- defaults on the GPU and on the CPU (a size that runs in about a minute on
+-- two cores)
+local GPU_DEFAULTS = {
+  impl = "flash", dtype = "f16,bf16", hdim = "64,128", seqlen = "1024,4096,16384",
+  causal = "false,true", pass = "fwd,bwd", tokens = "16384", width = "2048", warmup = "5", reps = "20",
 }
+local CPU_DEFAULTS = {
+  impl = "tiled,naive", dtype = "f32", hdim = "64", seqlen = "256,1024",
+  causal = "false,true", pass = "fwd,bwd", tokens = "2048", width = "256", warmup = "1", reps = "5",
+}
+local VALUED = { device = true, reference = true, csv = true, plot = true }
+for k in pairs(GPU_DEFAULTS) do VALUED[k] = true end
+
+local given = { check = true }
 do
+  local args = arg or {}
   local i = 1
-  while arg and i <= #arg do
-    local a = arg[i]
-    if a == "--no-check" then
-      opts.check = false
-      i = i + 1
-    elseif a == "-h" or a == "--help" then
-      io.write((io.open(arg[0]):read("a"):match("^(.-)\nlocal ft")):gsub("%-%- ?", ""), "\n")
+  while args[i] ~= nil do
+    local a = args[i]
+    if a == "-h" or a == "--help" then
+      io.write(HELP)
       os.exit(0)
+    elseif a == "--no-check" then
+      given.check = false
+      i = i + 1
     else
-      local key = a:match("^%-%-(.+)$")
-      if not key or opts[key] == nil and key ~= "reference" and key ~= "device" then
-        io.stderr:write(("bench.lua: unknown option '%s' (try --help)\n"):format(a))
-        os.exit(2)
+      local key, value = a:match("^%-%-([%w_-]+)=(.*)$")
+      if not key then key = a:match("^%-%-([%w_-]+)$") end
+      if not key or not VALUED[key] then
+        die(2, "unknown option '%s' (try --help)", a)
       end
-      if arg[i + 1] == nil then
-        io.stderr:write(("bench.lua: option '%s' needs a value\n"):format(a))
-        os.exit(2)
+      if value == nil then
+        value = args[i + 1]
+        if value == nil then die(2, "option '--%s' needs a value (try --help)", key) end
+        i = i + 2
+      else
+        i = i + 1
       end
-      opts[key] = arg[i + 1]
-      i = i + 2
+      given[key] = value
     end
   end
 end
 
-local function list(s, conv)
+local device = given.device or "cuda"
+if device ~= "cpu" and device ~= "cuda" and not device:match("^cuda:%d+$") then
+  die(2, "--device must be cuda, cuda:N or cpu, got '%s'", device)
+end
+local on_gpu = device ~= "cpu"
+local opts = {}
+for k, v in pairs(on_gpu and GPU_DEFAULTS or CPU_DEFAULTS) do opts[k] = given[k] or v end
+opts.reference = given.reference
+opts.csv = given.csv or "bench-results.csv"
+opts.plot = given.plot or "bench-results.svg"
+opts.check = given.check
+
+--- The comma-separated values of option key, each checked by conv (which
+-- returns the value, or nil when it is not one).
+local function list(key, what, conv)
   local r = {}
-  for x in s:gmatch("[^,]+") do
-    if conv then r[#r + 1] = conv(x) else r[#r + 1] = x end
+  for x in opts[key]:gmatch("[^,]+") do
+    local v = x
+    if conv then v = conv(x) end
+    if v == nil then die(2, "--%s: '%s' is not %s", key, x, what) end
+    r[#r + 1] = v
   end
+  if #r == 0 then die(2, "--%s needs at least one value", key) end
   return r
+end
+local function one_of(...)
+  local set = {}
+  for i = 1, select("#", ...) do set[select(i, ...)] = true end
+  return function(x) if set[x] then return x end end
+end
+local function positive_int(x)
+  local n = tonumber(x)
+  if is_int(n) and n >= 1 then return n end
+end
+local function nonneg_int(x)
+  local n = tonumber(x)
+  if is_int(n) and n >= 0 then return n end
 end
 local function bool(x)
   if x == "true" then return true elseif x == "false" then return false end
-  error("expected true or false, got " .. x)
 end
 
-local device = opts.device or (ft.cuda.is_available() and "cuda" or "cpu")
-local on_gpu = device ~= "cpu"
-local dtypes, hdims, seqlens = list(opts.dtype), list(opts.hdim, tonumber), list(opts.seqlen, tonumber)
-local causals, passes, impls = list(opts.causal, bool), list(opts.pass), list(opts.impl)
-local tokens, width = tonumber(opts.tokens), tonumber(opts.width)
-local timing = { warmup = tonumber(opts.warmup), reps = tonumber(opts.reps), device = on_gpu and device or nil }
+local impls = list("impl", on_gpu and "an implementation on cuda (flash, naive; tiled needs --device cpu)"
+  or "an implementation on the cpu (tiled, naive; flash needs a CUDA GPU)",
+  on_gpu and one_of("flash", "naive") or one_of("tiled", "naive"))
+local dtypes = list("dtype", "a dtype (f16, bf16, f32)", one_of("f16", "bf16", "f32"))
+local hdims = list("hdim", "a positive integer", positive_int)
+local seqlens = list("seqlen", "a positive integer", positive_int)
+local causals = list("causal", "true or false", bool)
+local passes = list("pass", "fwd or bwd", one_of("fwd", "bwd"))
+local tokens = list("tokens", "a positive integer", positive_int)[1]
+local width = list("width", "a positive integer", positive_int)[1]
+local warmup = list("warmup", "an integer >= 0", nonneg_int)[1]
+local reps = list("reps", "a positive integer", positive_int)[1]
+
+
+-- ---- flashtile, and the GPU when the run needs one ------------------------------
+
+local ok, ft = pcall(require, "flashtile")
+if not ok then
+  local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
+  ft = dofile(here .. "lib/paths.lua").require("bench.lua", here)
+end
+local bench = require "flashtile.bench"
+
+if on_gpu then
+  local why
+  if not ft.cuda.is_built() then
+    why = "flashtile was built without CUDA"
+  elseif not ft.cuda.is_available() then
+    why = "no CUDA GPU is available (ft.cuda.is_available() is false)"
+  else
+    local index = tonumber(device:match("^cuda:(%d+)$") or "0")
+    local count = ft.cuda.device_count()
+    if index >= count then why = ("there is no %s (%d CUDA device%s)"):format(device, count, count == 1 and "" or "s") end
+  end
+  if why then
+    die(1, "%s; --device cpu times the CPU implementations (tiled, naive) instead", why)
+  end
+end
+local timing = { warmup = warmup, reps = reps, device = on_gpu and device or nil }
+
+-- every file now, not after the run (a file that is not there yet is not
+-- left behind)
+if opts.reference then
+  local f = io.open(opts.reference, "r")
+  if not f then die(2, "--reference: cannot open '%s'", opts.reference) end
+  f:close()
+end
+for _, key in ipairs { "csv", "plot" } do
+  local path = opts[key]
+  local existed = io.open(path, "r")
+  if existed then existed:close() end
+  local f = io.open(path, "a")
+  if not f then die(2, "--%s: cannot write '%s'", key, path) end
+  f:close()
+  if not existed then os.remove(path) end
+end
 
 -- ---- the reference numbers ------------------------------------------------------
 
 local TORCH_DTYPE = { f16 = "float16", bf16 = "bfloat16", f32 = "float32" }
 local reference = {}
 if opts.reference then
-  local f = assert(io.open(opts.reference), "cannot open " .. opts.reference)
-  local header = list(f:read("l"))
+  local function fields(line)
+    local r = {}
+    for x in line:gmatch("[^,]+") do r[#r + 1] = x end
+    return r
+  end
+  local f = assert(io.open(opts.reference))
+  local header = fields(f:read("*l") or "")
   for line in f:lines() do
     local row = {}
-    for i, v in ipairs(list(line)) do row[header[i]] = v end
-    local key = table.concat({ row.impl, row.dtype, row.N, row.d, row.causal }, "/")
+    for i, v in ipairs(fields(line)) do row[header[i] or i] = v end
+    local key = table.concat({ row.impl or "", row.dtype or "", row.N or "", row.d or "", row.causal or "" }, "/")
     reference[key] = row
   end
   f:close()
@@ -116,21 +248,22 @@ local function peak_extra(fn)
   sync()
   ft.reset_peak_memory(device)
   local before = ft.memory_stats(device).in_use
-  local r = table.pack(fn())
+  local r = pack(fn())
   sync()
-  return ft.memory_stats(device).peak - before, table.unpack(r, 1, r.n)
+  return ft.memory_stats(device).peak - before, unpack(r, 1, r.n)
 end
 
 local FLOOR = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }
 
 --- Checks impl against the naive path on a slice (one batch, up to two kv
--- groups' heads) by DESIGN.md's standard: the error against an f32 naive
--- reference is at most twice that of the naive path in the same precision.
--- Returns nil when fine, else a message.
+-- groups' heads) by DESIGN.md's standard: the error against a reference in
+-- a wider dtype (f32 for f16 and bf16, f64 for f32) is at most twice that
+-- of the naive path in the same precision. Returns nil when fine, else a
+-- message.
 local function check(impl, dtype, q, k, v, dout, causal, pass)
   local H, Hk = q:size(3), k:size(3)
-  local hq = math.min(H, 2 * (H // Hk))
-  local hk = math.max(1, hq // (H // Hk))
+  local hq = math.min(H, 2 * math.floor(H / Hk))
+  local hk = math.max(1, math.floor(hq / math.floor(H / Hk)))
   local qs, ks, vs, ds = q:narrow(1, 1, 1):narrow(3, 1, hq), k:narrow(1, 1, 1):narrow(3, 1, hk),
     v:narrow(1, 1, 1):narrow(3, 1, hk), dout:narrow(1, 1, 1):narrow(3, 1, hq)
   local function run(which, dt)
@@ -140,12 +273,13 @@ local function check(impl, dtype, q, k, v, dout, causal, pass)
     if pass == "fwd" then return { out } end
     return { ft.attention_backward(ds:to(dt), a, b, c, out, lse, o) }
   end
-  local ref = run("naive", "f32")
+  local wide = dtype == "f32" and "f64" or "f32"
+  local ref = run("naive", wide)
   local got = run(impl, dtype)
   local base = run("naive", dtype)
   for i = 1, #ref do
-    local e = ft.max_abs_diff(got[i]:float(), ref[i])
-    local eb = ft.max_abs_diff(base[i]:float(), ref[i])
+    local e = ft.max_abs_diff(got[i]:to(wide), ref[i])
+    local eb = ft.max_abs_diff(base[i]:to(wide), ref[i])
     if e ~= e then return "NaN in the result" end
     if e > 2 * eb + 4 * (FLOOR[dtype] or 0) then
       return ("error %.3e > 2 x naive's %.3e (output %d)"):format(e, eb, i)
@@ -153,8 +287,12 @@ local function check(impl, dtype, q, k, v, dout, causal, pass)
   end
 end
 
+local function shape_of(d, N)
+  return math.max(1, math.floor(tokens / N)), math.max(1, math.floor(width / d))
+end
+
 local function measure(impl, dtype, d, N, causal, pass)
-  local B, H = math.max(1, tokens // N), math.max(1, width // d)
+  local B, H = shape_of(d, N)
   local seed = 1
   local function input(shape)
     seed = seed + 1
@@ -189,10 +327,10 @@ end
 
 -- ---- run everything -------------------------------------------------------------
 
+local device_name = on_gpu and ft.cuda.device_name(tonumber(device:match("^cuda:(%d+)$") or "0")) or "cpu"
 local rows = {}
 local total = #impls * #dtypes * #hdims * #seqlens * #causals * #passes
-io.stderr:write(("flashtile bench on %s (%s): %d configurations\n"):format(device,
-  on_gpu and ft.cuda.device_name(0) or "cpu", total))
+io.stderr:write(("flashtile bench on %s (%s): %d configurations\n"):format(device, device_name, total))
 -- An untimed pass over the first configuration: the GPU leaves its idle
 -- clocks and the memory pool fills before the first row is timed (without
 -- it the first row read up to 20% low on the H200).
@@ -206,15 +344,16 @@ for _, impl in ipairs(impls) do
       for _, causal in ipairs(causals) do
         for _, pass in ipairs(passes) do
           for _, N in ipairs(seqlens) do
-            local ok, row = pcall(measure, impl, dtype, d, N, causal, pass)
-            if not ok then
+            local ok_row, row = pcall(measure, impl, dtype, d, N, causal, pass)
+            if not ok_row then
+              local B, H = shape_of(d, N)
               row = { impl = impl, dtype = dtype, d = d, N = N, causal = causal, pass = pass,
-                      B = math.max(1, tokens // N), H = math.max(1, width // d), error = tostring(row) }
+                      B = B, H = H, error = tostring(row) }
             end
             rows[#rows + 1] = row
             io.stderr:write(("[%d/%d] %s %s d=%d N=%d causal=%s %s: %s\n"):format(#rows, total, impl,
               dtype, d, N, tostring(causal), pass,
-              row.error and ("FAILED " .. row.error) or ("%.3f ms, %.1f TFLOP/s"):format(row.ms, row.tflops)))
+              row.error and ("FAILED " .. row.error) or ("%.3f ms, %.4g TFLOP/s"):format(row.ms, row.tflops)))
           end
         end
       end
@@ -225,31 +364,35 @@ end
 -- ---- table, CSV, plot -----------------------------------------------------------
 
 local function fmt_ratio(x, proxy) return x and ("%.2fx%s"):format(x, proxy and "*" or "") or "-" end
-print(("\n%s, %s, %s"):format(on_gpu and ft.cuda.device_name(0) or "cpu", os.date("!%Y-%m-%d"),
+print(("\n%s, %s, %s"):format(device_name, os.date("!%Y-%m-%d"),
   opts.reference and ("ratios against " .. opts.reference) or "no reference file"))
 print("| impl | dtype | B | H | N | d | causal | pass | ms | TFLOP/s | peak MiB | vs flash | vs cudnn |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+local any_proxy = false
 for _, r in ipairs(rows) do
   if r.error then
     print(("| %s | %s | %d | %d | %d | %d | %s | %s | FAILED: %s | | | | |"):format(r.impl, r.dtype,
       r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.error))
   else
+    any_proxy = any_proxy or (r.proxy and (r.ref_flash or r.ref_cudnn) ~= nil)
     print(("| %s | %s | %d | %d | %d | %d | %s | %s | %.3f | %s | %.1f | %s | %s |"):format(r.impl,
       r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.ms,
       r.tflops >= 1 and ("%.1f"):format(r.tflops) or ("%.4f"):format(r.tflops), r.peak / 2^20,
       fmt_ratio(r.ref_flash, r.proxy), fmt_ratio(r.ref_cudnn, r.proxy)))
   end
 end
-
-print("(* : no bf16 row in the reference file; compared with the f16 row of the same configuration)")
+if any_proxy then
+  print("(* : no bf16 row in the reference file; compared with the f16 row of the same configuration)")
+end
 
 local csv = assert(io.open(opts.csv, "w"))
 csv:write("impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error\n")
 for _, r in ipairs(rows) do
   csv:write(table.concat({ r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass,
-    r.ms and ("%.4f"):format(r.ms) or "", r.tflops and ("%.2f"):format(r.tflops) or "",
-    r.peak or "", r.ref_flash and ("%.3f"):format(r.ref_flash) or "",
-    r.ref_cudnn and ("%.3f"):format(r.ref_cudnn) or "", r.error and ('"' .. r.error:gsub('"', "'") .. '"') or "" }, ","), "\n")
+    r.ms and ("%.4f"):format(r.ms) or "", r.tflops and ("%.4g"):format(r.tflops) or "",
+    r.peak and ("%d"):format(r.peak) or "", r.ref_flash and ("%.3f"):format(r.ref_flash) or "",
+    r.ref_cudnn and ("%.3f"):format(r.ref_cudnn) or "",
+    r.error and ('"' .. r.error:gsub('"', "'"):gsub("\n", " ") .. '"') or "" }, ","), "\n")
 end
 csv:close()
 
@@ -266,35 +409,46 @@ for _, r in ipairs(rows) do
   end
 end
 local W, Hp, L, R, T, Bm = 900, 520, 70, 260, 40, 50
-local ymax, xmin, xmax = 1, math.huge, -math.huge
+local ymax, xmin, xmax = 0, math.huge, -math.huge
 for _, key in ipairs(order) do
   for _, set in ipairs { series[key].pts, series[key].ref } do
     for _, p in ipairs(set) do
       ymax = math.max(ymax, p[2])
-      xmin, xmax = math.min(xmin, math.log(p[1], 2)), math.max(xmax, math.log(p[1], 2))
+      xmin, xmax = math.min(xmin, log2(p[1])), math.max(xmax, log2(p[1]))
     end
   end
 end
-if xmax <= xmin then xmin, xmax = xmin - 1, xmax + 1 end
-ymax = math.ceil(ymax / 100) * 100
-local function X(n) return L + (math.log(n, 2) - xmin) / (xmax - xmin) * (W - L - R) end
+if xmax < xmin then xmin, xmax = 0, 1 end
+if xmax == xmin then xmin, xmax = xmin - 1, xmax + 1 end
+-- the axis ends at 1, 2 or 5 times a power of ten above the largest value
+-- (hundreds of TFLOP/s on a GPU, hundredths on a CPU)
+do
+  local top = ymax > 0 and ymax or 1
+  local p = 10 ^ math.floor(math.log(top) / math.log(10))
+  for _, m in ipairs { 1, 2, 5, 10 } do
+    if m * p >= top * (1 - 1e-12) then ymax = m * p break end
+  end
+end
+local function X(n) return L + (log2(n) - xmin) / (xmax - xmin) * (W - L - R) end
 local function Y(t) return Hp - Bm - t / ymax * (Hp - T - Bm) end
 local colors = { "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
   "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd" }
 local svg = { ('<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">'):format(W, Hp),
   ('<rect width="%d" height="%d" fill="white"/>'):format(W, Hp),
   ('<text x="%d" y="24" font-size="15">flashtile attention on %s, %s (dashed: reference flash)</text>'):format(L,
-    on_gpu and ft.cuda.device_name(0) or "cpu", os.date("!%Y-%m-%d")) }
-for t = 0, ymax, ymax / 5 do
-  svg[#svg + 1] = ('<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#ddd"/><text x="%d" y="%.1f" text-anchor="end">%d</text>')
-    :format(L, Y(t), W - R, Y(t), L - 6, Y(t) + 4, t)
+    device_name, os.date("!%Y-%m-%d")) }
+for i = 0, 5 do
+  local t = ymax * i / 5
+  svg[#svg + 1] = ('<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#ddd"/><text x="%d" y="%.1f" text-anchor="end">%s</text>')
+    :format(L, Y(t), W - R, Y(t), L - 6, Y(t) + 4, ("%.4g"):format(t))
 end
 for _, N in ipairs(seqlens) do
   svg[#svg + 1] = ('<text x="%.1f" y="%d" text-anchor="middle">%d</text>'):format(X(N), Hp - Bm + 18, N)
 end
-svg[#svg + 1] = ('<text x="%d" y="%d" text-anchor="middle">seqlen</text>'):format((L + W - R) // 2, Hp - 12)
+svg[#svg + 1] = ('<text x="%d" y="%d" text-anchor="middle">seqlen</text>'):format(math.floor((L + W - R) / 2), Hp - 12)
+local mid = math.floor((T + Hp - Bm) / 2)
 svg[#svg + 1] = ('<text x="16" y="%d" transform="rotate(-90 16 %d)" text-anchor="middle">TFLOP/s</text>')
-  :format((T + Hp - Bm) // 2, (T + Hp - Bm) // 2)
+  :format(mid, mid)
 for i, key in ipairs(order) do
   local c = colors[(i - 1) % #colors + 1]
   for _, which in ipairs { "pts", "ref" } do

@@ -4,8 +4,36 @@
 -- forward and backward time. Then a short tour of the tensors.
 --
 --   lua scripts/demo.lua [B H N d]      (scripts/demo builds first)
-local ft = require "flashtile"
+--
+-- Runs under Lua 5.1 to 5.4 and LuaJIT; from a clone it finds flashtile in
+-- lua/ and build/ (or $FT_BUILD_DIR) by itself (scripts/lib/paths.lua).
+local usage = "usage: lua scripts/demo.lua [B H N d]   (batch, heads, seqlen, head dim: positive integers)"
+local args = arg or {}
+if args[1] == "-h" or args[1] == "--help" then
+  print(usage)
+  os.exit(0)
+end
+local sizes
+if #args > 0 then
+  sizes = {}
+  for i = 1, #args do
+    local n = tonumber(args[i])
+    if #args ~= 4 or not (n and n >= 1 and n == math.floor(n)) then
+      io.stderr:write(("demo.lua: bad arguments '%s'\n%s\n"):format(table.concat(args, " "), usage))
+      os.exit(2)
+    end
+    sizes[i] = n
+  end
+end
+
+local ok, ft = pcall(require, "flashtile")
+if not ok then
+  local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
+  ft = dofile(here .. "lib/paths.lua").require("demo.lua", here)
+end
 local bench = require "flashtile.bench"
+local unpack = table.unpack or unpack
+local function pack(...) return { n = select("#", ...), ... } end
 
 -- On a GPU: DESIGN.md's headline size (batch 8, 32 heads, seqlen 4096, head
 -- dim 128, f16). On the CPU: a size that runs in seconds.
@@ -14,9 +42,7 @@ local device = on_gpu and "cuda" or "cpu"
 local B, H, N, d = 2, 4, 1024, 64
 local dtype = "f32"
 if on_gpu then B, H, N, d, dtype = 8, 32, 4096, 128, "f16" end
-if arg and #arg >= 4 then
-  B, H, N, d = tonumber(arg[1]), tonumber(arg[2]), tonumber(arg[3]), tonumber(arg[4])
-end
+if sizes then B, H, N, d = sizes[1], sizes[2], sizes[3], sizes[4] end
 local fast = on_gpu and "flash" or "tiled"
 
 local function mib(bytes) return bytes / 2^20 end
@@ -27,9 +53,9 @@ local function peak_extra(fn)
   if device ~= "cpu" then ft.cuda.synchronize() end
   ft.reset_peak_memory(device)
   local before = ft.memory_stats(device).in_use
-  local r = table.pack(fn())
+  local r = pack(fn())
   if device ~= "cpu" then ft.cuda.synchronize() end
-  return ft.memory_stats(device).peak - before, table.unpack(r, 1, r.n)
+  return ft.memory_stats(device).peak - before, unpack(r, 1, r.n)
 end
 
 print(("flashtile %s: attention on %s, batch %d, heads %d, seqlen %d, head dim %d, %s")
@@ -61,7 +87,7 @@ print(("| implementation | peak memory fwd | peak memory bwd | forward | backwar
 print("| --- | --- | --- | --- | --- | --- | --- |")
 for _, r in ipairs(rows) do
   r[6], r[7] = r[6] * per, r[7] * per
-  print(("| %s | %.1f MiB | %.1f MiB | %.2f ms | %.2f ms | %.1f | %.1f |"):format(table.unpack(r)))
+  print(("| %s | %.1f MiB | %.1f MiB | %.2f ms | %.2f ms | %.1f | %.1f |"):format(unpack(r)))
 end
 print("(peak memory: beyond the inputs, outputs included: out and lse forward, dq, dk, dv backward)")
 print(("\nmax |naive - %s| of the output: %.2e"):format(fast, ft.max_abs_diff(outs.naive, outs[fast])))

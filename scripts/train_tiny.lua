@@ -23,11 +23,70 @@
 -- As a library (the specs): loadfile("scripts/train_tiny.lua")({}) returns
 -- the table of functions below without running anything; train.run(opts)
 -- returns {loss =, control =, chance =, curve =, control_curve =, seconds =}.
-local ft = require "flashtile"
+--
+-- Runs under Lua 5.1 to 5.4 and LuaJIT; from a clone (lua
+-- scripts/train_tiny.lua) it finds flashtile in lua/ and build/ (or
+-- $FT_BUILD_DIR) by itself (scripts/lib/paths.lua).
+local train = {}
+
+-- ---- command line ---------------------------------------------------------------
+
+local usage = [==[
+usage: train_tiny.lua [--steps N] [--device cpu|cuda] [--seed N]
+                      [--control true|false] [--csv FILE] [--help]]==]
+
+--- v as an integer when it is a finite whole number, else nil.
+local function to_int(v)
+  if type(v) ~= "number" or v ~= math.floor(v) or v == math.huge or v == -math.huge then return nil end
+  return math.tointeger and math.tointeger(v) or v
+end
+
+--- Options from the command line: --name value pairs.
+function train.parse_args(args)
+  local o, kinds = {}, { steps = "int", seed = "int", device = "string", csv = "string", control = "bool" }
+  local i = 1
+  while args[i] do
+    local name = args[i]:match("^%-%-([%w_]+)$")
+    if name == "help" then return nil, usage end
+    local kind = name and kinds[name]
+    if not kind then return nil, ("unknown argument '%s'\n%s"):format(args[i], usage) end
+    local v = args[i + 1]
+    if v == nil then return nil, ("--%s needs a value\n%s"):format(name, usage) end
+    if kind == "int" then
+      v = to_int(tonumber(v))
+      if not v or (name == "steps" and v < 1) then
+        return nil, ("--%s must be %s"):format(name, name == "steps" and "a positive integer" or "an integer")
+      end
+    elseif kind == "bool" then
+      if v ~= "true" and v ~= "false" then return nil, ("--%s must be true or false"):format(name) end
+      v = v == "true"
+    end
+    o[name] = v
+    i = i + 2
+  end
+  return o
+end
+
+-- loadfile("scripts/train_tiny.lua")({}) is the library: nothing runs.
+local as_library = select("#", ...) > 0 and type((...)) == "table"
+local cli
+if not as_library then
+  local err
+  cli, err = train.parse_args(arg or {})
+  if not cli then
+    local help = err == usage
+    ;(help and io.stdout or io.stderr):write(err, "\n")
+    os.exit(help and 0 or 2)
+  end
+end
+
+local ok, ft = pcall(require, "flashtile")
+if not ok then
+  local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
+  ft = dofile(here .. "lib/paths.lua").require("train_tiny.lua", here)
+end
 local nn = require "flashtile.nn"
 local optim = require "flashtile.optim"
-
-local train = {}
 
 train.defaults = {
   steps = 200,      -- optimiser steps, for each model
@@ -188,44 +247,7 @@ function train.run(opts)
   return r
 end
 
--- ---- command line ---------------------------------------------------------------
+-- ---- run ------------------------------------------------------------------------
 
-local usage = [==[
-usage: train_tiny.lua [--steps N] [--device cpu|cuda] [--seed N]
-                      [--control true|false] [--csv FILE] [--help]]==]
-
---- Options from the command line: --name value pairs.
-function train.parse_args(args)
-  local o, kinds = {}, { steps = "int", seed = "int", device = "string", csv = "string", control = "bool" }
-  local i = 1
-  while args[i] do
-    local name = args[i]:match("^%-%-([%w_]+)$")
-    if name == "help" then return nil, usage end
-    local kind = name and kinds[name]
-    if not kind then return nil, ("unknown argument '%s'\n%s"):format(args[i], usage) end
-    local v = args[i + 1]
-    if v == nil then return nil, ("--%s needs a value\n%s"):format(name, usage) end
-    if kind == "int" then
-      v = math.tointeger(tonumber(v))
-      if not v or (name == "steps" and v < 1) then
-        return nil, ("--%s must be %s"):format(name, name == "steps" and "a positive integer" or "an integer")
-      end
-    elseif kind == "bool" then
-      if v ~= "true" and v ~= "false" then return nil, ("--%s must be true or false"):format(name) end
-      v = v == "true"
-    end
-    o[name] = v
-    i = i + 2
-  end
-  return o
-end
-
-if select("#", ...) > 0 and type((...)) == "table" then return train end
-
-local o, err = train.parse_args(arg or {})
-if not o then
-  local help = err == usage
-  ;(help and io.stdout or io.stderr):write(err, "\n")
-  os.exit(help and 0 or 2)
-end
-train.run(o)
+if as_library then return train end
+train.run(cli)

@@ -39,8 +39,8 @@ describe("flashtile.bench", function()
         table.sort(sorted)
         assert.are.equal(sorted[1], r.min)
         assert.are.equal(sorted[reps], r.max)
-        local median = reps % 2 == 1 and sorted[(reps + 1) // 2]
-                       or (sorted[reps // 2] + sorted[reps // 2 + 1]) / 2
+        local half = math.floor(reps / 2)
+        local median = reps % 2 == 1 and sorted[half + 1] or (sorted[half] + sorted[half + 1]) / 2
         assert.are.equal(median, r.median)
       end
     end)
@@ -90,12 +90,11 @@ describe("flashtile.bench", function()
         { { reps = -3 }, "bench.run: reps must be an integer >= 1" },
         { { reps = 2.5 }, "bench.run: reps must be an integer >= 1" },
         { { reps = "3" }, "bench.run: reps must be an integer >= 1" },
-        { { reps = 3.0 }, "bench.run: reps must be an integer >= 1" },
       }
       for _, case in ipairs(bad) do
         local opts, needle = case[1], case[2]
         local k, v = next(opts)
-        it(("%s = %s (%s)"):format(k, tostring(v), math.type(v) or type(v)), function()
+        it(("%s = %s (%s)"):format(k, tostring(v), math.type and math.type(v) or type(v)), function()
           local fn, calls = counter()
           local msg = h.assert_error(function() bench.run(fn, opts) end, needle)
           assert.are.equal(0, calls())
