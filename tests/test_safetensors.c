@@ -25,7 +25,7 @@
 
 #include "check.h"
 
-/* ---- helpers ---- */
+/* ---- utilities ---- */
 
 static ft_tensor *empty(ft_dtype dtype, int ndim, const int64_t *shape)
 {
