@@ -283,6 +283,71 @@ function h.f32(x)
   return (h.bunpack("<f", h.bpack("<f", x)))
 end
 
+--- The 8 little-endian bytes of the i64 whose two's complement bits are
+-- hi * 2^32 + lo (hi, lo in [0, 2^32)): exact in every Lua version, also
+-- where a Lua number cannot hold the value.
+function h.i64_bytes(hi, lo)
+  return le_bytes(lo, 4) .. le_bytes(hi, 4)
+end
+
+-- ---- files ------------------------------------------------------------------
+
+--- The whole content of a file ("*a": the spelling every version reads).
+function h.read_file(path)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+function h.write_file(path, bytes)
+  local f = assert(io.open(path, "wb"))
+  f:write(bytes)
+  f:close()
+end
+
+--- A .npy file in the given version with the given dict and data bytes,
+-- padded as NumPy pads it.
+function h.npy_bytes(dict, data, major)
+  major = major or 1
+  local pre = major == 1 and 10 or 12
+  local len = #dict + 1
+  local total = math.ceil((pre + len) / 64) * 64
+  local header = dict .. string.rep(" ", total - pre - len) .. "\n"
+  local lenfield = major == 1 and h.bpack("<I2", #header) or h.bpack("<I4", #header)
+  return "\147NUMPY" .. string.char(major, 0) .. lenfield .. header .. data
+end
+
+local NPY_CODES = { f16 = "<f2", f32 = "<f4", f64 = "<f8", i32 = "<i4", i64 = "<i8" }
+
+--- The bytes of t's elements, row-major and little-endian, as t:save
+-- writes them: the exact bits in every Lua version.
+function h.saved_bytes(t)
+  local path = os.tmpname()
+  t:save(path)
+  local s = h.read_file(path)
+  os.remove(path)
+  local major = s:byte(7)
+  local pre = major == 1 and 10 or 12
+  local hlen = h.bunpack(major == 1 and "<I2" or "<I4", s, 9)
+  return s:sub(pre + hlen + 1)
+end
+
+--- A tensor of the given dtype and shape (a list) holding the given
+-- little-endian element bytes, loaded from a .npy file: values a Lua
+-- number cannot hold (i64 beyond 2^53 below 5.3) reach a tensor this way.
+function h.from_bytes(dtype, shape, data)
+  local dims = {}
+  for i, n in ipairs(shape) do dims[i] = tostring(n) end
+  local tuple = #dims == 1 and "(" .. dims[1] .. ",)" or "(" .. table.concat(dims, ", ") .. ")"
+  local path = os.tmpname()
+  h.write_file(path, h.npy_bytes(string.format("{'descr': '%s', 'fortran_order': False, 'shape': %s, }",
+    assert(NPY_CODES[dtype], "h.from_bytes: no .npy code for " .. tostring(dtype)), tuple), data))
+  local t = ft.load(path)
+  os.remove(path)
+  return t
+end
+
 -- ---- errors -----------------------------------------------------------------
 
 --- Runs fn, asserts that it raised an error, and returns the message.
