@@ -3,10 +3,11 @@
 # run as root on a Debian-like system; otherwise prints the exact command
 # and stops), then configures and builds in $FT_BUILD_DIR (default: build/).
 #
-# Needs: CMake >= 3.24, a C compiler with the C library's headers, ninja or
-# make, pkg-config, the Lua chosen by FT_LUA with its header and library,
-# busted runnable under that Lua, and CBLAS (cblas.h and libopenblas or
-# libcblas, which is what CMakeLists.txt looks for).
+# Needs: CMake (CMakeLists.txt's minimum, 3.25 for the CUDA backend's 90a),
+# a C compiler with the C library's headers, ninja or make, pkg-config, the
+# Lua chosen by FT_LUA with its headers, busted runnable under that Lua, and
+# CBLAS (cblas.h and libopenblas or libcblas, which is what CMakeLists.txt
+# looks for).
 #
 #   FT_LUA=5.1|5.2|5.3|5.4|luajit   the Lua flashtile is built and tested for
 #                                   (default 5.4; given to CMake as -DFT_LUA)
@@ -22,18 +23,24 @@
 # pass. A reference BLAS alone (libblas-dev: a cblas.h but no libopenblas
 # or libcblas) is not enough for CMakeLists.txt, and is not taken for CBLAS.
 #
-# CMake below 3.24 (the minimum of CMakeLists.txt): the first cmake in PATH
-# that is new enough is used (FT_CMAKE, and the ctest beside it); when there
+# CMake: the version CMakeLists.txt's cmake_minimum_required names (3.18
+# today), or 3.25 where the CUDA backend will be built for an
+# architecture-specific target such as the default 90a (nvcc found and
+# FT_CUDA not OFF), which CMakeLists.txt checks too. The first cmake in PATH
+# that is new enough is used (FT_CMAKE, and the ctest beside it). When there
 # is none, cmake is among the missing packages and, as root, Debian's cmake
 # is installed (3.25 on Debian 12, 3.28 on Ubuntu 24.04) even where an older
-# one stays first in PATH. If apt's own cmake is older too (Debian 11,
-# Ubuntu 22.04), nothing is installed and a message says so: install a newer
-# CMake (backports, Kitware's apt repository or cmake.org) and run again.
+# one stays first in PATH. If apt's own cmake is older than needed too
+# (Ubuntu 20.04's 3.16; Debian 11's 3.18 or Ubuntu 22.04's 3.22 with CUDA),
+# the other packages are installed, cmake is not, and a message says so:
+# install a newer CMake (backports, Kitware's apt repository, cmake.org)
+# first in PATH and run again.
 
 ft_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 FT_BUILD_DIR=${FT_BUILD_DIR:-$ft_root/build}
 FT_LUA=${FT_LUA:-5.4}
-FT_CMAKE_MIN=3.24
+FT_CMAKE_MIN=$(sed -n 's/^cmake_minimum_required(VERSION \([0-9]*\.[0-9]*\).*/\1/p' "$ft_root/CMakeLists.txt" 2>/dev/null)
+FT_CMAKE_MIN=${FT_CMAKE_MIN:-3.18}
 
 case $FT_LUA in
   5.1|5.2|5.3|5.4|luajit) ;;
@@ -132,12 +139,29 @@ ft_cmake_version() { # the "3.25.1" of `cmake --version`
   "$1" --version 2>/dev/null | sed -n 's/^cmake version \([0-9][0-9.]*\).*/\1/p'
 }
 
+# The CMake version this build needs: FT_CMAKE_MIN, or 3.25 when CMake will
+# find nvcc and build for an architecture-specific target (90a).
+ft_cmake_needed() {
+  local archs cached=""
+  if [ "$(echo "${FT_CUDA:-AUTO}" | tr a-z A-Z)" != OFF ] &&
+     { [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }; then
+    [ -f "$FT_BUILD_DIR/CMakeCache.txt" ] &&
+      cached=$(sed -n 's/^FT_CUDA_ARCHS:[A-Z]*=//p' "$FT_BUILD_DIR/CMakeCache.txt")
+    archs=${FT_CUDA_ARCHS:-${cached:-80;90a}}
+    if [[ $archs =~ [0-9]a ]] && ! ft_version_ok "$FT_CMAKE_MIN" 3.25; then
+      echo 3.25; return 0
+    fi
+  fi
+  echo "$FT_CMAKE_MIN"
+}
+
 # Sets FT_CMAKE (and FT_CTEST) to the first cmake in PATH that is new enough.
 ft_find_cmake() {
-  local c v
+  local c v need
+  need=$(ft_cmake_needed)
   while read -r c; do
     v=$(ft_cmake_version "$c")
-    if ft_version_ok "$v" "$FT_CMAKE_MIN" && [ -x "$(dirname "$c")/ctest" ]; then
+    if ft_version_ok "$v" "$need" && [ -x "$(dirname "$c")/ctest" ]; then
       FT_CMAKE=$c
       FT_CTEST=$(dirname "$c")/ctest
       return 0
@@ -282,43 +306,61 @@ ft_cmake_too_old_message() { # ft_cmake_too_old_message APT_VERSION
   while read -r c; do
     if [ -n "$c" ]; then found+=" $c ($(ft_cmake_version "$c"))"; fi
   done <<< "$(type -ap cmake)"
-  echo "flashtile: CMake >= $FT_CMAKE_MIN is needed;${found:+ found$found;} apt's cmake here is $1." >&2
+  echo "flashtile: CMake >= $(ft_cmake_needed) is needed;${found:+ found$found;} apt's cmake here is $1." >&2
   echo "  Install a newer CMake (Debian 12 and Ubuntu 24.04 ship one; elsewhere backports," >&2
   echo "  Kitware's apt repository or a release from cmake.org), put it in PATH, and run again." >&2
 }
 
+# Sets ft_apt_missing to MISSING, less cmake when apt's cmake is older than
+# the minimum (ft_apt_cmake_old is then its version, else empty).
+ft_drop_old_apt_cmake() { # ft_drop_old_apt_cmake MISSING
+  local v p out=()
+  ft_apt_missing=$1
+  ft_apt_cmake_old=""
+  if [[ " $1 " == *" cmake "* ]]; then
+    v=$(ft_apt_cmake_version)
+    if [ -n "$v" ] && ! ft_version_ok "$v" "$(ft_cmake_needed)"; then
+      ft_apt_cmake_old=$v
+      for p in $1; do [ "$p" = cmake ] || out+=("$p"); done
+      ft_apt_missing="${out[*]}"
+    fi
+  fi
+}
+
 ft_install_missing() {
-  local missing apt_cmake
+  local missing errors rc=0
   missing=$(ft_missing_packages)
   [ -z "$missing" ] && return 0
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
-    echo "flashtile: installing $missing"
-    apt-get update -qq || { echo "flashtile: apt-get update failed" >&2; return 1; }
-    if [[ " $missing " == *" cmake "* ]]; then
-      apt_cmake=$(ft_apt_cmake_version)
-      if [ -n "$apt_cmake" ] && ! ft_version_ok "$apt_cmake" "$FT_CMAKE_MIN"; then
-        ft_cmake_too_old_message "$apt_cmake"
-        return 1
-      fi
+    apt-get update -qq || echo "flashtile: apt-get update failed; trying with the package lists there are" >&2
+    ft_drop_old_apt_cmake "$missing"
+    missing=$ft_apt_missing
+    if [ -n "$missing" ]; then
+      echo "flashtile: installing $missing"
+      # apt's own errors are shown; debconf's note about apt-utils is not.
+      errors=$(mktemp)
+      # shellcheck disable=SC2086
+      apt-get install -y -qq --no-install-recommends $missing >/dev/null 2>"$errors" || rc=$?
+      grep -v '^debconf: delaying package configuration' "$errors" >&2 || true
+      rm -f "$errors"
+      [ "$rc" = 0 ] || { echo "flashtile: apt-get install $missing failed" >&2; return 1; }
     fi
-    # shellcheck disable=SC2086
-    apt-get install -y -qq --no-install-recommends $missing >/dev/null ||
-      { echo "flashtile: apt-get install $missing failed" >&2; return 1; }
     missing=$(ft_missing_packages)
     [ -z "$missing" ] && return 0
+    if [ "$missing" = cmake ] && [ -n "$ft_apt_cmake_old" ]; then
+      ft_cmake_too_old_message "$ft_apt_cmake_old"
+      return 1
+    fi
     echo "flashtile: still missing after apt-get: $missing" >&2
     return 1
   fi
   echo "flashtile: missing: $missing" >&2
   if command -v apt-get >/dev/null 2>&1; then
-    echo "install them with:  sudo apt-get install $missing" >&2
-    if [[ " $missing " == *" cmake "* ]]; then
-      apt_cmake=$(ft_apt_cmake_version)
-      if [ -n "$apt_cmake" ] && ! ft_version_ok "$apt_cmake" "$FT_CMAKE_MIN"; then
-        ft_cmake_too_old_message "$apt_cmake"
-      fi
-    fi
+    ft_drop_old_apt_cmake "$missing"
+    missing=$ft_apt_missing
+    [ -z "$missing" ] || echo "install them with:  sudo apt-get install $missing" >&2
+    [ -z "$ft_apt_cmake_old" ] || ft_cmake_too_old_message "$ft_apt_cmake_old"
   else
     echo "install them with your package manager (Debian names above), then run again" >&2
   fi
@@ -329,7 +371,7 @@ ft_install_missing() {
 
 ft_build() { # ft_build [extra cmake args...]
   local gen=()
-  ft_find_cmake || { echo "flashtile: no cmake >= $FT_CMAKE_MIN in PATH" >&2; return 1; }
+  ft_find_cmake || { echo "flashtile: no cmake >= $(ft_cmake_needed) in PATH" >&2; return 1; }
   command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
   if [ ! -f "$FT_BUILD_DIR/CMakeCache.txt" ]; then
     "$FT_CMAKE" -S "$ft_root" -B "$FT_BUILD_DIR" "${gen[@]}" -DFT_LUA="$FT_LUA" "$@" || return 1
