@@ -44,8 +44,8 @@ local function check_against_naive(dtype, B, Nq, Nk, H, Hk, d, causal)
   local q, k, v, dout = inputs(B, Nq, Nk, H, Hk, d)
   local opts = { causal = causal }
   local ref, ref_lse = reference(q, k, v, dout, opts)
-  local f = table.pack(run_gpu("flash", dtype, q, k, v, dout, opts))
-  local n = table.pack(run_gpu("naive", dtype, q, k, v, dout, opts))
+  local f = h.pack(run_gpu("flash", dtype, q, k, v, dout, opts))
+  local n = h.pack(run_gpu("naive", dtype, q, k, v, dout, opts))
   local names = { "out", "lse", "dq", "dk", "dv" }
   local where = ("%s B=%d Nq=%d Nk=%d H=%d Hk=%d d=%d causal=%s"):format(
     dtype, B, Nq, Nk, H, Hk, d, tostring(causal))
@@ -110,8 +110,8 @@ describe("attention on CUDA #gpu", function()
     assert.are.equal(0, ft.max_abs_diff(a, b))
     local dout = ft.randn(a.shape, { dtype = "f16", seed = h.next_seed() }):cuda()
     local _, lse = ft.attention(q, k, v, { causal = true })
-    local g1 = table.pack(ft.attention_backward(dout, q, k, v, a, lse, { causal = true }))
-    local g2 = table.pack(ft.attention_backward(dout, q:contiguous(), k:contiguous(), v:contiguous(), a, lse, { causal = true }))
+    local g1 = h.pack(ft.attention_backward(dout, q, k, v, a, lse, { causal = true }))
+    local g2 = h.pack(ft.attention_backward(dout, q:contiguous(), k:contiguous(), v:contiguous(), a, lse, { causal = true }))
     for i = 1, 3 do assert.are.equal(0, ft.max_abs_diff(g1[i], g2[i])) end
   end)
 
@@ -131,9 +131,9 @@ describe("attention on CUDA #gpu", function()
     local opts = { causal = true, deterministic = true }
     local qg, kg, vg, dg = q:bf16():cuda(), k:bf16():cuda(), v:bf16():cuda(), dout:bf16():cuda()
     local out, lse = ft.attention(qg, kg, vg, opts)
-    local first = table.pack(ft.attention_backward(dg, qg, kg, vg, out, lse, opts))
+    local first = h.pack(ft.attention_backward(dg, qg, kg, vg, out, lse, opts))
     for _ = 1, 3 do
-      local again = table.pack(ft.attention_backward(dg, qg, kg, vg, out, lse, opts))
+      local again = h.pack(ft.attention_backward(dg, qg, kg, vg, out, lse, opts))
       for i = 1, 3 do assert.are.equal(0, ft.max_abs_diff(first[i], again[i])) end
     end
   end)

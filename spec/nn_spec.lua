@@ -44,7 +44,7 @@ local function check_module(m, x, opts, fixed_input)
     local out, n = {}, 0
     if x then n = 1; out[1] = gx:clone() end
     for _, g in ipairs(grads) do n = n + 1; out[n] = g:clone() end
-    return table.unpack(out, 1, n)
+    return h.unpack(out, 1, n)
   end
   local ok, report = gradcheck.check(forward, backward, inputs, opts or { fast = true })
   assert.is_true(ok, report.message)
@@ -262,7 +262,7 @@ describe("nn forward values", function()
     for _, o in ipairs { { dim = 8, heads = 2, causal = true, bias = true }, { dim = 8, heads = 4, kv_heads = 2 } } do
       local m = nn.MultiheadAttention(opts64(o))
       local x = h.randn({ 2, 5, 8 })
-      local H, Hk, d = o.heads, o.kv_heads or o.heads, 8 // o.heads
+      local H, Hk, d = o.heads, o.kv_heads or o.heads, h.idiv(8, o.heads)
       -- the same computation spelt out, with contiguous q, k, v
       local q, k, v
       if m.qkv then
@@ -300,7 +300,7 @@ describe("nn forward values", function()
     local targets = { 2, 1 }
     local want = 0
     for i, r in ipairs(lg) do
-      local m = math.max(table.unpack(r))
+      local m = math.max(h.unpack(r))
       local s = 0
       for _, v in ipairs(r) do s = s + math.exp(v - m) end
       want = want + (m + math.log(s) - r[targets[i]]) / 2
@@ -532,7 +532,7 @@ describe("nn errors", function()
   }
   for _, case in ipairs(cases) do
     it(case[1] .. " is a clear error", function()
-      h.assert_error(case[2], table.unpack(case[3]))
+      h.assert_error(case[2], h.unpack(case[3]))
     end)
   end
 

@@ -3,13 +3,16 @@
 local h = require "helper"
 local ft = h.ft
 
-local function f32(x) return (string.unpack("<f", string.pack("<f", x))) end
+local f32 = h.f32
 
---- Elementwise reference: applies f to the flat values of the tables.
+--- Elementwise reference: applies f to the flat values of the tables
+-- (with one argument when b is absent: LuaJIT's math.log(x, nil) is an error).
 local function map(f, a, b)
   local fa, fb = h.flatten(a), b and h.flatten(b)
   local out = {}
-  for i = 1, #fa do out[i] = f(fa[i], fb and fb[i]) end
+  for i = 1, #fa do
+    if fb then out[i] = f(fa[i], fb[i]) else out[i] = f(fa[i]) end
+  end
   return out
 end
 
@@ -167,10 +170,15 @@ describe("ops", function()
     it("of integer tensors give integers for sum, max and min", function()
       local i = ft.tensor({ { 3, -8 }, { 5, 1 } }, { dtype = "i32" })
       assert.are.equal(1, i:sum())
-      assert.are.equal("integer", math.type(i:sum()))
       assert.are.equal(5, i:max())
       assert.are.equal(-8, i:min())
       assert.are.equal(0.25, i:mean())
+      if not h.has_int64 then
+        pending("math.type needs 5.3 (" .. _VERSION .. " has no integer subtype); the values are checked above")
+      end
+      assert.are.equal("integer", math.type(i:sum()))
+      assert.are.equal("integer", math.type(i:max()))
+      assert.are.equal("integer", math.type(i:min()))
     end)
 
     it("along a dim give a tensor without that dim", function()
@@ -284,7 +292,7 @@ describe("ops", function()
       assert.are.same({ 4, 6 }, s.shape)
       local want = {}
       for i, row in ipairs(A) do
-        local m = math.max(table.unpack(row))
+        local m = math.max(h.unpack(row))
         local total = 0
         for _, v in ipairs(row) do total = total + math.exp(v - m) end
         want[i] = {}
