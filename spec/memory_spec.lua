@@ -13,12 +13,19 @@ describe("memory statistics", function()
   describe("ft.memory_stats", function()
     it("gives in_use and peak in bytes, as integers", function()
       for _, s in ipairs { ft.memory_stats(), ft.memory_stats("cpu") } do
-        assert.are.equal("integer", math.type(s.in_use))
-        assert.are.equal("integer", math.type(s.peak))
+        assert.are.equal(math.floor(s.in_use), s.in_use)
+        assert.are.equal(math.floor(s.peak), s.peak)
         assert.is_true(s.in_use >= 0)
         assert.is_true(s.peak >= s.in_use)
       end
       assert.are.same(ft.memory_stats(), ft.memory_stats("cpu"))
+      if not h.has_int64 then
+        pending("math.type needs 5.3 (" .. _VERSION .. " has no integer subtype); whole numbers are checked above")
+      end
+      for _, s in ipairs { ft.memory_stats(), ft.memory_stats("cpu") } do
+        assert.are.equal("integer", math.type(s.in_use))
+        assert.are.equal("integer", math.type(s.peak))
+      end
     end)
 
     it("rises by 8e6 bytes for a 1000x1000 f64 tensor", function()
