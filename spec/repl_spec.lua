@@ -14,7 +14,7 @@ local function repl(lines)
   local cmd = ("LUA_PATH=%q LUA_CPATH=%q %q scripts/repl.lua < %q 2>&1"):format(
     package.path, package.cpath, lua, input)
   local p = assert(io.popen(cmd))
-  local out = p:read("a")
+  local out = p:read("*a")
   p:close()
   os.remove(input)
   local result = {}
@@ -38,7 +38,8 @@ describe("the REPL", function()
     assert.are.equal(2, #errors, all)
     assert.is_truthy(errors[1]:find("shape {5, 3} has 15 elements, tensor {2, 3} has 6", 1, true), all)
     assert.is_truthy(errors[2]:find("unknown dtype 'f8'", 1, true), all)
-    assert.is_truthy(all:find("> 21.0", 1, true), all)
+    -- a float sum prints as Lua prints it: 21.0 from 5.3 on, 21 before
+    assert.is_truthy(all:find("> " .. tostring(21.0), 1, true), all)
   end)
 
   it("prints values, continues incomplete statements, and survives a freed tensor", function()
