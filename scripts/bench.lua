@@ -327,6 +327,11 @@ end
 
 -- ---- run everything -------------------------------------------------------------
 
+--- TFLOP/s with the given decimals, or 4 significant digits below 1 (a CPU's).
+local function fmt_tflops(t, decimals)
+  return t >= 1 and ("%." .. decimals .. "f"):format(t) or ("%.4g"):format(t)
+end
+
 local device_name = on_gpu and ft.cuda.device_name(tonumber(device:match("^cuda:(%d+)$") or "0")) or "cpu"
 local rows = {}
 local total = #impls * #dtypes * #hdims * #seqlens * #causals * #passes
@@ -353,7 +358,7 @@ for _, impl in ipairs(impls) do
             rows[#rows + 1] = row
             io.stderr:write(("[%d/%d] %s %s d=%d N=%d causal=%s %s: %s\n"):format(#rows, total, impl,
               dtype, d, N, tostring(causal), pass,
-              row.error and ("FAILED " .. row.error) or ("%.3f ms, %.4g TFLOP/s"):format(row.ms, row.tflops)))
+              row.error and ("FAILED " .. row.error) or ("%.3f ms, %s TFLOP/s"):format(row.ms, fmt_tflops(row.tflops, 1))))
           end
         end
       end
@@ -377,7 +382,7 @@ for _, r in ipairs(rows) do
     any_proxy = any_proxy or (r.proxy and (r.ref_flash or r.ref_cudnn) ~= nil)
     print(("| %s | %s | %d | %d | %d | %d | %s | %s | %.3f | %s | %.1f | %s | %s |"):format(r.impl,
       r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.ms,
-      r.tflops >= 1 and ("%.1f"):format(r.tflops) or ("%.4f"):format(r.tflops), r.peak / 2^20,
+      fmt_tflops(r.tflops, 1), r.peak / 2^20,
       fmt_ratio(r.ref_flash, r.proxy), fmt_ratio(r.ref_cudnn, r.proxy)))
   end
 end
@@ -389,7 +394,7 @@ local csv = assert(io.open(opts.csv, "w"))
 csv:write("impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error\n")
 for _, r in ipairs(rows) do
   csv:write(table.concat({ r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass,
-    r.ms and ("%.4f"):format(r.ms) or "", r.tflops and ("%.4g"):format(r.tflops) or "",
+    r.ms and ("%.4f"):format(r.ms) or "", r.tflops and fmt_tflops(r.tflops, 2) or "",
     r.peak and ("%d"):format(r.peak) or "", r.ref_flash and ("%.3f"):format(r.ref_flash) or "",
     r.ref_cudnn and ("%.3f"):format(r.ref_cudnn) or "",
     r.error and ('"' .. r.error:gsub('"', "'"):gsub("\n", " ") .. '"') or "" }, ","), "\n")
