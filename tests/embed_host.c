@@ -22,14 +22,16 @@
  *     against the naive one, and known values (keys all zero: every output
  *     row is the mean of V, LSE = log Nk, dV rows the mean of dOut, dQ = 0);
  *   - a few tensor ops (matmul, softmax) against what they must give;
+ *   - where a GPU is present, the same attention (f32 and f16) and a matmul
+ *     through the CUDA backend against the CPU's results;
  *   - each state's random generator is its own: the same seed gives, on
  *     either thread and while the other thread draws numbers, exactly the
  *     results a state gave alone on the main thread;
  *   - a Lua error from a bad argument in one state (raised up to the host)
  *     carries that state's own message, leaves the state usable, and does
  *     not disturb the other state's results;
- *   - once every state is closed, no tensor memory is left (the memory
- *     counters are process-wide).
+ *   - once every state is closed, no tensor memory is left, on the CPU or
+ *     on CUDA (the memory counters are process-wide).
  * Prints one line per failure, and "embed_host: OK" at the end on success.
  */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t */
@@ -46,8 +48,10 @@
 int luaopen_flashtile_core(lua_State *L);
 #endif
 
-#define NRESULTS 7
-#define ITERATIONS 12
+#define NRESULTS 8
+#ifndef ITERATIONS
+#define ITERATIONS 12 /* per thread; -DITERATIONS=n for a longer run */
+#endif
 
 /* Run with the seed as its argument; checks what it can by itself and
  * returns NRESULTS numbers that depend on every result. */
@@ -91,7 +95,25 @@ static const char WORK[] =
     "check(ft.max_abs_diff(sym, sym:transpose()) < 1e-12, 'A A^T is not symmetric')\n"
     "check((a:softmax(2):sum(2) - 1):abs():max() < 1e-12, 'softmax rows do not sum to 1')\n"
     "local function sq(t) return (t * t):sum() end\n"
-    "return sq(out), lse:sum(), sq(dq), sq(dk), sq(dv), sq(sym), ft.rand({5}):sum()\n";
+    "-- on a GPU, the same attention through the CUDA kernels, and a cuBLAS product\n"
+    "local gpu = 0\n"
+    "if ft.cuda.is_available() then\n"
+    "  local fq, fk, fv = q:float():cuda(), k:float():cuda(), v:float():cuda()\n"
+    "  local co, cl = ft.attention(fq, fk, fv, {causal = true})\n"
+    "  local cdq, cdk, cdv = ft.attention_backward(dout:float():cuda(), fq, fk, fv, co, cl, {causal = true})\n"
+    "  local ho = ft.attention(q:half():cuda(), k:half():cuda(), v:half():cuda(), {causal = true})\n"
+    "  local cm = ft.matmul(a:float():cuda(), a:float():cuda():transpose())\n"
+    "  local host = {co:cpu():double(), cdq:cpu():double(), cdk:cpu():double(), cdv:cpu():double(),\n"
+    "                ho:cpu():double(), cm:cpu():double()}\n"
+    "  local want = {out, dq, dk, dv, out, sym}\n"
+    "  local tol = {1e-4, 1e-3, 1e-3, 1e-3, 1e-2, 1e-3}\n"
+    "  for i = 1, #host do\n"
+    "    local d = ft.max_abs_diff(host[i], want[i])\n"
+    "    check(d < tol[i], ('CUDA result %d differs from the CPU by %g'):format(i, d))\n"
+    "    gpu = gpu + sq(host[i])\n"
+    "  end\n"
+    "end\n"
+    "return sq(out), lse:sum(), sq(dq), sq(dk), sq(dv), sq(sym), ft.rand({5}):sum(), gpu\n";
 
 /* Each thread's mistake, and words its error message must contain (the
  * function, the argument, and this mistake's own numbers). */
@@ -252,7 +274,7 @@ int main(int argc, char **argv)
     }
 #endif
     lua_dir = argv[1];
-    int failures = 0;
+    int failures = 0, gpu = 0;
     char err[512];
 
     /* The reference results: each seed in a state of its own, alone. */
@@ -283,16 +305,21 @@ int main(int argc, char **argv)
     lua_State *L = new_state();
     if (!L)
         return 1;
-    if (run(L, "return require('flashtile').memory_stats().in_use", -1, 1, err, sizeof err) != 0) {
+    static const char ALIVE[] =
+        "local ft = require 'flashtile'\n"
+        "local cuda = ft.cuda.is_available()\n"
+        "return ft.memory_stats().in_use, cuda and ft.memory_stats('cuda').in_use or 0, cuda\n";
+    if (run(L, ALIVE, -1, 3, err, sizeof err) != 0) {
         fprintf(stderr, "embed_host: memory_stats: %s\n", err);
         failures++;
     } else {
-        if (lua_tonumber(L, -1) != 0) {
-            fprintf(stderr, "embed_host: %.0f bytes of tensors alive after every state closed\n",
-                    lua_tonumber(L, -1));
+        if (lua_tonumber(L, -3) != 0 || lua_tonumber(L, -2) != 0) {
+            fprintf(stderr, "embed_host: tensors alive after every state closed: "
+                    "%.0f bytes on the CPU, %.0f on CUDA\n", lua_tonumber(L, -3), lua_tonumber(L, -2));
             failures++;
         }
-        lua_pop(L, 1);
+        gpu = lua_toboolean(L, -1);
+        lua_pop(L, 3);
     }
     lua_close(L);
 
@@ -300,13 +327,14 @@ int main(int argc, char **argv)
         fprintf(stderr, "embed_host: %d failure(s)\n", failures);
         return 1;
     }
-    printf("embed_host: OK (%s; %s; 2 threads x %d runs and %d caught errors)\n",
+    printf("embed_host: OK (%s; %s; 2 threads x %d runs and %d caught errors; %s)\n",
            LUA_VERSION,
 #ifdef FT_EMBED_DYNAMIC
            "flashtile/core.so loaded by require",
 #else
            "binding linked in",
 #endif
-           ITERATIONS, jobs[0].errors_seen);
+           ITERATIONS, jobs[0].errors_seen,
+           gpu ? "CUDA checked too" : "no GPU: CPU only");
     return 0;
 }
