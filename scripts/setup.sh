@@ -327,6 +327,14 @@ ft_drop_old_apt_cmake() { # ft_drop_old_apt_cmake MISSING
   fi
 }
 
+# On Ubuntu, ninja-build, lua5.x, lua-busted and libopenblas-dev are in universe.
+ft_universe_hint() {
+  if grep -qs '^ID=ubuntu' /etc/os-release; then
+    echo "  (on Ubuntu, several of these are in the universe component: enable it with" >&2
+    echo "  'add-apt-repository universe' or in /etc/apt/sources.list.d/, then run again)" >&2
+  fi
+}
+
 ft_install_missing() {
   local missing errors rc=0
   missing=$(ft_missing_packages)
@@ -344,7 +352,11 @@ ft_install_missing() {
       apt-get install -y -qq --no-install-recommends $missing >/dev/null 2>"$errors" || rc=$?
       grep -v '^debconf: delaying package configuration' "$errors" >&2 || true
       rm -f "$errors"
-      [ "$rc" = 0 ] || { echo "flashtile: apt-get install $missing failed" >&2; return 1; }
+      if [ "$rc" != 0 ]; then
+        echo "flashtile: apt-get install $missing failed" >&2
+        ft_universe_hint
+        return 1
+      fi
     fi
     missing=$(ft_missing_packages)
     [ -z "$missing" ] && return 0
