@@ -51,10 +51,13 @@ static int compat_isinteger(lua_State *L, int idx)
     return v == floor(v) && v >= -0x1p63 && v < 0x1p63;
 }
 
+/* ok may be NULL: 5.2's lua_tointeger(L, i) is lua_tointegerx(L, i, NULL). */
 static lua_Integer compat_tointegerx(lua_State *L, int idx, int *ok)
 {
-    *ok = compat_isinteger(L, idx);
-    return *ok ? (lua_Integer)lua_tonumber(L, idx) : 0;
+    int is = compat_isinteger(L, idx);
+    if (ok)
+        *ok = is;
+    return is ? (lua_Integer)lua_tonumber(L, idx) : 0;
 }
 #define lua_isinteger(L, idx) compat_isinteger((L), (idx))
 #define lua_tointegerx(L, idx, ok) compat_tointegerx((L), (idx), (ok))

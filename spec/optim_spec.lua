@@ -182,12 +182,6 @@ describe("optimiser errors", function()
   end
 
   it("errors point at the caller's line", function()
-    if _VERSION == "Lua 5.1" and not h.is_luajit then
-      -- optim.SGD and optim.AdamW end in a tail call (return new(...)); Lua 5.1
-      -- leaves a "(tail call)" frame there, so error(msg, 4) finds no line
-      pending("bug under Lua 5.1: optim.SGD/optim.AdamW errors carry no position "
-        .. "(error level 4 lands on the tail call frame of return new(...))")
-    end
     local msg = h.error_of(function() local o = optim.SGD({ p }, { g }, { lr = 0 }); return o end)
     assert.is_truthy(msg:find("optim_spec.lua:%d+: optim.SGD"), msg)
     msg = h.error_of(function() local o = optim.AdamW({ p }, {}); return o end)

@@ -55,10 +55,9 @@ describe("tostring", function()
         assert.are.equal("[ 9223372036854775807, -9223372036854775808]\n[flashtile.Tensor i64 cpu {2}]",
           tostring(t))
       else
-        -- there 2^63 - 1 reads as the double 2^63, and string.format("%d", 2^63)
-        -- prints -9223372036854775808 (5.1, LuaJIT) or raises (5.2)
-        pending("bug below 5.3: tostring of an i64 tensor holding 2^63 - 1 prints "
-          .. "-9223372036854775808 or fails (lua/flashtile/init.lua formats the double 2^63 with %d)")
+        -- there 2^63 - 1 reads as the double 2^63, printed exactly
+        assert.are.equal("[ 9223372036854775808, -9223372036854775808]\n[flashtile.Tensor i64 cpu {2}]",
+          tostring(t))
       end
       local printed = {}
       for num in tostring(t):match("^%[(.-)%]"):gmatch("[^,%s]+") do printed[#printed + 1] = tonumber(num) end

@@ -65,7 +65,9 @@ end
 -- point with 4 decimals when the magnitudes allow, else scientific.
 local function formatter(vals, is_float)
   if not is_float then
-    return function(v) return string.format("%d", v) end
+    -- below 5.3 an i64 arrives as a double, which %d cannot take past 2^63
+    local ifmt = math.type and "%d" or "%.0f"
+    return function(v) return string.format(ifmt, v) end
   end
   local maxabs, minabs, integral = 0, math.huge, true
   for _, v in ipairs(vals) do

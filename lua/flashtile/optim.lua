@@ -28,8 +28,18 @@ local optim = {}
 
 -- ---- option checks ------------------------------------------------------------
 
+local this_file = debug.getinfo(1, "S").source
+
+--- Raises ctx: msg at the first caller outside this file (however deep the
+-- checks are, and with or without tail calls, which Lua 5.1 keeps as frames).
 local function fail(ctx, msg)
-  error(ctx .. ": " .. msg, 4)
+  local level = 2
+  while true do
+    local info = debug.getinfo(level, "S")
+    if not info or info.source ~= this_file then break end
+    level = level + 1
+  end
+  error(ctx .. ": " .. msg, level)
 end
 
 --- The options with their defaults; unknown keys are errors. `spec` maps a
@@ -130,9 +140,12 @@ SGD.__index = SGD
 --- optim.SGD(params, grads, {lr =, momentum = 0, weight_decay = 0}), or
 -- optim.SGD(module, {...}) for the module's parameters().
 function optim.SGD(params, grads, opts)
-  return new(SGD, "optim.SGD", params, grads, opts, {
+  -- not a tail call: Lua 5.1 would leave a "(tail call)" frame where the
+  -- error level of a bad option points
+  local o = new(SGD, "optim.SGD", params, grads, opts, {
     lr = { nil, positive }, momentum = { 0, fraction }, weight_decay = { 0, non_negative },
   })
+  return o
 end
 
 function SGD:step()
@@ -158,10 +171,11 @@ AdamW.__index = AdamW
 --- optim.AdamW(params, grads, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8,
 -- weight_decay = 0.01}), or optim.AdamW(module, {...}).
 function optim.AdamW(params, grads, opts)
-  return new(AdamW, "optim.AdamW", params, grads, opts, {
+  local o = new(AdamW, "optim.AdamW", params, grads, opts, {
     lr = { 1e-3, positive }, betas = { { 0.9, 0.999 }, betas }, eps = { 1e-8, positive },
     weight_decay = { 0.01, non_negative },
   })
+  return o
 end
 
 function AdamW:step()
