@@ -54,7 +54,11 @@ describe("misuse", function()
     local args = arguments()
     local names = {}
     for name, f in pairs(ft) do
-      if type(f) == "function" and name ~= "manual_seed" then names[#names + 1] = name end
+      -- save_safetensors would write files named after the arguments (its
+      -- errors are safetensors_spec's)
+      if type(f) == "function" and name ~= "manual_seed" and name ~= "save_safetensors" then
+        names[#names + 1] = name
+      end
     end
     table.sort(names)
     for _, name in ipairs(names) do
