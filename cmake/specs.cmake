@@ -118,3 +118,19 @@ if(FT_LUA_STATIC_LIBRARY)
 else()
   message(STATUS "flashtile: no static Lua ${FT_LUA_NAME} library found; embed_host_dynamic not built")
 endif()
+
+# tests/embed_example.c is the host README.md shows under "Embedding": it is
+# built and run here, and readme_embed_example checks that the README's
+# copy is this file, line for line.
+if(FT_LUA_LIBRARY)
+  add_executable(embed_example tests/embed_example.c)
+  target_link_libraries(embed_example PRIVATE flashtile_lua_static ${FT_LUA_LIBRARY}
+                        Threads::Threads m ${CMAKE_DL_LIBS})
+  add_test(NAME embed_example COMMAND embed_example ${CMAKE_CURRENT_SOURCE_DIR}/lua)
+  set_tests_properties(embed_example PROPERTIES ENVIRONMENT "${FT_SANITIZER_ENV}"
+    PASS_REGULAR_EXPRESSION "seed 1: [0-9.e+-]+ [0-9.e+-]+\nseed 2|seed 2: [0-9.e+-]+ [0-9.e+-]+\nseed 1")
+endif()
+add_test(NAME readme_embed_example
+  COMMAND ${CMAKE_COMMAND} -DREADME=${CMAKE_CURRENT_SOURCE_DIR}/README.md
+          -DEXAMPLE=${CMAKE_CURRENT_SOURCE_DIR}/tests/embed_example.c
+          -P ${CMAKE_CURRENT_SOURCE_DIR}/cmake/readme_example.cmake)
