@@ -256,7 +256,7 @@ end
 local FLOOR = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }
 
 --- Checks impl against the naive path on a slice (one batch, up to two kv
--- groups' heads) by DESIGN.md's standard: the error against a reference in
+-- groups' heads) by flashtile's accuracy standard: the error against a reference in
 -- a wider dtype (f32 for f16 and bf16, f64 for f32) is at most twice that
 -- of the naive path in the same precision. Returns nil when fine, else a
 -- message.

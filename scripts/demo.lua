@@ -35,7 +35,7 @@ local bench = require "flashtile.bench"
 local unpack = table.unpack or unpack
 local function pack(...) return { n = select("#", ...), ... } end
 
--- On a GPU: DESIGN.md's headline size (batch 8, 32 heads, seqlen 4096, head
+-- On a GPU: the seed article's headline size (batch 8, 32 heads, seqlen 4096, head
 -- dim 128, f16). On the CPU: a size that runs in seconds.
 local on_gpu = ft.cuda.is_available()
 local device = on_gpu and "cuda" or "cpu"

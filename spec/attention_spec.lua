@@ -444,7 +444,7 @@ describe("attention (cpu)", function()
     -- shape) while the naive path kept P, dP and dS in f32: the tiled
     -- D = rowsum(dO * O) uses the f16-rounded O. It passes since the naive
     -- path rounds P, dP and dS to the input precision (PyTorch's math
-    -- path); it stays as a regression case. The factor 2 is DESIGN.md's.
+    -- path); it stays as a regression case. The factor 2 is the accuracy standard's (README, Attention).
     local low_cases = {}
     for dt_index, dtype in ipairs { "f16", "bf16" } do
       for ci, c in ipairs(cases) do

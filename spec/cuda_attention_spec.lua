@@ -1,5 +1,5 @@
 -- Attention on CUDA (tag #gpu): the flash kernels and the naive cuBLAS path
--- against the CPU's f64 reference on fresh random inputs, by DESIGN.md's
+-- against the CPU's f64 reference on fresh random inputs, by flashtile's accuracy
 -- standard: a 16-bit (or f32) result passes when its error against f64 is
 -- at most twice the error of the naive path run in the same input precision
 -- (plus a floor at the input's rounding unit), and is never NaN. Pending,
