@@ -201,6 +201,14 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
                                     ft_tensor *dq, ft_tensor *dk,
                                     ft_tensor *dv);
 
+/* File helpers shared by the .npy and .safetensors readers (npy.c). */
+int ft_host_is_little_endian(void);
+/* Reverses the bytes of each of n elements of esize bytes at data. */
+void ft_swap_elements(void *data, size_t n, size_t esize);
+/* The message for the errno of a failed stdio call; stdio does not always
+ * set errno (a short read at end of file sets nothing). */
+const char *ft_errno_text(int err, const char *fallback);
+
 #ifdef __cplusplus
 }
 #endif

@@ -59,7 +59,7 @@ static const char LOAD[] = "ft_load_npy";
 
 /* ---- byte order ---- */
 
-static int host_is_little_endian(void)
+int ft_host_is_little_endian(void)
 {
     const uint16_t one = 1;
     unsigned char first;
@@ -67,8 +67,7 @@ static int host_is_little_endian(void)
     return first == 1;
 }
 
-/* Reverses the bytes of each of n elements of esize bytes at data. */
-static void swap_elements(void *data, size_t n, size_t esize)
+void ft_swap_elements(void *data, size_t n, size_t esize)
 {
     unsigned char *p = data;
     for (size_t i = 0; i < n; i++, p += esize)
@@ -83,7 +82,7 @@ static void swap_elements(void *data, size_t n, size_t esize)
  * set errno (a short read at end of file sets nothing). glibc's strerror
  * returns static strings for known errnos, so it is safe across threads
  * there. */
-static const char *errno_text(int err, const char *fallback)
+const char *ft_errno_text(int err, const char *fallback)
 {
     return err != 0 ? strerror(err) : fallback;
 }
@@ -114,7 +113,7 @@ static const char *npy_type_code(ft_dtype dtype)
  * swapping on this host. Returns 0, or -1 for anything else. */
 static int npy_decode_descr(const char *descr, ft_dtype *dtype, int *swap)
 {
-    const int host_little = host_is_little_endian();
+    const int host_little = ft_host_is_little_endian();
     int file_little = host_little; /* '|', '=' and none mean native */
     const char *p = descr;
     if (*p == '<' || *p == '>' || *p == '|' || *p == '=') {
@@ -190,7 +189,7 @@ static size_t npy_format_header(char *buf, size_t cap, const ft_tensor *t)
  * staging buffer. */
 static int npy_direct_write(const ft_tensor *t)
 {
-    return host_is_little_endian() && ft_is_contiguous(t);
+    return ft_host_is_little_endian() && ft_is_contiguous(t);
 }
 
 /* Writes t's elements in row-major order, little-endian; chunk is a
@@ -209,7 +208,7 @@ static int npy_write_data(FILE *f, const ft_tensor *t, unsigned char *chunk)
             return errno != 0 ? errno : EIO;
         return 0;
     }
-    const int swap = !host_is_little_endian();
+    const int swap = !ft_host_is_little_endian();
     const size_t per_chunk = NPY_WRITE_CHUNK / esize;
     ft_iter it;
     ft_iter_init(&it, t->ndim, t->shape, 1,
@@ -219,7 +218,7 @@ static int npy_write_data(FILE *f, const ft_tensor *t, unsigned char *chunk)
         memcpy(chunk + filled * esize, ft_elem_ptr(t, it.offset[0]), esize);
         if (++filled == per_chunk || i == n - 1) {
             if (swap)
-                swap_elements(chunk, filled, esize);
+                ft_swap_elements(chunk, filled, esize);
             if (fwrite(chunk, esize, filled, f) != filled)
                 return errno != 0 ? errno : EIO;
             filled = 0;
@@ -273,7 +272,7 @@ ft_status ft_save_npy(const ft_tensor *t, const char *path)
         int err = errno;
         free(chunk);
         return ft_fail(FT_ERR_IO, SAVE, 2, "cannot open '%s' for writing: %s",
-                       path, errno_text(err, "fopen failed"));
+                       path, ft_errno_text(err, "fopen failed"));
     }
 
     int err = 0;
@@ -569,7 +568,7 @@ static ft_status npy_read_header(FILE *f, const char *path, npy_header *h)
     size_t got = fread(pre, 1, NPY_MAGIC_LEN + NPY_VERSION_LEN, f);
     if (got < NPY_MAGIC_LEN + NPY_VERSION_LEN && ferror(f))
         return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", path,
-                       errno_text(errno, "read error"));
+                       ft_errno_text(errno, "read error"));
     if (got < NPY_MAGIC_LEN || memcmp(pre, NPY_MAGIC, NPY_MAGIC_LEN) != 0)
         return ft_fail(FT_ERR_IO, LOAD, 1,
                        "'%s': not a .npy file (bad magic)", path);
@@ -595,7 +594,7 @@ static ft_status npy_read_header(FILE *f, const char *path, npy_header *h)
     if (got < len_field) {
         if (ferror(f))
             return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", path,
-                           errno_text(errno, "read error"));
+                           ft_errno_text(errno, "read error"));
         return ft_fail(FT_ERR_IO, LOAD, 1,
                        "'%s': file is truncated in the header", path);
     }
@@ -621,7 +620,7 @@ static ft_status npy_read_header(FILE *f, const char *path, npy_header *h)
         free(text);
         if (failed)
             return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", path,
-                           errno_text(err, "read error"));
+                           ft_errno_text(err, "read error"));
         return ft_fail(FT_ERR_IO, LOAD, 1,
                        "'%s': file is truncated: expected a header of %" PRIu32
                        " bytes, found %zu",
@@ -748,14 +747,14 @@ static ft_status npy_read_data(FILE *f, const char *path,
         ft_tensor_free(t);
         if (failed)
             return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", path,
-                           errno_text(err, "read error"));
+                           ft_errno_text(err, "read error"));
         return ft_fail(FT_ERR_IO, LOAD, 1,
                        "'%s': file is truncated: expected %zu bytes of "
                        "data, found %zu",
                        path, nbytes, got);
     }
     if (swap)
-        swap_elements(dst, (size_t)n, esize);
+        ft_swap_elements(dst, (size_t)n, esize);
     if (reorder) {
         npy_from_fortran(t, dst, n);
         free(dst);
@@ -776,7 +775,7 @@ ft_status ft_load_npy(ft_tensor **out, const char *path)
     FILE *f = fopen(path, "rb");
     if (f == NULL)
         return ft_fail(FT_ERR_IO, LOAD, 1, "cannot open '%s': %s", path,
-                       errno_text(errno, "fopen failed"));
+                       ft_errno_text(errno, "fopen failed"));
     npy_header h;
     ft_status st = npy_read_header(f, path, &h);
     if (st == FT_OK)

@@ -98,34 +98,6 @@ static const char *st_dtype_name(ft_dtype dtype)
     return NULL;
 }
 
-/* ---- byte order ---- */
-
-static int host_is_little_endian(void)
-{
-    const uint16_t one = 1;
-    unsigned char first;
-    memcpy(&first, &one, 1);
-    return first == 1;
-}
-
-static void swap_elements(void *data, size_t n, size_t esize)
-{
-    unsigned char *p = data;
-    for (size_t i = 0; i < n; i++, p += esize)
-        for (size_t a = 0, b = esize - 1; a < b; a++, b--) {
-            unsigned char tmp = p[a];
-            p[a] = p[b];
-            p[b] = tmp;
-        }
-}
-
-/* The message for the errno of a failed call; stdio does not always set
- * errno (a short read at end of file sets nothing). */
-static const char *errno_text(int err, const char *fallback)
-{
-    return err != 0 ? strerror(err) : fallback;
-}
-
 /* ---- UTF-8 ---- */
 
 /* The length (1 to 4) of the well-formed UTF-8 sequence at s, of at most
@@ -958,7 +930,7 @@ static ft_status read_exact(ft_safetensors *st, void *buf, size_t n,
         return FT_OK;
     if (ferror(st->f))
         return ft_fail(FT_ERR_IO, func, 1, "cannot read '%s': %s", st->path,
-                       errno_text(errno, "read error"));
+                       ft_errno_text(errno, "read error"));
     return ft_fail(FT_ERR_IO, func, 1,
                    "'%s': file is truncated: expected %zu bytes of %s, found "
                    "%zu",
@@ -973,7 +945,7 @@ static ft_status read_header(ft_safetensors *st)
         size = ftello(st->f);
     if (size < 0 || fseeko(st->f, 0, SEEK_SET) != 0)
         return ft_fail(FT_ERR_IO, LOAD, 1, "cannot read '%s': %s", st->path,
-                       errno_text(errno, "cannot seek"));
+                       ft_errno_text(errno, "cannot seek"));
     if (size < ST_SIZE_FIELD)
         return ft_fail(FT_ERR_IO, LOAD, 1,
                        "'%s': file is truncated: %lld bytes, too short for "
@@ -1030,7 +1002,7 @@ ft_status ft_safetensors_load(const char *path, ft_safetensors **out)
         int err = errno;
         ft_safetensors_free(st);
         return ft_fail(FT_ERR_IO, LOAD, 1, "cannot open '%s': %s", path,
-                       errno_text(err, "fopen failed"));
+                       ft_errno_text(err, "fopen failed"));
     }
     /* Unbuffered: the header is read in two reads and each tensor in one,
      * straight into its storage, always from the file as it is now. */
@@ -1124,15 +1096,15 @@ ft_status ft_safetensors_tensor(ft_safetensors *st, int i, ft_tensor **out)
         ft_status status = FT_OK;
         if (fseeko(st->f, (off_t)(st->data_start + e->begin), SEEK_SET) != 0)
             status = ft_fail(FT_ERR_IO, TENSOR, 1, "cannot seek in '%s': %s",
-                             st->path, errno_text(errno, "fseeko failed"));
+                             st->path, ft_errno_text(errno, "fseeko failed"));
         else
             status = read_exact(st, t->data, nbytes, TENSOR, "tensor data");
         if (status != FT_OK) {
             ft_tensor_free(t);
             return status;
         }
-        if (!host_is_little_endian())
-            swap_elements(t->data, nbytes / ft_dtype_size(e->dtype),
+        if (!ft_host_is_little_endian())
+            ft_swap_elements(t->data, nbytes / ft_dtype_size(e->dtype),
                           ft_dtype_size(e->dtype));
     }
     *out = t;
@@ -1330,7 +1302,7 @@ static int write_le(FILE *f, const void *data, size_t n, size_t esize)
     if (n == 0)
         return 0;
     errno = 0;
-    if (host_is_little_endian() || esize == 1) {
+    if (ft_host_is_little_endian() || esize == 1) {
         if (fwrite(data, esize, n, f) != n)
             return errno != 0 ? errno : EIO;
         return 0;
@@ -1341,7 +1313,7 @@ static int write_le(FILE *f, const void *data, size_t n, size_t esize)
     for (size_t done = 0; done < n;) {
         size_t k = n - done < per_chunk ? n - done : per_chunk;
         memcpy(chunk, src + done * esize, k * esize);
-        swap_elements(chunk, k, esize);
+        ft_swap_elements(chunk, k, esize);
         if (fwrite(chunk, esize, k, f) != k)
             return errno != 0 ? errno : EIO;
         done += k;
@@ -1375,7 +1347,7 @@ static ft_status create_temp(const char *path, char **tmp, FILE **f)
         free(name);
         return ft_fail(FT_ERR_IO, SAVE, 1,
                        "cannot create a temporary file next to '%s': %s",
-                       path, errno_text(err, "open failed"));
+                       path, ft_errno_text(err, "open failed"));
     }
     errno = 0;
     *f = fdopen(fd, "wb");
@@ -1385,7 +1357,7 @@ static ft_status create_temp(const char *path, char **tmp, FILE **f)
         unlink(name);
         free(name);
         return ft_fail(FT_ERR_IO, SAVE, 1, "cannot write '%s': %s", path,
-                       errno_text(err, "fdopen failed"));
+                       ft_errno_text(err, "fdopen failed"));
     }
     *tmp = name;
     return FT_OK;
@@ -1503,7 +1475,7 @@ ft_status ft_safetensors_save(const char *path, int count,
         if (fwrite(field, 1, sizeof field, f) != sizeof field ||
             fwrite(header.p, 1, header.len, f) != header.len)
             status = ft_fail(FT_ERR_IO, SAVE, 1, "cannot write '%s': %s",
-                             path, errno_text(errno, "write error"));
+                             path, ft_errno_text(errno, "write error"));
     }
     for (int i = 0; status == FT_OK && i < count; i++)
         status = write_tensor(f, path, tensors[order[i].index], order[i].name);
@@ -1513,18 +1485,18 @@ ft_status ft_safetensors_save(const char *path, int count,
         errno = 0;
         if (status == FT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
             status = ft_fail(FT_ERR_IO, SAVE, 1, "cannot write '%s': %s",
-                             path, errno_text(errno, "write error"));
+                             path, ft_errno_text(errno, "write error"));
         errno = 0;
         if (fclose(f) != 0 && status == FT_OK)
             status = ft_fail(FT_ERR_IO, SAVE, 1, "cannot write '%s': %s",
-                             path, errno_text(errno, "fclose failed"));
+                             path, ft_errno_text(errno, "fclose failed"));
     }
     if (status == FT_OK) {
         errno = 0;
         if (rename(tmp, path) != 0)
             status = ft_fail(FT_ERR_IO, SAVE, 1,
                              "cannot move the new file into place as '%s': %s",
-                             path, errno_text(errno, "rename failed"));
+                             path, ft_errno_text(errno, "rename failed"));
     }
     /* The temporary file is ours (created with O_EXCL): on failure it
      * goes, and the file at path is untouched. */

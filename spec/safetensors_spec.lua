@@ -10,18 +10,7 @@ local function tmp()
   return os.tmpname() .. ".safetensors"
 end
 
-local function write(path, bytes)
-  local f = assert(io.open(path, "wb"))
-  f:write(bytes)
-  f:close()
-end
-
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+local write, read = h.write_file, h.read_file
 
 --- 8 little-endian bytes of a non-negative integer below 2^53.
 local function u64(n)

@@ -24,94 +24,13 @@
 #define PATH_CAP 4096
 
 #include "check.h"
+#include "tensor_files.h"
 
 /* ---- helpers ---- */
-
-static ft_tensor *empty(ft_dtype dtype, int ndim, const int64_t *shape)
-{
-    ft_tensor *t = NULL;
-    if (ft_empty(&t, ndim, shape, dtype, CPU) != FT_OK) {
-        fprintf(stderr, "ft_empty: %s\n", ft_last_error());
-        failures++;
-    }
-    return t;
-}
 
 static ft_tensor *empty1(ft_dtype dtype, int64_t n)
 {
     return empty(dtype, 1, (const int64_t[]){n});
-}
-
-/* The row-major multi-index of element i of shape. */
-static void unravel(int64_t i, int ndim, const int64_t *shape, int64_t *idx)
-{
-    for (int d = ndim - 1; d >= 0; d--) {
-        idx[d] = i % shape[d];
-        i /= shape[d];
-    }
-}
-
-/* Element i (row-major) of t, any strides. */
-static double at(const ft_tensor *t, int64_t i)
-{
-    int64_t idx[FT_MAX_DIMS];
-    double v = NAN;
-    unravel(i, t->ndim, t->shape, idx);
-    if (ft_get(t, idx, &v) != FT_OK) {
-        fprintf(stderr, "ft_get: %s\n", ft_last_error());
-        failures++;
-    }
-    return v;
-}
-
-static void set_at(ft_tensor *t, int64_t i, double v)
-{
-    int64_t idx[FT_MAX_DIMS];
-    unravel(i, t->ndim, t->shape, idx);
-    if (ft_set(t, idx, v) != FT_OK) {
-        fprintf(stderr, "ft_set: %s\n", ft_last_error());
-        failures++;
-    }
-}
-
-/* A fresh empty file under $TMPDIR (or /tmp); its path goes to path. */
-static int temp_path(char *path, size_t cap)
-{
-    const char *dir = getenv("TMPDIR");
-    if (dir == NULL || dir[0] == '\0')
-        dir = "/tmp";
-    if ((size_t)snprintf(path, cap, "%s/ft_test_npy_XXXXXX", dir) >= cap)
-        return -1;
-    int fd = mkstemp(path);
-    if (fd < 0) {
-        fprintf(stderr, "mkstemp(%s): %s\n", path, strerror(errno));
-        failures++;
-        return -1;
-    }
-    close(fd);
-    return 0;
-}
-
-static void write_bytes(const char *path, const void *data, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    if (f == NULL || fwrite(data, 1, n, f) != n) {
-        fprintf(stderr, "write %s: %s\n", path, strerror(errno));
-        failures++;
-    }
-    if (f != NULL)
-        fclose(f);
-}
-
-/* Reads up to cap bytes of path into buf; returns the count. */
-static size_t read_bytes(const char *path, void *buf, size_t cap)
-{
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return 0;
-    size_t n = fread(buf, 1, cap, f);
-    fclose(f);
-    return n;
 }
 
 /* Writes a .npy file by hand: version major.0 with dict as given (no
@@ -829,7 +748,7 @@ int main(void)
     test_strided_and_errors();
 
     char path[PATH_CAP];
-    if (temp_path(path, sizeof path) == 0) {
+    if (temp_file(path, sizeof path, "ft_test_npy") == 0) {
         test_npy_round_trips(path);
         test_npy_hand_written(path);
         unlink(path);

@@ -24,39 +24,9 @@
 #define FILE_CAP (1 << 16) /* the largest file the test reads back */
 
 #include "check.h"
+#include "tensor_files.h"
 
 /* ---- utilities ---- */
-
-static ft_tensor *empty(ft_dtype dtype, int ndim, const int64_t *shape)
-{
-    ft_tensor *t = NULL;
-    if (ft_empty(&t, ndim, shape, dtype, CPU) != FT_OK) {
-        fprintf(stderr, "ft_empty: %s\n", ft_last_error());
-        failures++;
-    }
-    return t;
-}
-
-static void unravel(int64_t i, int ndim, const int64_t *shape, int64_t *idx)
-{
-    for (int d = ndim - 1; d >= 0; d--) {
-        idx[d] = i % shape[d];
-        i /= shape[d];
-    }
-}
-
-/* Element i (row-major) of t as a double, and as an integer. */
-static double at(const ft_tensor *t, int64_t i)
-{
-    int64_t idx[FT_MAX_DIMS];
-    double v = NAN;
-    unravel(i, t->ndim, t->shape, idx);
-    if (ft_get(t, idx, &v) != FT_OK) {
-        fprintf(stderr, "ft_get: %s\n", ft_last_error());
-        failures++;
-    }
-    return v;
-}
 
 static int64_t at_int(const ft_tensor *t, int64_t i)
 {
@@ -67,44 +37,6 @@ static int64_t at_int(const ft_tensor *t, int64_t i)
         failures++;
     }
     return v;
-}
-
-static void set_at(ft_tensor *t, int64_t i, double v)
-{
-    int64_t idx[FT_MAX_DIMS];
-    unravel(i, t->ndim, t->shape, idx);
-    if (ft_set(t, idx, v) != FT_OK) {
-        fprintf(stderr, "ft_set: %s\n", ft_last_error());
-        failures++;
-    }
-}
-
-static int temp_path(char *path, size_t cap)
-{
-    const char *dir = getenv("TMPDIR");
-    if (dir == NULL || dir[0] == '\0')
-        dir = "/tmp";
-    if ((size_t)snprintf(path, cap, "%s/ft_test_st_XXXXXX", dir) >= cap)
-        return -1;
-    int fd = mkstemp(path);
-    if (fd < 0) {
-        fprintf(stderr, "mkstemp(%s): %s\n", path, strerror(errno));
-        failures++;
-        return -1;
-    }
-    close(fd);
-    return 0;
-}
-
-static void write_bytes(const char *path, const void *data, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    if (f == NULL || (n > 0 && fwrite(data, 1, n, f) != n)) {
-        fprintf(stderr, "write %s: %s\n", path, strerror(errno));
-        failures++;
-    }
-    if (f != NULL)
-        fclose(f);
 }
 
 /* write_bytes for an existing file, overwriting it in place and then
@@ -120,17 +52,6 @@ static void overwrite_bytes(const char *path, const void *data, size_t n)
     }
     if (f != NULL)
         fclose(f);
-}
-
-/* Reads up to cap bytes of path into buf; returns the count. */
-static size_t read_bytes(const char *path, void *buf, size_t cap)
-{
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return 0;
-    size_t n = fread(buf, 1, cap, f);
-    fclose(f);
-    return n;
 }
 
 /* Writes a .safetensors file by hand: the 8-byte little-endian size of
@@ -1142,7 +1063,7 @@ int main(void)
     ft_memory_stats_get(CPU, &before);
 
     char path[PATH_CAP];
-    if (temp_path(path, sizeof path) == 0) {
+    if (temp_file(path, sizeof path, "ft_test_st") == 0) {
         test_round_trip(path);
         test_exact_bytes(path);
         test_hand_written(path);
