@@ -38,6 +38,8 @@
 
 ft_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 FT_BUILD_DIR=${FT_BUILD_DIR:-$ft_root/build}
+# a relative FT_BUILD_DIR is taken from where the command was started
+case $FT_BUILD_DIR in /*) ;; *) FT_BUILD_DIR=$PWD/$FT_BUILD_DIR ;; esac
 FT_LUA=${FT_LUA:-5.4}
 FT_CMAKE_MIN=$(sed -n 's/^cmake_minimum_required(VERSION \([0-9]*\.[0-9]*\).*/\1/p' "$ft_root/CMakeLists.txt" 2>/dev/null)
 FT_CMAKE_MIN=${FT_CMAKE_MIN:-3.18}
