@@ -21,6 +21,7 @@
 #include <lua.h>
 
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -160,16 +161,132 @@ static const char *istr(lua_State *L, int64_t v)
     snprintf(buf, sizeof buf, "%lld", (long long)v);
     return lua_pushstring(L, buf), lua_tostring(L, -1);
 }
-/* ---- module state ---- */
-
+/* ---- the state of the binding in one lua_State ----
+ *
+ * One userdata in the registry (every coroutine of the state shares it):
+ * the random generator, the collector's count of tensor bytes, and the
+ * frees deferred while a binding call runs.
+ *
+ * Deferred frees. A binding function holds raw pointers to its tensors
+ * while it runs, and Lua code can run in the middle: a finalizer started
+ * by an allocation, a full collection (out of memory, or the tensor-byte
+ * count below), on any coroutine. If that code called t:free() the
+ * function would go on with a freed tensor. So every binding function is
+ * called through a trampoline that counts the calls in progress, and an
+ * explicit free (t:free(), __close) while one is in progress takes the
+ * tensor away from t at once (later uses of t are errors) but keeps the
+ * memory until the last call in progress returns, or raises. A collected
+ * tensor (__gc) is unreachable, so no call can be using it: it goes at
+ * once. */
 typedef struct generator {
     uint64_t seed;
     uint64_t offset; /* Philox counters used so far */
 } generator;
 
-static generator *get_generator(lua_State *L)
+typedef struct deferred {
+    void (*release)(void *);
+    void *p;
+} deferred;
+
+typedef struct binding_state {
+    generator gen;
+    /* memory the collector can see (gc_pressure_step) */
+    int64_t last_seen; /* ft_thread_allocated_bytes() at the last look */
+    int64_t debt;      /* tensor bytes allocated since the last collection */
+    int64_t threshold; /* debt that triggers the next collection */
+    /* deferred frees */
+    int active; /* binding calls in progress */
+    deferred *pending;
+    size_t npending, cap;
+} binding_state;
+
+static const char state_key = 0; /* its address keys the registry */
+
+static binding_state *get_state(lua_State *L)
 {
-    return (generator *)lua_touserdata(L, lua_upvalueindex(1));
+    lua_pushlightuserdata(L, (void *)&state_key);
+    lua_rawget(L, LUA_REGISTRYINDEX);
+    binding_state *s = (binding_state *)lua_touserdata(L, -1);
+    lua_pop(L, 1);
+    return s;
+}
+
+static generator *get_generator(lua_State *L) { return &get_state(L)->gen; }
+
+static void flush_deferred(binding_state *s)
+{
+    while (s->npending > 0) {
+        deferred d = s->pending[--s->npending];
+        d.release(d.p);
+    }
+}
+
+static void tensor_release(void *p) { ft_tensor_free(p); }
+
+/* Frees p now, or when the binding calls in progress are over. */
+static void release_later(lua_State *L, void (*release)(void *), void *p)
+{
+    binding_state *s = get_state(L);
+    if (!p)
+        return;
+    if (!s || s->active == 0) {
+        release(p);
+        return;
+    }
+    if (s->npending == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 16;
+        deferred *grown = realloc(s->pending, cap * sizeof *grown);
+        if (!grown)
+            return; /* kept until the process ends: a leak, never a crash */
+        s->pending = grown;
+        s->cap = cap;
+    }
+    s->pending[s->npending++] = (deferred){release, p};
+}
+
+/* lua_close: what is still deferred goes. */
+static int state_gc(lua_State *L)
+{
+    binding_state *s = lua_touserdata(L, 1);
+    flush_deferred(s);
+    free(s->pending);
+    s->pending = NULL;
+    s->cap = 0;
+    return 0;
+}
+
+#define DEFAULT_GC_MIN ((int64_t)16 << 20)
+
+static void state_init(lua_State *L)
+{
+    lua_pushlightuserdata(L, (void *)&state_key);
+    binding_state *s = lua_newuserdatauv(L, sizeof *s, 0);
+    memset(s, 0, sizeof *s);
+    s->gen.seed = DEFAULT_SEED;
+    s->last_seen = ft_thread_allocated_bytes();
+    s->threshold = DEFAULT_GC_MIN;
+    lua_createtable(L, 0, 1);
+    lua_pushcfunction(L, state_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_setmetatable(L, -2);
+    lua_rawset(L, LUA_REGISTRYINDEX);
+}
+
+/* Calls the binding function in upvalue 1 with this call's arguments,
+ * counting it as in progress (see above). Errors pass through unchanged. */
+static int trampoline(lua_State *L)
+{
+    binding_state *s = get_state(L);
+    int n = lua_gettop(L);
+    lua_pushvalue(L, lua_upvalueindex(1));
+    lua_insert(L, 1);
+    s->active++;
+    int status = lua_pcall(L, n, LUA_MULTRET, 0);
+    if (--s->active == 0)
+        flush_deferred(s);
+    if (status != 0)
+        return lua_error(L);
+    return lua_gettop(L);
 }
 
 /* ---- errors ---- */
@@ -191,6 +308,14 @@ static const char *current_name_ex(lua_State *L, int *method)
     if (!lua_getstack(L, 0, &ar))
         return "?";
     lua_getinfo(L, "nf", &ar); /* pushes the function */
+    /* Called through the trampoline: the call site's name is its frame's. */
+    lua_Debug caller;
+    if (lua_getstack(L, 1, &caller)) {
+        lua_getinfo(L, "nf", &caller);
+        if (lua_tocfunction(L, -1) == trampoline)
+            ar = caller;
+        lua_pop(L, 1);
+    }
     int metamethod = ar.namewhat && strcmp(ar.namewhat, "metamethod") == 0;
     if (ar.namewhat && strcmp(ar.namewhat, "method") == 0)
         *method = 1;
@@ -303,26 +428,23 @@ static lua_Integer opt_integer(lua_State *L, int arg, lua_Integer def)
 #define luaL_optinteger(L, arg, def) opt_integer((L), (arg), (def))
 #define luaL_optnumber(L, arg, def) opt_number((L), (arg), (def))
 
-/* Records the name of every function in the table at -1 (keys not
- * starting with "__" keep their name; metamethods are named after it
- * without the underscores, "__add" -> "add"). */
-static void record_names(lua_State *L, const char *prefix)
+/* luaL_setfuncs for the binding: each function goes into the table at -1
+ * wrapped in the trampoline, and its name (prefix .. key, "__add" named
+ * "add") is recorded for the messages. */
+static void set_funcs(lua_State *L, const luaL_Reg *l, const char *prefix)
 {
     int tbl = lua_gettop(L);
     lua_pushlightuserdata(L, (void *)&names_key);
     lua_rawget(L, LUA_REGISTRYINDEX);
     int names = lua_gettop(L);
-    lua_pushnil(L);
-    while (lua_next(L, tbl)) {
-        if (lua_type(L, -2) == LUA_TSTRING && lua_type(L, -1) == LUA_TFUNCTION) {
-            const char *key = lua_tostring(L, -2);
-            if (strncmp(key, "__", 2) == 0)
-                key += 2;
-            lua_pushvalue(L, -1);
-            lua_pushfstring(L, "%s%s", prefix, key);
-            lua_rawset(L, names);
-        }
-        lua_pop(L, 1);
+    for (; l->name; l++) {
+        const char *key = strncmp(l->name, "__", 2) == 0 ? l->name + 2 : l->name;
+        lua_pushcfunction(L, l->func);
+        lua_pushvalue(L, -1);
+        lua_pushfstring(L, "%s%s", prefix, key);
+        lua_rawset(L, names);
+        lua_pushcclosure(L, trampoline, 1);
+        lua_setfield(L, tbl, l->name);
     }
     lua_pop(L, 1);
 }
@@ -338,10 +460,17 @@ static int raise_ft(lua_State *L, int arg_offset)
     return luaL_error(L, "%s: %s", current_name(L), ft_last_error_detail());
 }
 
-/* Calls expr; on out-of-memory runs a full collection (the collector does
- * not see tensor memory) and calls it once more. expr must have no effect
- * when it fails, which every ft_ function promises. */
-#define CALL(L, expr)                                                        \
+/* The one way a C status becomes a Lua error. Calls expr; on out of memory
+ * runs a full collection (finalizers may run: see release_later) and calls
+ * it once more (expr must have no effect when it fails, which every ft_
+ * function promises); any other failure raises the library's message,
+ * blaming Lua argument c + arg_offset for the C function's input c
+ * (raise_ft). */
+/* arg_offset for calls whose C inputs are not Lua arguments: the message
+ * then names the function only. */
+#define NO_ARG (-1000)
+
+#define CALL(L, arg_offset, expr)                                             \
     do {                                                                     \
         ft_status call_st_ = (expr);                                         \
         if (call_st_ == FT_ERR_NOMEM) {                                      \
@@ -349,7 +478,7 @@ static int raise_ft(lua_State *L, int arg_offset)
             call_st_ = (expr);                                               \
         }                                                                    \
         if (call_st_ != FT_OK)                                               \
-            raise_ft((L), call_offset_);                                     \
+            raise_ft((L), (arg_offset));                                     \
     } while (0)
 
 /* ---- memory the collector can see ----
@@ -359,43 +488,14 @@ static int raise_ft(lua_State *L, int arg_offset)
  * gigabytes of garbage pile up before a cycle ran. The binding keeps a
  * debt per lua_State: the tensor bytes this thread allocated since the
  * last look (ft_thread_allocated_bytes). Before each new tensor, once the
- * debt passes the larger of GC_MIN_BYTES and the bytes alive after the
+ * debt passes the larger of DEFAULT_GC_MIN and the bytes alive after the
  * last collection, it runs a full collection. Garbage is then at most
- * about as large as the live tensors (plus GC_MIN_BYTES), and the work of
+ * about as large as the live tensors (plus DEFAULT_GC_MIN), and the work of
  * the collections is proportional to the bytes allocated. Out of memory,
  * on either device, still runs a full collection and one retry (CALL). */
-#define GC_MIN_BYTES ((int64_t)16 << 20)
-
-typedef struct gc_pressure {
-    int64_t last_seen; /* ft_thread_allocated_bytes() at the last look */
-    int64_t debt;      /* tensor bytes allocated since the last collection */
-    int64_t threshold; /* debt that triggers the next collection */
-} gc_pressure;
-
-static const char gc_pressure_key = 0; /* its address keys the registry */
-
-static gc_pressure *get_gc_pressure(lua_State *L)
-{
-    lua_pushlightuserdata(L, (void *)&gc_pressure_key);
-    lua_rawget(L, LUA_REGISTRYINDEX);
-    gc_pressure *p = (gc_pressure *)lua_touserdata(L, -1);
-    lua_pop(L, 1);
-    return p;
-}
-
-static void gc_pressure_init(lua_State *L)
-{
-    lua_pushlightuserdata(L, (void *)&gc_pressure_key);
-    gc_pressure *p = lua_newuserdatauv(L, sizeof *p, 0);
-    p->last_seen = ft_thread_allocated_bytes();
-    p->debt = 0;
-    p->threshold = GC_MIN_BYTES;
-    lua_rawset(L, LUA_REGISTRYINDEX);
-}
-
 static void gc_pressure_step(lua_State *L)
 {
-    gc_pressure *p = get_gc_pressure(L);
+    binding_state *p = get_state(L);
     if (!p)
         return;
     int64_t now = ft_thread_allocated_bytes();
@@ -409,7 +509,7 @@ static void gc_pressure_step(lua_State *L)
     int64_t live = ft_storage_in_use();
     p->debt = 0;
     p->last_seen = ft_thread_allocated_bytes();
-    p->threshold = live > GC_MIN_BYTES ? live : GC_MIN_BYTES;
+    p->threshold = live > DEFAULT_GC_MIN ? live : DEFAULT_GC_MIN;
 }
 
 /* ---- tensor userdata ---- */
@@ -647,9 +747,8 @@ static double check_value(lua_State *L, int idx)
 static ft_tensor *new_tensor(lua_State *L, int ndim, const int64_t *shape, options o,
                              int shape_arg)
 {
-    int call_offset_ = shape_arg - 1;
     ft_tensor **slot = push_slot(L);
-    CALL(L, ft_empty(slot, ndim, shape, o.dtype, o.device));
+    CALL(L, shape_arg - 1, ft_empty(slot, ndim, shape, o.dtype, o.device));
     return *slot;
 }
 
@@ -670,8 +769,7 @@ static int fill_new(lua_State *L, double value)
     int ndim = check_shape(L, 1, shape, &next);
     options o = check_options(L, next, DEFAULT_DTYPE);
     ft_tensor *t = new_tensor(L, ndim, shape, o, 1);
-    int call_offset_ = 0;
-    CALL(L, ft_fill(t, value));
+    CALL(L, 0, ft_fill(t, value));
     return 1;
 }
 
@@ -705,8 +803,7 @@ static int l_full(lua_State *L)
     double value = check_value(L, next);
     options o = check_options(L, next + 1, DEFAULT_DTYPE);
     ft_tensor *t = new_tensor(L, ndim, shape, o, 1);
-    int call_offset_ = 0;
-    CALL(L, ft_fill(t, value));
+    CALL(L, 0, ft_fill(t, value));
     return 1;
 }
 
@@ -723,8 +820,7 @@ static int random_new(lua_State *L, int normal)
     generator *g = get_generator(L);
     uint64_t seed = o.has_seed ? o.seed : g->seed;
     uint64_t offset = o.has_seed ? 0 : g->offset;
-    int call_offset_ = 0;
-    CALL(L, normal ? ft_randn(t, seed, offset) : ft_rand(t, seed, offset));
+    CALL(L, 0, normal ? ft_randn(t, seed, offset) : ft_rand(t, seed, offset));
     if (!o.has_seed)
         g->offset += ft_random_counters(ft_numel(t));
     return 1;
@@ -860,11 +956,16 @@ static int l_tensor(lua_State *L)
 
 /* ---- properties ---- */
 
+/* A table of t->ndim sizes from v (t's shape or strides), copied before
+ * the table is made: its allocation may run a finalizer that frees t. */
 static void push_shape(lua_State *L, const ft_tensor *t, const int64_t *v)
 {
-    lua_createtable(L, t->ndim, 0);
-    for (int d = 0; d < t->ndim; d++) {
-        lua_pushinteger(L, (lua_Integer)v[d]);
+    int64_t copy[FT_MAX_DIMS];
+    int ndim = t->ndim;
+    memcpy(copy, v, sizeof copy[0] * (size_t)ndim);
+    lua_createtable(L, ndim, 0);
+    for (int d = 0; d < ndim; d++) {
+        lua_pushinteger(L, (lua_Integer)copy[d]);
         lua_seti(L, -2, d + 1);
     }
 }
@@ -931,8 +1032,7 @@ static int t_view_or_reshape(lua_State *L, int reshape)
     int next;
     int ndim = check_shape_ex(L, 2, shape, &next, 1); /* one size may be -1 */
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, reshape ? ft_reshape(slot, t, ndim, shape) : ft_view(slot, t, ndim, shape));
+    CALL(L, 0, reshape ? ft_reshape(slot, t, ndim, shape) : ft_view(slot, t, ndim, shape));
     return 1;
 }
 
@@ -949,8 +1049,7 @@ static int t_transpose(lua_State *L)
         luaL_argerror(L, 3, "transpose needs two dims (or none for a 2-d tensor)");
     int d0 = opt_dim(L, 2, t->ndim, 0), d1 = opt_dim(L, 3, t->ndim, 1);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_transpose(slot, t, d0, d1));
+    CALL(L, 0, ft_transpose(slot, t, d0, d1));
     return 1;
 }
 
@@ -982,8 +1081,7 @@ static int t_permute(lua_State *L)
                                                   perm[d] + 1));
     }
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_permute(slot, t, perm));
+    CALL(L, 0, ft_permute(slot, t, perm));
     return 1;
 }
 
@@ -1001,8 +1099,7 @@ static int t_narrow(lua_State *L)
                                             istr(L, length), istr(L, start), d + 1,
                                             istr(L, t->shape[d])));
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_narrow(slot, t, d, start - 1, length));
+    CALL(L, 0, ft_narrow(slot, t, d, start - 1, length));
     return 1;
 }
 
@@ -1012,8 +1109,7 @@ static int t_select(lua_State *L)
     int d = check_dim(L, 2, t->ndim);
     int64_t index = check_index(L, 3, t->shape[d], d);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_select(slot, t, d, index));
+    CALL(L, 0, ft_select(slot, t, d, index));
     return 1;
 }
 
@@ -1025,8 +1121,7 @@ static int t_expand(lua_State *L)
     int next;
     int ndim = check_shape_ex(L, 2, shape, &next, 1);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_expand(slot, t, ndim, shape));
+    CALL(L, 0, ft_expand(slot, t, ndim, shape));
     return 1;
 }
 
@@ -1051,8 +1146,8 @@ static ft_tensor *zero_based_index(lua_State *L, int idx, int64_t size)
                                                       istr(L, size)));
         }
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = idx - 2; /* C: op = 1, the index = 2 */
-    CALL(L, ft_binary_scalar(slot, FT_SUB, index, 1.0, 0));
+    /* C: op = 1, the index = 2 */
+    CALL(L, idx - 2, ft_binary_scalar(slot, FT_SUB, index, 1.0, 0));
     return *slot;
 }
 
@@ -1063,8 +1158,7 @@ static int t_index_select(lua_State *L)
     int d = check_dim(L, 2, t->ndim);
     ft_tensor *index = zero_based_index(L, 3, t->shape[d]);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_index_select(slot, t, d, index));
+    CALL(L, 0, ft_index_select(slot, t, d, index));
     return 1;
 }
 
@@ -1075,8 +1169,7 @@ static int t_index_add(lua_State *L)
     int d = check_dim(L, 2, t->ndim);
     const ft_tensor *src = check_tensor(L, 4);
     ft_tensor *index = zero_based_index(L, 3, t->shape[d]);
-    int call_offset_ = 0;
-    CALL(L, ft_index_add(t, d, index, src));
+    CALL(L, 0, ft_index_add(t, d, index, src));
     lua_settop(L, 1);
     return 1;
 }
@@ -1089,8 +1182,7 @@ static int t_contiguous(lua_State *L)
         return 1;
     }
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_contiguous(slot, t));
+    CALL(L, 0, ft_contiguous(slot, t));
     return 1;
 }
 
@@ -1098,8 +1190,7 @@ static int t_clone(lua_State *L)
 {
     ft_tensor *t = check_tensor(L, 1);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_clone(slot, t));
+    CALL(L, 0, ft_clone(slot, t));
     return 1;
 }
 
@@ -1112,8 +1203,7 @@ static int convert(lua_State *L, ft_tensor *t, ft_dtype dtype, ft_device device)
         return 1;
     }
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_to(slot, t, dtype, device));
+    CALL(L, 0, ft_to(slot, t, dtype, device));
     return 1;
 }
 
@@ -1185,8 +1275,7 @@ static int t_copy(lua_State *L)
 {
     ft_tensor *dst = check_tensor(L, 1);
     ft_tensor *src = check_tensor(L, 2);
-    int call_offset_ = 0;
-    CALL(L, ft_copy(dst, src));
+    CALL(L, 0, ft_copy(dst, src));
     lua_settop(L, 1);
     return 1;
 }
@@ -1195,8 +1284,7 @@ static int t_fill(lua_State *L)
 {
     ft_tensor *t = check_tensor(L, 1);
     double v = check_value(L, 2);
-    int call_offset_ = 0;
-    CALL(L, ft_fill(t, v));
+    CALL(L, 0, ft_fill(t, v));
     lua_settop(L, 1);
     return 1;
 }
@@ -1286,19 +1374,19 @@ static int binary(lua_State *L, ft_binop op)
     int tb = luaL_testudata(L, 2, TENSOR_MT) != NULL;
     ft_tensor *a = ta ? check_tensor(L, 1) : NULL, *b = tb ? check_tensor(L, 2) : NULL;
     ft_tensor **slot;
-    int call_offset_ = -1; /* C: op=1, a=2, b=3 */
+    /* C: op=1, a=2, b=3 */
     if (a && b) {
         slot = push_slot(L);
-        CALL(L, ft_binary(slot, op, a, b));
+        CALL(L, -1, ft_binary(slot, op, a, b));
     } else if (a) {
         double s = check_value(L, 2);
         slot = push_slot(L);
-        CALL(L, ft_binary_scalar(slot, op, a, s, 0));
+        CALL(L, -1, ft_binary_scalar(slot, op, a, s, 0));
     } else if (b) {
         double s = check_value(L, 1);
-        call_offset_ = 0; /* the tensor is Lua arg 2 = C input 2 */
+        /* the tensor is Lua arg 2 = C input 2 */
         slot = push_slot(L);
-        CALL(L, ft_binary_scalar(slot, op, b, s, 1));
+        CALL(L, 0, ft_binary_scalar(slot, op, b, s, 1));
     } else {
         check_tensor(L, 1); /* raises: freed tensor or wrong type */
         check_tensor(L, 2);
@@ -1318,8 +1406,8 @@ static int unary(lua_State *L, ft_unop op)
 {
     ft_tensor *a = check_tensor(L, 1);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = -1; /* C: op=1, a=2 */
-    CALL(L, ft_unary(slot, op, a));
+    /* C: op=1, a=2 */
+    CALL(L, -1, ft_unary(slot, op, a));
     return 1;
 }
 
@@ -1337,10 +1425,10 @@ static int t_relu(lua_State *L) { return unary(L, FT_RELU); }
 static int reduce(lua_State *L, ft_reduce_op op)
 {
     ft_tensor *a = check_tensor(L, 1);
-    int call_offset_ = -1; /* C: op=1, a=2, dim=3 */
+    /* C: op=1, a=2, dim=3 */
     if (lua_isnoneornil(L, 2)) {
         double r = 0;
-        CALL(L, ft_reduce_all(op, a, &r));
+        CALL(L, -1, ft_reduce_all(op, a, &r));
         if ((op == FT_SUM || op == FT_MAX || op == FT_MIN) && !ft_dtype_is_float(a->dtype))
             push_number(L, a, r);
         else
@@ -1355,12 +1443,12 @@ static int reduce(lua_State *L, ft_reduce_op op)
                                             op == FT_MAX ? "max" : "min", dim + 1));
     ft_tensor **values = push_slot(L);
     ft_tensor **positions = with_index ? push_slot(L) : NULL;
-    CALL(L, ft_reduce_dim(values, positions, op, a, dim, keepdim));
+    CALL(L, -1, ft_reduce_dim(values, positions, op, a, dim, keepdim));
     if (!with_index)
         return 1;
     /* 0-based positions from C, 1-based for Lua. */
     ft_tensor **one_based = push_slot(L);
-    CALL(L, ft_binary_scalar(one_based, FT_ADD, *positions, 1.0, 0));
+    CALL(L, -1, ft_binary_scalar(one_based, FT_ADD, *positions, 1.0, 0));
     ft_tensor_free(*positions); /* the 0-based copy goes now, not at the next GC */
     *positions = NULL;
     lua_remove(L, -2);
@@ -1380,8 +1468,7 @@ static int t_softmax(lua_State *L)
         luaL_argerror(L, 1, "softmax needs a tensor with at least one dim");
     int dim = opt_dim(L, 2, a->ndim, a->ndim - 1);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_softmax(slot, a, dim));
+    CALL(L, 0, ft_softmax(slot, a, dim));
     return 1;
 }
 
@@ -1389,8 +1476,7 @@ static int l_matmul(lua_State *L)
 {
     ft_tensor *a = check_tensor(L, 1), *b = check_tensor(L, 2);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_matmul(slot, a, b));
+    CALL(L, 0, ft_matmul(slot, a, b));
     return 1;
 }
 
@@ -1398,8 +1484,7 @@ static int l_max_abs_diff(lua_State *L)
 {
     ft_tensor *a = check_tensor(L, 1), *b = check_tensor(L, 2);
     double r = 0;
-    int call_offset_ = 0;
-    CALL(L, ft_max_abs_diff(a, b, &r));
+    CALL(L, 0, ft_max_abs_diff(a, b, &r));
     lua_pushnumber(L, r);
     return 1;
 }
@@ -1413,8 +1498,7 @@ static int l_allclose(lua_State *L)
     if (!(atol >= 0))
         luaL_argerror(L, 4, "atol must be >= 0");
     int r = 0;
-    int call_offset_ = 0;
-    CALL(L, ft_allclose(a, b, rtol, atol, &r));
+    CALL(L, 0, ft_allclose(a, b, rtol, atol, &r));
     lua_pushboolean(L, r);
     return 1;
 }
@@ -1425,8 +1509,7 @@ static int t_save(lua_State *L)
 {
     ft_tensor *t = check_tensor(L, 1);
     const char *path = luaL_checkstring(L, 2);
-    int call_offset_ = 0;
-    CALL(L, ft_save_npy(t, path));
+    CALL(L, 0, ft_save_npy(t, path));
     lua_settop(L, 1);
     return 1;
 }
@@ -1435,8 +1518,7 @@ static int l_load(lua_State *L)
 {
     const char *path = luaL_checkstring(L, 1);
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_load_npy(slot, path));
+    CALL(L, 0, ft_load_npy(slot, path));
     return 1;
 }
 
@@ -1523,8 +1605,8 @@ static int l_save_safetensors(lua_State *L)
             lua_pop(L, 1);
         }
     }
-    int call_offset_ = -100; /* the C inputs are arrays: no Lua position */
-    CALL(L, ft_safetensors_save(path, n, names, tensors, m, keys, values));
+    /* the C inputs are arrays: no Lua position */
+    CALL(L, NO_ARG, ft_safetensors_save(path, n, names, tensors, m, keys, values));
     return 0;
 }
 
@@ -1540,14 +1622,12 @@ static int l_load_safetensors(lua_State *L)
     }
     lua_setmetatable(L, -2);
     int handle = lua_gettop(L);
-    int call_offset_ = 0;
-    CALL(L, ft_safetensors_load(path, h));
+    CALL(L, 0, ft_safetensors_load(path, h));
     int n = ft_safetensors_count(*h), m = ft_safetensors_meta_count(*h);
     lua_createtable(L, 0, n);
     for (int i = 0; i < n; i++) {
         ft_tensor **slot = push_slot(L);
-        call_offset_ = -100;
-        CALL(L, ft_safetensors_tensor(*h, i, slot));
+        CALL(L, NO_ARG, ft_safetensors_tensor(*h, i, slot));
         lua_setfield(L, -2, ft_safetensors_name(*h, i));
     }
     lua_createtable(L, 0, m);
@@ -1574,8 +1654,7 @@ static int l_memory_stats(lua_State *L)
 {
     ft_device dev = opt_device(L, 1);
     ft_memory_stats s;
-    int call_offset_ = 0;
-    CALL(L, ft_memory_stats_get(dev, &s));
+    CALL(L, 0, ft_memory_stats_get(dev, &s));
     lua_createtable(L, 0, 3);
     lua_pushinteger(L, (lua_Integer)s.in_use);
     lua_setfield(L, -2, "in_use");
@@ -1591,8 +1670,7 @@ static int l_memory_stats(lua_State *L)
 static int l_reset_peak_memory(lua_State *L)
 {
     ft_device dev = opt_device(L, 1);
-    int call_offset_ = 0;
-    CALL(L, ft_reset_peak_memory(dev));
+    CALL(L, 0, ft_reset_peak_memory(dev));
     return 0;
 }
 
@@ -1725,8 +1803,7 @@ static int l_attention(lua_State *L)
     check_attn_options(L, 4, &p);
     ft_tensor **out = push_slot(L);
     ft_tensor **lse = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_attention_forward(out, lse, q, k, v, &p));
+    CALL(L, 0, ft_attention_forward(out, lse, q, k, v, &p));
     return 2;
 }
 
@@ -1741,8 +1818,7 @@ static int l_attention_backward(lua_State *L)
     ft_tensor **dq = push_slot(L);
     ft_tensor **dk = push_slot(L);
     ft_tensor **dv = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_attention_backward(dq, dk, dv, t[0], t[1], t[2], t[3], t[4], t[5], &p));
+    CALL(L, 0, ft_attention_backward(dq, dk, dv, t[0], t[1], t[2], t[3], t[4], t[5], &p));
     return 3;
 }
 
@@ -1773,8 +1849,7 @@ static int cuda_device_name(lua_State *L)
 {
     int index = (int)luaL_optinteger(L, 1, 0);
     char name[256];
-    int call_offset_ = 0;
-    CALL(L, ft_cuda_device_name(index, name, sizeof name));
+    CALL(L, 0, ft_cuda_device_name(index, name, sizeof name));
     lua_pushstring(L, name);
     return 1;
 }
@@ -1782,8 +1857,7 @@ static int cuda_device_name(lua_State *L)
 static int cuda_synchronize(lua_State *L)
 {
     int index = (int)luaL_optinteger(L, 1, 0);
-    int call_offset_ = 0;
-    CALL(L, ft_cuda_synchronize(index));
+    CALL(L, 0, ft_cuda_synchronize(index));
     return 0;
 }
 
@@ -1810,16 +1884,14 @@ static int cuda_event_new(lua_State *L)
     ud_event *u = lua_newuserdatauv(L, sizeof *u, 0);
     u->e = NULL;
     luaL_setmetatable(L, EVENT_MT);
-    int call_offset_ = 0;
-    CALL(L, ft_event_create(&u->e, dev));
+    CALL(L, 0, ft_event_create(&u->e, dev));
     return 1;
 }
 
 static int event_record(lua_State *L)
 {
     ft_event *e = check_event(L, 1);
-    int call_offset_ = 0;
-    CALL(L, ft_event_record(e));
+    CALL(L, 0, ft_event_record(e));
     lua_settop(L, 1);
     return 1;
 }
@@ -1829,15 +1901,26 @@ static int event_elapsed(lua_State *L)
 {
     ft_event *a = check_event(L, 1), *b = check_event(L, 2);
     double ms = 0;
-    int call_offset_ = 0;
-    CALL(L, ft_event_elapsed_ms(a, b, &ms));
+    CALL(L, 0, ft_event_elapsed_ms(a, b, &ms));
     lua_pushnumber(L, ms);
     return 1;
 }
 
+static void event_release(void *e) { ft_event_free(e); }
+
+/* e:free() and __close: now, or after the binding calls in progress. */
 static int event_free(lua_State *L)
 {
     ud_event *u = luaL_checkudata(L, 1, EVENT_MT);
+    ft_event *e = u->e;
+    u->e = NULL;
+    release_later(L, event_release, e);
+    return 0;
+}
+
+static int event_gc(lua_State *L)
+{
+    ud_event *u = lua_touserdata(L, 1);
     ft_event_free(u->e);
     u->e = NULL;
     return 0;
@@ -1845,6 +1928,8 @@ static int event_free(lua_State *L)
 
 static const luaL_Reg event_methods[] = {
     {"record", event_record}, {"elapsed", event_elapsed}, {"free", event_free}, {NULL, NULL}};
+
+static const luaL_Reg event_close[] = {{"__close", event_free}, {NULL, NULL}};
 
 static const luaL_Reg cuda_functions[] = {
     {"is_available", cuda_is_available}, {"is_built", cuda_is_built},
@@ -1854,11 +1939,22 @@ static const luaL_Reg cuda_functions[] = {
 
 /* ---- lifetime ---- */
 
-/* __gc, __close and t:free(): the memory goes now (or with the last view
- * of the storage); later use of t is an error, never a crash. */
+/* t:free() and __close: the memory goes now (or with the last view of the
+ * storage; or once the binding calls in progress are over, see
+ * release_later); later use of t is an error, never a crash. */
 static int t_free(lua_State *L)
 {
     ud_tensor *u = luaL_checkudata(L, 1, TENSOR_MT);
+    ft_tensor *t = u->t;
+    u->t = NULL;
+    release_later(L, tensor_release, t);
+    return 0;
+}
+
+/* __gc: the tensor is unreachable, so no call is using it. */
+static int t_gc(lua_State *L)
+{
+    ud_tensor *u = lua_touserdata(L, 1);
     ft_tensor_free(u->t);
     u->t = NULL;
     return 0;
@@ -1883,9 +1979,20 @@ static int64_t check_row_key(lua_State *L, const ft_tensor *t)
 static ft_tensor *push_row(lua_State *L, ft_tensor *t, int64_t i)
 {
     ft_tensor **slot = push_slot(L);
-    int call_offset_ = 0;
-    CALL(L, ft_select(slot, t, 0, i));
+    CALL(L, 0, ft_select(slot, t, 0, i));
     return *slot;
+}
+
+/* t[i] for a number i (through the trampoline: it allocates). */
+static int t_row(lua_State *L)
+{
+    ft_tensor *t = check_tensor(L, 1);
+    int64_t i = check_row_key(L, t);
+    if (t->ndim == 1)
+        push_element(L, t, &i);
+    else
+        push_row(L, t, i);
+    return 1;
 }
 
 /* t.shape, t.dtype, t.device, t[i], then the methods. */
@@ -1893,12 +2000,10 @@ static int t_index(lua_State *L)
 {
     ud_tensor *u = luaL_checkudata(L, 1, TENSOR_MT);
     if (lua_type(L, 2) == LUA_TNUMBER) {
-        ft_tensor *t = check_tensor(L, 1);
-        int64_t i = check_row_key(L, t);
-        if (t->ndim == 1)
-            push_element(L, t, &i);
-        else
-            push_row(L, t, i);
+        lua_pushvalue(L, lua_upvalueindex(2)); /* t_row, in a trampoline */
+        lua_pushvalue(L, 1);
+        lua_pushvalue(L, 2);
+        lua_call(L, 2, 1);
         return 1;
     }
     if (lua_type(L, 2) == LUA_TSTRING) {
@@ -1991,7 +2096,7 @@ static const luaL_Reg tensor_methods[] = {
 static const luaL_Reg tensor_metamethods[] = {
     {"__add", t_add},   {"__sub", t_sub},   {"__mul", t_mul},
     {"__div", t_div},   {"__pow", t_pow},   {"__unm", t_neg},
-    {"__len", t_len},   {"__gc", t_free},   {"__close", t_free},
+    {"__len", t_len},   {"__close", t_free},
     {"__newindex", t_newindex}, {"__tostring", t_rawstring},
     {NULL, NULL}};
 
@@ -2008,28 +2113,31 @@ static const luaL_Reg module_functions[] = {
 
 FT_API int luaopen_flashtile_core(lua_State *L)
 {
-    gc_pressure_init(L);
+    state_init(L);
     lua_pushlightuserdata(L, (void *)&names_key);
     lua_newtable(L);
     lua_rawset(L, LUA_REGISTRYINDEX);
-    /* The metatable lives in this state's registry. */
+    /* The metatable lives in this state's registry. __gc and __index are
+     * set apart: a collected tensor is freed at once, and __index (every
+     * method lookup) is not worth a trampoline (it holds no pointer across
+     * Lua code, see t_index). */
     new_class_metatable(L, TENSOR_MT);
-    luaL_setfuncs(L, tensor_metamethods, 0);
-    record_names(L, "");
+    set_funcs(L, tensor_metamethods, "");
+    lua_pushcfunction(L, t_gc);
+    lua_setfield(L, -2, "__gc");
     lua_newtable(L); /* methods, the upvalue of __index */
-    luaL_setfuncs(L, tensor_methods, 0);
-    record_names(L, ":");
+    set_funcs(L, tensor_methods, ":");
     lua_pushvalue(L, -1);
-    lua_pushcclosure(L, t_index, 1);
+    lua_newtable(L);
+    set_funcs(L, (const luaL_Reg[]){{"t_row", t_row}, {NULL, NULL}}, "");
+    lua_getfield(L, -1, "t_row");
+    lua_remove(L, -2);
+    lua_pushcclosure(L, t_index, 2);
     lua_setfield(L, -3, "__index");
     /* stack: metatable, methods */
 
     lua_newtable(L); /* the module */
-    generator *g = lua_newuserdatauv(L, sizeof *g, 0);
-    g->seed = DEFAULT_SEED;
-    g->offset = 0;
-    luaL_setfuncs(L, module_functions, 1);
-    record_names(L, "");
+    set_funcs(L, module_functions, "");
     lua_pushvalue(L, -2);
     lua_setfield(L, -2, "Tensor_methods");
     lua_pushvalue(L, -3);
@@ -2040,16 +2148,17 @@ FT_API int luaopen_flashtile_core(lua_State *L)
     /* ft.cuda, and the event metatable */
     new_class_metatable(L, EVENT_MT);
     lua_newtable(L);
-    luaL_setfuncs(L, event_methods, 0);
-    record_names(L, "");
+    set_funcs(L, event_methods, "");
     lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, event_free);
+    lua_pushcfunction(L, event_gc);
     lua_setfield(L, -2, "__gc");
-    lua_pushcfunction(L, event_free);
-    lua_setfield(L, -2, "__close");
-    lua_pop(L, 1);
-    luaL_newlib(L, cuda_functions);
-    record_names(L, "cuda.");
+    lua_newtable(L);
+    set_funcs(L, event_close, "");
+    lua_getfield(L, -1, "__close");
+    lua_setfield(L, -3, "__close");
+    lua_pop(L, 2);
+    lua_newtable(L);
+    set_funcs(L, cuda_functions, "cuda.");
     lua_setfield(L, -2, "cuda");
     return 1;
 }
