@@ -134,3 +134,4 @@ add_test(NAME readme_embed_example
   COMMAND ${CMAKE_COMMAND} -DREADME=${CMAKE_CURRENT_SOURCE_DIR}/README.md
           -DEXAMPLE=${CMAKE_CURRENT_SOURCE_DIR}/tests/embed_example.c
           -P ${CMAKE_CURRENT_SOURCE_DIR}/cmake/readme_example.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/fuzz_replay.cmake) # the fuzz inputs as tests (tests/fuzz)
