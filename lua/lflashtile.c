@@ -71,6 +71,10 @@ static int compat_getfield(lua_State *L, int idx, const char *key)
 #define lua_getfield(L, idx, key) compat_getfield((L), (idx), (key))
 
 #if LUA_VERSION_NUM < 502
+#define lua_rawlen(L, idx) lua_objlen((L), (idx))
+#endif
+
+#if LUA_VERSION_NUM < 502
 #define lua_absindex(L, idx) \
     ((idx) > 0 || (idx) <= LUA_REGISTRYINDEX ? (idx) : lua_gettop(L) + (idx) + 1)
 #endif
@@ -564,12 +568,12 @@ static int check_shape_ex(lua_State *L, int idx, int64_t *shape, int *next, int 
 {
     int ndim = 0;
     if (lua_istable(L, idx) && !test_tensor(L, idx)) {
-        lua_Integer n = luaL_len(L, idx);
+        lua_Integer n = (lua_Integer)lua_rawlen(L, idx);
         if (n > FT_MAX_DIMS)
             luaL_argerror(L, idx, lua_pushfstring(L, "shape has %d dims, at most %d are supported",
                                                   (int)n, FT_MAX_DIMS));
         for (lua_Integer i = 1; i <= n; i++) {
-            lua_geti(L, idx, i);
+            lua_rawgeti(L, idx, i);
             int ok = 0;
             lua_Integer v = lua_type(L, -1) == LUA_TNUMBER ? lua_tointegerx(L, -1, &ok) : 0;
             if (!ok)
@@ -617,10 +621,10 @@ static int check_dim_value(lua_State *L, int idx, lua_Integer d, int ndim)
     if (d < 0 && d >= -ndim)
         return (int)(ndim + d);
     if (ndim == 0)
-        return luaL_argerror(L, idx, lua_pushfstring(L, "dim %d out of range: the tensor is 0-d",
-                                                     (int)d));
-    return luaL_argerror(L, idx, lua_pushfstring(L, "dim %d out of range for a %d-d tensor (1..%d or -%d..-1)",
-                                                 (int)d, ndim, ndim, ndim));
+        return luaL_argerror(L, idx, lua_pushfstring(L, "dim %s out of range: the tensor is 0-d",
+                                                     istr(L, d)));
+    return luaL_argerror(L, idx, lua_pushfstring(L, "dim %s out of range for a %d-d tensor (1..%d or -%d..-1)",
+                                                 istr(L, d), ndim, ndim, ndim));
 }
 
 static int check_dim(lua_State *L, int idx, int ndim)
@@ -651,6 +655,123 @@ static ft_device check_device(lua_State *L, int idx)
     return d;
 }
 
+/* ---- options: the one reader of option tables ----
+ *
+ * An option table is read raw (no metamethod runs) against a list of the
+ * names a function takes; a misspelt or unknown name is an error listing
+ * them, so that {dtpye = "f64"} does not pass silently. Values are checked
+ * by kind and copied out (strings parsed at once); a tensor option is
+ * pushed on the stack, so it stays alive for the call whatever Lua code
+ * does to the table meanwhile. */
+typedef enum { OPT_BOOL, OPT_INT, OPT_NUMBER, OPT_DTYPE, OPT_DEVICE, OPT_IMPL,
+               OPT_TENSOR } opt_kind;
+
+typedef struct opt_spec {
+    const char *name;
+    opt_kind kind;
+} opt_spec;
+
+typedef struct opt_value {
+    int present;
+    int boolean;
+    int64_t integer;
+    double number;
+    ft_dtype dtype;
+    ft_device device;
+    ft_attn_impl impl;
+    ft_tensor *tensor;
+} opt_value;
+
+static const char *const opt_kind_names[] = {"a boolean", "an integer", "a number",
+                                             "a dtype name", "a device name",
+                                             "an implementation name", "a tensor"};
+
+/* Reads the options at idx (none or nil: all absent) into out[i] for
+ * spec[i] (n entries). Tensor options are left on the stack. */
+static void read_options(lua_State *L, int idx, const opt_spec *spec, int n, opt_value *out)
+{
+    memset(out, 0, sizeof *out * (size_t)n);
+    if (lua_isnoneornil(L, idx))
+        return;
+    luaL_checktype(L, idx, LUA_TTABLE);
+    idx = lua_absindex(L, idx);
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        const char *key = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+        int i = 0;
+        while (i < n && !(key && strcmp(key, spec[i].name) == 0))
+            i++;
+        if (i == n) {
+            luaL_Buffer b;
+            luaL_buffinit(L, &b);
+            for (int j = 0; j < n; j++) {
+                luaL_addstring(&b, spec[j].name);
+                luaL_addstring(&b, j + 2 < n ? ", " : j + 1 < n ? " or " : "");
+            }
+            luaL_pushresult(&b);
+            luaL_argerror(L, idx, lua_pushfstring(L, "unknown option '%s' (expected %s)",
+                                                  key ? key : luaL_typename(L, -3),
+                                                  lua_tostring(L, -1)));
+        }
+        opt_value *v = &out[i];
+        int type = lua_type(L, -1), ok = 0;
+        v->present = 1;
+        switch (spec[i].kind) {
+        case OPT_BOOL:
+            ok = type == LUA_TBOOLEAN;
+            v->boolean = lua_toboolean(L, -1);
+            break;
+        case OPT_INT:
+            v->integer = (int64_t)lua_tointegerx(L, -1, &ok);
+            ok = ok && type == LUA_TNUMBER;
+            break;
+        case OPT_NUMBER:
+            ok = type == LUA_TNUMBER;
+            v->number = lua_tonumber(L, -1);
+            break;
+        case OPT_DTYPE:
+        case OPT_DEVICE:
+        case OPT_IMPL:
+            ok = type == LUA_TSTRING;
+            if (ok) {
+                const char *s = lua_tostring(L, -1);
+                ft_status st = spec[i].kind == OPT_DTYPE    ? ft_dtype_parse(s, &v->dtype)
+                               : spec[i].kind == OPT_DEVICE ? ft_device_parse(s, &v->device)
+                                                            : ft_attn_impl_parse(s, &v->impl);
+                if (st != FT_OK)
+                    luaL_argerror(L, idx, lua_pushfstring(L, "option '%s': %s", spec[i].name,
+                                                          ft_last_error_detail()));
+            }
+            break;
+        case OPT_TENSOR:
+            ok = luaL_testudata(L, -1, TENSOR_MT) != NULL;
+            break;
+        }
+        if (!ok) {
+            const char *tname = luaL_typename(L, -1), *shown = "";
+            if (type == LUA_TNUMBER) { /* a copy: lua_tostring converts in place */
+                lua_pushvalue(L, -1);
+                shown = lua_tostring(L, -1);
+            }
+            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be %s, got %s%s%s",
+                                                  spec[i].name, opt_kind_names[spec[i].kind],
+                                                  tname, *shown ? " " : "", shown));
+        }
+        lua_pop(L, 1);
+    }
+    for (int i = 0; i < n; i++)
+        if (out[i].present && spec[i].kind == OPT_TENSOR) {
+            lua_pushstring(L, spec[i].name);
+            lua_rawget(L, idx); /* stays on the stack for the call */
+            ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
+            if (!u || !u->t)
+                luaL_argerror(L, idx, lua_pushfstring(L, "option '%s': %s", spec[i].name,
+                                                      u ? "tensor has been freed"
+                                                        : "must be a tensor"));
+            out[i].tensor = u->t;
+        }
+}
+
 typedef struct options {
     ft_dtype dtype;
     ft_device device;
@@ -658,46 +779,23 @@ typedef struct options {
     uint64_t seed;
 } options;
 
-/* Reads {dtype=, device=, seed=} at idx (absent or nil: defaults). A
- * misspelt key is an error, so that {dtpye="f64"} does not pass silently. */
+/* {dtype=, device=, seed=} at idx (absent or nil: defaults). */
 static options check_options(lua_State *L, int idx, ft_dtype default_dtype)
 {
+    static const opt_spec spec[] = {{"dtype", OPT_DTYPE}, {"device", OPT_DEVICE},
+                                    {"seed", OPT_INT}};
+    opt_value v[3];
+    read_options(L, idx, spec, 3, v);
     options o = {default_dtype, {FT_CPU, 0}, 0, 0};
-    if (lua_isnoneornil(L, idx))
-        return o;
-    luaL_checktype(L, idx, LUA_TTABLE);
-    idx = lua_absindex(L, idx);
-    lua_pushnil(L);
-    while (lua_next(L, idx)) {
-        const char *key = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-        if (!key || (strcmp(key, "dtype") && strcmp(key, "device") && strcmp(key, "seed")))
-            luaL_argerror(L, idx, lua_pushfstring(L, "unknown option '%s' (expected dtype, device or seed)",
-                                                  key ? key : luaL_typename(L, -2)));
-        lua_pop(L, 1);
-    }
-    if (lua_getfield(L, idx, "dtype") != LUA_TNIL) {
-        if (lua_type(L, -1) != LUA_TSTRING)
-            luaL_argerror(L, idx, lua_pushfstring(L, "option 'dtype' must be a string, got %s",
-                                                  luaL_typename(L, -1)));
-        if (ft_dtype_parse(lua_tostring(L, -1), &o.dtype) != FT_OK)
-            luaL_argerror(L, idx, ft_last_error_detail());
-    }
-    if (lua_getfield(L, idx, "device") != LUA_TNIL) {
-        if (lua_type(L, -1) != LUA_TSTRING)
-            luaL_argerror(L, idx, lua_pushfstring(L, "option 'device' must be a string, got %s",
-                                                  luaL_typename(L, -1)));
-        if (ft_device_parse(lua_tostring(L, -1), &o.device) != FT_OK)
-            luaL_argerror(L, idx, ft_last_error_detail());
-    }
-    if (lua_getfield(L, idx, "seed") != LUA_TNIL) {
-        if (!lua_isinteger(L, -1))
-            luaL_argerror(L, idx, "option 'seed' must be an integer");
-        o.has_seed = 1;
-        o.seed = (uint64_t)lua_tointeger(L, -1);
-    }
-    lua_pop(L, 3);
+    if (v[0].present)
+        o.dtype = v[0].dtype;
+    if (v[1].present)
+        o.device = v[1].device;
+    o.has_seed = v[2].present;
+    o.seed = (uint64_t)v[2].integer;
     return o;
 }
+
 
 /* An integer for integer dtypes when v is one that fits, else a float
  * (a sum of i64 values can leave the int64 range). */
@@ -901,11 +999,11 @@ static void nested_shape(lua_State *L, int idx, int64_t *shape, int *ndim)
     while (lua_type(L, -1) == LUA_TTABLE) {
         if (*ndim == FT_MAX_DIMS)
             luaL_argerror(L, 1, lua_pushfstring(L, "nested deeper than %d levels", FT_MAX_DIMS));
-        lua_Integer n = luaL_len(L, -1);
+        lua_Integer n = (lua_Integer)lua_rawlen(L, -1);
         shape[(*ndim)++] = n;
         if (n == 0)
             break;
-        lua_geti(L, -1, 1);
+        lua_rawgeti(L, -1, 1);
         lua_remove(L, -2);
     }
     lua_pop(L, 1);
@@ -928,12 +1026,12 @@ static void nested_fill(lua_State *L, int idx, ft_tensor *t, int d, int64_t *ind
         store_element(L, t, index, idx);
         return;
     }
-    if (lua_type(L, idx) != LUA_TTABLE || luaL_len(L, idx) != t->shape[d])
+    if (lua_type(L, idx) != LUA_TTABLE || (int64_t)lua_rawlen(L, idx) != t->shape[d])
         luaL_argerror(L, 1, lua_pushfstring(L, "ragged nested table: expected %s elements at depth %d",
                                             istr(L, t->shape[d]), d + 1));
     for (int64_t i = 0; i < t->shape[d]; i++) {
         index[d] = i;
-        lua_geti(L, idx, (lua_Integer)i + 1);
+        lua_rawgeti(L, idx, (lua_Integer)i + 1);
         nested_fill(L, lua_gettop(L), t, d + 1, index);
         lua_pop(L, 1);
     }
@@ -1058,14 +1156,15 @@ static int t_permute(lua_State *L)
     ft_tensor *t = check_tensor(L, 1);
     int perm[FT_MAX_DIMS];
     int from_table = lua_istable(L, 2);
-    int n = from_table ? (int)luaL_len(L, 2) : lua_gettop(L) - 1;
+    size_t nperm = from_table ? lua_rawlen(L, 2) : (size_t)(lua_gettop(L) - 1);
+    int n = nperm > FT_MAX_DIMS ? FT_MAX_DIMS + 1 : (int)nperm;
     if (n != t->ndim)
         luaL_argerror(L, 2, lua_pushfstring(L, "permutation has %d dims, tensor has %d", n, t->ndim));
     int seen[FT_MAX_DIMS] = {0};
     for (int d = 0; d < n; d++) {
         int arg = from_table ? 2 : d + 2;
         if (from_table) {
-            lua_geti(L, 2, d + 1);
+            lua_rawgeti(L, 2, d + 1);
             int ok = 0;
             lua_Integer v = lua_type(L, -1) == LUA_TNUMBER ? lua_tointegerx(L, -1, &ok) : 0;
             if (!ok)
@@ -1251,14 +1350,13 @@ static int t_to(lua_State *L)
     ft_dtype dtype = t->dtype;
     ft_device device = t->device;
     if (lua_istable(L, 2)) {
-        options o = check_options(L, 2, t->dtype);
-        if (o.has_seed)
-            luaL_argerror(L, 2, "option 'seed' has no meaning for to (expected dtype or device)");
-        lua_getfield(L, 2, "device");
-        if (!lua_isnil(L, -1))
-            device = o.device;
-        lua_pop(L, 1);
-        dtype = o.dtype;
+        static const opt_spec spec[] = {{"dtype", OPT_DTYPE}, {"device", OPT_DEVICE}};
+        opt_value v[2];
+        read_options(L, 2, spec, 2, v);
+        if (v[0].present)
+            dtype = v[0].dtype;
+        if (v[1].present)
+            device = v[1].device;
     } else {
         const char *name = luaL_checkstring(L, 2);
         if (ft_dtype_parse(name, &dtype) != FT_OK &&
@@ -1692,107 +1790,41 @@ static int l_is_tensor(lua_State *L)
 
 /* ---- attention ---- */
 
-static const char *const attn_option_names[] = {
-    "causal", "scale", "impl", "block_q", "block_k", "deterministic",
-    "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p",
-    "dropout_seed", "cu_seqlens_q", "cu_seqlens_k", NULL};
-
-static int64_t opt_field_integer(lua_State *L, int idx, const char *key, int64_t def)
-{
-    int64_t r = def;
-    if (lua_getfield(L, idx, key) != LUA_TNIL) {
-        if (!lua_isinteger(L, -1))
-            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be an integer", key));
-        r = (int64_t)lua_tointeger(L, -1);
-    }
-    lua_pop(L, 1);
-    return r;
-}
-
-static double opt_field_number(lua_State *L, int idx, const char *key, double def)
-{
-    double r = def;
-    if (lua_getfield(L, idx, key) != LUA_TNIL) {
-        if (lua_type(L, -1) != LUA_TNUMBER)
-            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be a number", key));
-        r = lua_tonumber(L, -1);
-    }
-    lua_pop(L, 1);
-    return r;
-}
-
-static int opt_field_boolean(lua_State *L, int idx, const char *key)
-{
-    int t = lua_getfield(L, idx, key);
-    if (t != LUA_TNIL && t != LUA_TBOOLEAN)
-        luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be a boolean", key));
-    int r = lua_toboolean(L, -1);
-    lua_pop(L, 1);
-    return r;
-}
-
-/* A tensor option: the tensor stays referenced by the options table (at
- * idx) for the duration of the call. */
-static const ft_tensor *opt_field_tensor(lua_State *L, int idx, const char *key)
-{
-    const ft_tensor *t = NULL;
-    if (lua_getfield(L, idx, key) != LUA_TNIL) {
-        t = test_tensor(L, -1);
-        if (!t)
-            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be a tensor", key));
-    }
-    lua_pop(L, 1);
-    return t;
-}
-
-/* {causal=, scale=, impl=, block_q=, block_k=, deterministic=, and the
- * later features' fields} at idx into p. Unknown keys are errors. */
+/* {causal=, scale=, impl=, ... } at idx into p (see attn_spec). */
 static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
 {
+    static const opt_spec spec[] = {
+        {"causal", OPT_BOOL},        {"scale", OPT_NUMBER},        {"impl", OPT_IMPL},
+        {"block_q", OPT_INT},        {"block_k", OPT_INT},         {"deterministic", OPT_BOOL},
+        {"window_left", OPT_INT},    {"window_right", OPT_INT},    {"softcap", OPT_NUMBER},
+        {"alibi_slopes", OPT_TENSOR}, {"dropout_p", OPT_NUMBER},   {"dropout_seed", OPT_INT},
+        {"cu_seqlens_q", OPT_TENSOR}, {"cu_seqlens_k", OPT_TENSOR}};
+    enum { N = sizeof spec / sizeof spec[0] };
+    opt_value v[N];
+    read_options(L, idx, spec, N, v);
     ft_attn_params_init(p);
-    if (lua_isnoneornil(L, idx))
-        return;
-    luaL_checktype(L, idx, LUA_TTABLE);
-    lua_pushnil(L);
-    while (lua_next(L, idx)) {
-        const char *key = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-        int known = 0;
-        for (int i = 0; key && attn_option_names[i]; i++)
-            known |= strcmp(key, attn_option_names[i]) == 0;
-        if (!known)
-            luaL_argerror(L, idx, lua_pushfstring(L, "unknown option '%s' (expected causal, scale, impl, block_q, block_k, deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed, cu_seqlens_q or cu_seqlens_k)",
-                                                  key ? key : luaL_typename(L, -2)));
-        lua_pop(L, 1);
+    p->causal = v[0].boolean;
+    if (v[1].present) {
+        if (v[1].number == 0)
+            luaL_argerror(L, idx, "option 'scale' must be nonzero");
+        p->scale = v[1].number;
     }
-    p->causal = opt_field_boolean(L, idx, "causal");
-    p->deterministic = opt_field_boolean(L, idx, "deterministic");
-    p->scale = opt_field_number(L, idx, "scale", 0);
-    if (lua_getfield(L, idx, "scale") != LUA_TNIL && p->scale == 0)
-        luaL_argerror(L, idx, "option 'scale' must be nonzero");
-    lua_pop(L, 1);
-    if (lua_getfield(L, idx, "impl") != LUA_TNIL) {
-        const char *name = lua_tostring(L, -1);
-        if (!name || ft_attn_impl_parse(name, &p->impl) != FT_OK)
-            luaL_argerror(L, idx, lua_pushfstring(L, "option 'impl': %s",
-                                                  name ? ft_last_error_detail()
-                                                       : "must be a string"));
-    }
-    lua_pop(L, 1);
-    p->block_q = opt_field_integer(L, idx, "block_q", 0);
-    p->block_k = opt_field_integer(L, idx, "block_k", 0);
-    if (lua_getfield(L, idx, "block_q") != LUA_TNIL && p->block_q < 1)
-        luaL_argerror(L, idx, "option 'block_q' must be positive");
-    if (lua_getfield(L, idx, "block_k") != LUA_TNIL && p->block_k < 1)
-        luaL_argerror(L, idx, "option 'block_k' must be positive");
-    lua_pop(L, 2);
-    p->window_left = opt_field_integer(L, idx, "window_left", -1);
-    p->window_right = opt_field_integer(L, idx, "window_right", -1);
-    p->softcap = opt_field_number(L, idx, "softcap", 0);
-    p->alibi_slopes = opt_field_tensor(L, idx, "alibi_slopes");
-    p->dropout_p = opt_field_number(L, idx, "dropout_p", 0);
-    p->dropout_seed = (uint64_t)opt_field_integer(L, idx, "dropout_seed", 0);
-    p->cu_seqlens_q = opt_field_tensor(L, idx, "cu_seqlens_q");
-    p->cu_seqlens_k = opt_field_tensor(L, idx, "cu_seqlens_k");
+    if (v[2].present)
+        p->impl = v[2].impl;
+    for (int i = 3; i <= 4; i++)
+        if (v[i].present && v[i].integer < 1)
+            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be positive", spec[i].name));
+    p->block_q = v[3].integer;
+    p->block_k = v[4].integer;
+    p->deterministic = v[5].boolean;
+    p->window_left = v[6].present ? v[6].integer : -1;
+    p->window_right = v[7].present ? v[7].integer : -1;
+    p->softcap = v[8].number;
+    p->alibi_slopes = v[9].tensor;
+    p->dropout_p = v[10].number;
+    p->dropout_seed = (uint64_t)v[11].integer;
+    p->cu_seqlens_q = v[12].tensor;
+    p->cu_seqlens_k = v[13].tensor;
 }
 
 /* out, lse = ft.attention(q, k, v [, opts]) */
@@ -1845,9 +1877,17 @@ static int cuda_device_count(lua_State *L)
 }
 
 /* CUDA devices are numbered from 0 as in "cuda:0", also in Lua. */
+static int opt_device_index(lua_State *L, int idx)
+{
+    lua_Integer i = luaL_optinteger(L, idx, 0);
+    if (i < 0 || i > 1 << 20)
+        luaL_argerror(L, idx, lua_pushfstring(L, "device index %s out of range", istr(L, i)));
+    return (int)i;
+}
+
 static int cuda_device_name(lua_State *L)
 {
-    int index = (int)luaL_optinteger(L, 1, 0);
+    int index = opt_device_index(L, 1);
     char name[256];
     CALL(L, 0, ft_cuda_device_name(index, name, sizeof name));
     lua_pushstring(L, name);
@@ -1856,7 +1896,7 @@ static int cuda_device_name(lua_State *L)
 
 static int cuda_synchronize(lua_State *L)
 {
-    int index = (int)luaL_optinteger(L, 1, 0);
+    int index = opt_device_index(L, 1);
     CALL(L, 0, ft_cuda_synchronize(index));
     return 0;
 }
