@@ -77,7 +77,8 @@ ft_status ft_cuda_device_name(int index, char *buf, size_t size)
     FT_TRY(check_index("ft_cuda_device_name", 1, index));
     struct cudaDeviceProp prop;
     FT_CUDA_TRY("ft_cuda_device_name", cudaGetDeviceProperties(&prop, index));
-    snprintf(buf, size, "%s", prop.name);
+    if (buf && size)
+        snprintf(buf, size, "%s", prop.name);
     return FT_OK;
 }
 
@@ -167,6 +168,8 @@ struct ft_event {
 
 ft_status ft_event_create(ft_event **out, ft_device device)
 {
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_event_create", 0, "result pointer is NULL");
     *out = NULL;
     if (device.type != FT_CUDA)
         return ft_fail(FT_ERR_ARGUMENT, "ft_event_create", 1,
@@ -199,6 +202,8 @@ ft_status ft_event_elapsed_ms(const ft_event *start, const ft_event *end, double
 {
     if (!start || !end)
         return ft_fail(FT_ERR_ARGUMENT, "ft_event_elapsed_ms", start ? 2 : 1, "event expected");
+    if (!ms)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_event_elapsed_ms", 0, "result pointer is NULL");
     float t = 0;
     FT_CUDA_TRY("ft_event_elapsed_ms", cudaEventSynchronize(end->event));
     FT_CUDA_TRY("ft_event_elapsed_ms", cudaEventElapsedTime(&t, start->event, end->event));
@@ -228,7 +233,7 @@ int ft_cuda_device_count(void) { return 0; }
 ft_status ft_cuda_device_name(int index, char *buf, size_t size)
 {
     (void)index;
-    if (size)
+    if (buf && size)
         buf[0] = '\0';
     return no_cuda("ft_cuda_device_name");
 }
@@ -269,7 +274,8 @@ ft_status ft_cuda_reset_peak(int index)
 ft_status ft_event_create(ft_event **out, ft_device device)
 {
     (void)device;
-    *out = NULL;
+    if (out)
+        *out = NULL;
     return no_cuda("ft_event_create");
 }
 

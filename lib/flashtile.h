@@ -15,6 +15,10 @@
  *   - Dimensions and indices are 0-based here (the Lua layer is 1-based).
  *     A negative dim counts from the end (-1 is the last).
  *   - Shapes and strides are in elements, not bytes.
+ *   - No new tensor has more than 2^48 elements (FT_ERR_NOMEM, before any
+ *     allocation) and no loop visits more (FT_ERR_UNSUPPORTED); views that
+ *     repeat elements (stride 0, ft_expand) may be larger, and loops over
+ *     them visit the distinct elements once wherever the result allows it.
  */
 #ifndef FLASHTILE_H
 #define FLASHTILE_H
@@ -114,7 +118,10 @@ typedef struct ft_tensor {
     int64_t stride[FT_MAX_DIMS];      /* in elements, >= 0 */
 } ft_tensor;
 
-/* A new contiguous tensor with uninitialised contents. */
+/* A new contiguous tensor with uninitialised contents. A size 0 makes a
+ * tensor of no elements, whatever its other sizes; more than 2^48
+ * elements (more memory than any machine has) fail with FT_ERR_NOMEM
+ * before any allocation is tried. */
 FT_API ft_status ft_empty(ft_tensor **out, int ndim, const int64_t *shape,
                           ft_dtype dtype, ft_device device);
 /* Releases the handle and its reference to the storage; NULL is a no-op.
@@ -169,10 +176,22 @@ FT_API ft_status ft_to(ft_tensor **out, const ft_tensor *t, ft_dtype dtype,
 /* dst[...] = src[...], converting dtypes. Shapes must be equal. Floats to
  * f16/bf16 round to nearest even; floats to integers truncate toward zero
  * and saturate (NaN becomes 0). dst and src may be views of one storage
- * only if they are the same view. */
+ * only if they are the same view. A dst that repeats elements (stride 0,
+ * from ft_expand) gets each written once, with the value of its last
+ * index in row-major order. */
 FT_API ft_status ft_copy(ft_tensor *dst, const ft_tensor *src);
 /* Sets every element to value (converted as ft_copy does). */
 FT_API ft_status ft_fill(ft_tensor *t, double value);
+/* Integer ranges without doubles: element i (row-major) of the i64 or i32
+ * tensor t becomes start + i * step, exactly. Fails (nothing written) if
+ * start + (numel - 1) * step leaves t's dtype. Inputs: t=1, start=2,
+ * step=3. */
+FT_API ft_status ft_arange_int(ft_tensor *t, int64_t start, int64_t step);
+/* The number of values start, start + step, ... before stop (stop
+ * excluded), ceil((stop - start) / step) or 0, computed exactly; step must
+ * be nonzero and the count at most 2^48. Inputs: start=1, stop=2, step=3. */
+FT_API ft_status ft_arange_count(int64_t start, int64_t stop, int64_t step,
+                                 int64_t *count);
 
 /* One element, index has t->ndim entries. Integer dtypes may use the
  * _int variants to keep all 64 bits. */

@@ -1,7 +1,8 @@
 /*
  * internal.h - what the files of lib/ share and users of flashtile.h need
- * not see: the storage record, error reporting, element access by dtype and
- * a strided iterator.
+ * not see: the storage record, error reporting, overflow-checked sizes and
+ * the element limit, element access by dtype, stride-0 views, a strided
+ * iterator, and writing files in one piece.
  */
 #ifndef FT_INTERNAL_H
 #define FT_INTERNAL_H
@@ -9,6 +10,7 @@
 #include "flashtile.h"
 
 #include <stdbool.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -54,6 +56,83 @@ ft_status ft_check_dim(const char *func, int arg, int dim, int ndim, int *out);
 
 /* Checks a tensor argument is non-NULL; the message names func and arg. */
 ft_status ft_check_tensor(const char *func, int arg, const ft_tensor *t);
+
+/* ---- sizes ----
+ * Every element count, byte size, scratch size and stride product of lib/
+ * goes through ft_mul_size / ft_add_size (or the helpers built on them
+ * below), never through a bare * or + that could wrap: each returns 0 and
+ * stores the result, or returns -1 and stores nothing when an operand is
+ * negative or the exact result does not fit in int64. The caller turns -1
+ * into an ft_fail that names the function, the argument and the size.
+ * What stays plain arithmetic is the offset of an element inside a view
+ * (index * stride, within the view's extent) and indexing inside a buffer
+ * whose size was checked: ft_tensor_wrap refuses any view that reaches
+ * outside its storage, so those values are bounded by memory that exists. */
+static inline int ft_mul_size(int64_t a, int64_t b, int64_t *out)
+{
+    if (a < 0 || b < 0 || (a != 0 && b > INT64_MAX / a))
+        return -1;
+    *out = a * b;
+    return 0;
+}
+
+static inline int ft_add_size(int64_t a, int64_t b, int64_t *out)
+{
+    if (a < 0 || b < 0 || b > INT64_MAX - a)
+        return -1;
+    *out = a + b;
+    return 0;
+}
+
+/* The element count of shape: 0 when any size is 0 (a tensor with no
+ * elements may have any shape, however large its other sizes), else the
+ * product of the sizes; -1 for a negative size or a product past int64. */
+static inline int ft_checked_numel(int ndim, const int64_t *shape, int64_t *out)
+{
+    int64_t n = 1;
+    int zero = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0)
+            return -1;
+        zero |= shape[d] == 0;
+    }
+    if (zero) {
+        *out = 0;
+        return 0;
+    }
+    for (int d = 0; d < ndim; d++)
+        if (ft_mul_size(n, shape[d], &n) != 0)
+            return -1;
+    *out = n;
+    return 0;
+}
+
+/* n elements of esize bytes as a size_t byte count; -1 if that overflows. */
+static inline int ft_checked_bytes(int64_t n, size_t esize, size_t *out)
+{
+    int64_t b;
+    if (esize > (size_t)INT64_MAX || ft_mul_size(n, (int64_t)esize, &b) != 0 ||
+        (uint64_t)b > (uint64_t)SIZE_MAX)
+        return -1;
+    *out = (size_t)b;
+    return 0;
+}
+
+/* The most elements a tensor of flashtile may hold and the most elements
+ * (or pairs of elements) one loop of lib/ may visit: 2^48. That many
+ * elements of the smallest dtype (2 bytes) are 512 TiB, more memory than
+ * any one machine has, and a loop over them at 10^9 elements a second
+ * would run for more than three days. A larger count can only come from
+ * stride-0 views (ft_expand) or from a mistake, so allocations past it
+ * fail at once (FT_ERR_NOMEM, no malloc is tried) and so do loops past it
+ * (FT_ERR_UNSUPPORTED) instead of running for ever; loops over stride-0
+ * views visit each distinct element once wherever the result allows it
+ * (see "stride-0 dims" below), so real work never comes near the limit. */
+#define FT_MAX_ELEMENTS ((int64_t)1 << 48)
+
+/* Fails unless a loop over n elements stays within FT_MAX_ELEMENTS; what
+ * names them in the message ("elements", "pairs of elements"...). */
+ft_status ft_check_walk(const char *func, int arg, int64_t n, const char *what);
 
 /* ---- CUDA (device.c) ---- */
 
@@ -121,6 +200,26 @@ ft_status ft_empty_named(ft_tensor **out, int ndim, const int64_t *shape,
 /* Fails unless a and b have equal shapes. */
 ft_status ft_check_same_shape(const char *func, int arg, const ft_tensor *a,
                               const ft_tensor *b);
+
+/* ---- stride-0 dims (tensor.c) ----
+ * ft_expand repeats an element along a dim with stride 0, so a view of
+ * 2^62 elements may hold one. The only aliasing views of flashtile have is
+ * this one (every other view op keeps distinct indices on distinct
+ * elements), so a loop visits each distinct element once by collapsing
+ * such dims to size 1 in a copy of the handle (a local ft_tensor sharing
+ * the storage, used only during the call). */
+
+/* 1 if t has elements and a dim of size > 1 with stride 0. */
+int ft_has_broadcast(const ft_tensor *t);
+/* For reads: sets every such dim of *t to size 1 and returns the product
+ * of their sizes, how many times each remaining element was repeated
+ * (1 when there were none, or t has no elements). */
+int64_t ft_collapse_broadcast(ft_tensor *t);
+/* For writes through dst of values from src (NULL: none) of dst's shape:
+ * every such dim of *dst becomes size 1, and *src is moved to its last
+ * index along it, the element whose write a row-major loop does last (the
+ * value the element ends with). */
+void ft_collapse_for_write(ft_tensor *dst, ft_tensor *src);
 
 /* ---- strided iteration ----
  * Walks up to FT_ITER_MAX operands of one shape in row-major order:
@@ -208,6 +307,34 @@ void ft_swap_elements(void *data, size_t n, size_t esize);
 /* The message for the errno of a failed stdio call; stdio does not always
  * set errno (a short read at end of file sets nothing). */
 const char *ft_errno_text(int err, const char *fallback);
+
+/* A file written in one piece, for both savers (npy.c). ft_file_begin
+ * creates a new file next to the target, under a fresh temporary name
+ * (the target's name + ".tmp-PID-N", made with O_EXCL, so nobody else's
+ * file), with the target's permission bits when it exists; ft_file_end
+ * then flushes it to the disk and renames it over the target, so that a
+ * reader of path sees the old file or the whole new one, never a mix, and
+ * a failed save leaves path as it was and removes the temporary file on
+ * every failure path. The target is path, or the file a symbolic link at
+ * path points to (the link stays). A device or FIFO at path (/dev/null,
+ * /dev/full, a pipe), which cannot be replaced, and a link that points
+ * nowhere are opened and written in place instead, as fopen "wb" would.
+ * Errors name func, the argument position arg and path. */
+typedef struct ft_out_file {
+    FILE *f;           /* write the contents here */
+    char *tmp;         /* the temporary file; NULL when writing in place */
+    char *target;      /* what tmp is renamed to */
+    const char *path;  /* as the caller gave it, for messages */
+    const char *func;
+    int arg;
+} ft_out_file;
+
+ft_status ft_file_begin(ft_out_file *o, const char *path, const char *func,
+                        int arg);
+/* Finishes o: when status is FT_OK, flushes, syncs, closes and renames the
+ * file into place; otherwise, or when one of those fails, closes it and
+ * removes the temporary file. Returns status, or the first failure. */
+ft_status ft_file_end(ft_out_file *o, ft_status status);
 
 #ifdef __cplusplus
 }

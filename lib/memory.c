@@ -96,6 +96,8 @@ void ft_storage_release(ft_storage *s)
 
 ft_status ft_memory_stats_get(ft_device device, ft_memory_stats *out)
 {
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_memory_stats_get", 0, "result pointer is NULL");
     if (device.type == FT_CUDA)
         return ft_cuda_memory_stats(device.index, out);
     out->in_use = atomic_load(&cpu_in_use);

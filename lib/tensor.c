@@ -45,17 +45,49 @@ ft_status ft_check_same_shape(const char *func, int arg, const ft_tensor *a,
     return FT_OK;
 }
 
+/* Row-major strides of shape. For a tensor with elements they are products
+ * of sizes to the right, which fit int64 because the element count does.
+ * A tensor with no elements may have sizes whose product does not fit
+ * ({1e18, 0, 16}); no element is ever reached through its strides, and a
+ * product that would overflow saturates at INT64_MAX instead. */
 static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
 {
     int64_t s = 1;
     for (int d = ndim - 1; d >= 0; d--) {
         stride[d] = s;
-        s *= shape[d] > 0 ? shape[d] : 1;
+        if (ft_mul_size(s, shape[d] > 0 ? shape[d] : 1, &s) != 0)
+            s = INT64_MAX;
     }
 }
 
+ft_status ft_check_walk(const char *func, int arg, int64_t n, const char *what)
+{
+    if (n > FT_MAX_ELEMENTS)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, arg,
+                       "the operation would visit %lld %s, more than flashtile's "
+                       "limit of 2^48 (%lld) for one loop",
+                       (long long)n, what, (long long)FT_MAX_ELEMENTS);
+    return FT_OK;
+}
+
+/* A device a tensor can be made on: the CPU (index 0) or a CUDA ordinal. */
+static ft_status check_device_arg(const char *func, int arg, ft_device device)
+{
+    if (device.type == FT_CPU && device.index != 0)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                       "the cpu device has index 0, got %d", device.index);
+    if (device.type != FT_CPU && device.type != FT_CUDA)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "invalid device type %d",
+                       (int)device.type);
+    if (device.type == FT_CUDA && device.index < 0)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                       "CUDA device index %d is negative", device.index);
+    return FT_OK;
+}
+
 /* Checks a shape and gives its element count, failing on negative sizes,
- * too many dims, or a byte size that does not fit in size_t. */
+ * too many dims, or more than FT_MAX_ELEMENTS elements. A shape with a
+ * size 0 has no elements, whatever its other sizes. */
 static ft_status check_shape(const char *func, int arg, int ndim,
                              const int64_t *shape, ft_dtype dtype,
                              int64_t *numel)
@@ -66,32 +98,63 @@ static ft_status check_shape(const char *func, int arg, int ndim,
                        FT_MAX_DIMS);
     if (ndim > 0 && !shape)
         return ft_fail(FT_ERR_ARGUMENT, func, arg, "shape expected, got NULL");
-    int64_t n = 1;
-    const int64_t limit = INT64_MAX / 8; /* bytes must fit for any dtype */
-    for (int d = 0; d < ndim; d++) {
+    for (int d = 0; d < ndim; d++)
         if (shape[d] < 0)
             return ft_fail(FT_ERR_ARGUMENT, func, arg,
                            "size %lld of dim %d is negative",
                            (long long)shape[d], d);
-        if (shape[d] > 0 && n > limit / shape[d])
-            return ft_fail(FT_ERR_NOMEM, func, arg, "shape is too large");
-        n *= shape[d];
-    }
     if (!ft_dtype_size(dtype))
         return ft_fail(FT_ERR_ARGUMENT, func, arg, "invalid dtype %d", (int)dtype);
+    int64_t n = 0;
+    if (ft_checked_numel(ndim, shape, &n) != 0 || n > FT_MAX_ELEMENTS) {
+        char buf[SHAPE_TEXT];
+        return ft_fail(FT_ERR_NOMEM, func, arg,
+                       "shape %s is too large to allocate: more than 2^48 "
+                       "elements, more memory than any machine has",
+                       ft_format_shape(buf, sizeof buf, ndim, shape));
+    }
     *numel = n;
     return FT_OK;
+}
+
+/* Whether a view at byte_offset of s with this geometry reaches only bytes
+ * of s: its first element and, when it has elements, its last one (the
+ * offset of the last is the sum of stride * (size - 1), strides >= 0). */
+static int view_inside(const ft_storage *s, size_t byte_offset, ft_dtype dtype,
+                       int ndim, const int64_t *shape, const int64_t *stride)
+{
+    int64_t n, last = 0, span, end_elems;
+    size_t end;
+    if (byte_offset > s->nbytes || ft_checked_numel(ndim, shape, &n) != 0)
+        return 0;
+    if (n == 0)
+        return 1;
+    for (int d = 0; d < ndim; d++)
+        if (ft_mul_size(stride[d], shape[d] - 1, &span) != 0 ||
+            ft_add_size(last, span, &last) != 0)
+            return 0;
+    if (ft_add_size(last, 1, &end_elems) != 0 ||
+        ft_checked_bytes(end_elems, ft_dtype_size(dtype), &end) != 0)
+        return 0;
+    return end <= s->nbytes - byte_offset;
 }
 
 ft_status ft_tensor_wrap(ft_tensor **out, ft_storage *s, size_t byte_offset,
                          ft_dtype dtype, int ndim, const int64_t *shape,
                          const int64_t *stride, const char *func)
 {
-    ft_tensor *t = calloc(1, sizeof *t);
-    if (!t) {
-        *out = NULL;
-        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    *out = NULL;
+    if (!view_inside(s, byte_offset, dtype, ndim, shape, stride)) {
+        char buf[SHAPE_TEXT];
+        return ft_fail(FT_ERR_INTERNAL, func, 0,
+                       "a view of shape %s at byte %zu would reach outside "
+                       "its storage of %zu bytes",
+                       ft_format_shape(buf, sizeof buf, ndim, shape),
+                       byte_offset, s->nbytes);
     }
+    ft_tensor *t = calloc(1, sizeof *t);
+    if (!t)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
     ft_storage_retain(s);
     t->storage = s;
     t->data = (char *)s->data + byte_offset;
@@ -109,11 +172,17 @@ ft_status ft_tensor_wrap(ft_tensor **out, ft_storage *s, size_t byte_offset,
 ft_status ft_empty_named(ft_tensor **out, int ndim, const int64_t *shape,
                          ft_dtype dtype, ft_device device, const char *func)
 {
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
     *out = NULL;
     int64_t numel = 0;
+    size_t nbytes = 0;
     FT_TRY(check_shape(func, 1, ndim, shape, dtype, &numel));
+    FT_TRY(check_device_arg(func, 1, device));
+    if (ft_checked_bytes(numel, ft_dtype_size(dtype), &nbytes) != 0)
+        return ft_fail(FT_ERR_NOMEM, func, 1, "shape is too large to allocate");
     ft_storage *s;
-    FT_TRY(ft_storage_new(&s, (size_t)numel * ft_dtype_size(dtype), device, func));
+    FT_TRY(ft_storage_new(&s, nbytes, device, func));
     int64_t stride[FT_MAX_DIMS];
     contiguous_strides(ndim, shape, stride);
     ft_status st = ft_tensor_wrap(out, s, 0, dtype, ndim, shape, stride, func);
@@ -135,32 +204,83 @@ void ft_tensor_free(ft_tensor *t)
     free(t);
 }
 
+/* Views keep their element count within int64 (ft_expand and ft_view
+ * check it); a count that does not fit could only come from a handle
+ * changed by hand, and saturates. */
 int64_t ft_numel(const ft_tensor *t)
 {
-    int64_t n = 1;
-    for (int d = 0; d < t->ndim; d++)
-        n *= t->shape[d];
-    return n;
+    int64_t n;
+    if (!t)
+        return 0;
+    return ft_checked_numel(t->ndim, t->shape, &n) == 0 ? n : INT64_MAX;
 }
 
 int ft_is_contiguous(const ft_tensor *t)
 {
+    if (!t)
+        return 0;
+    if (ft_numel(t) == 0)
+        return 1;
     int64_t expected = 1;
     for (int d = t->ndim - 1; d >= 0; d--) {
-        if (t->shape[d] == 0)
-            return 1;
         if (t->shape[d] != 1 && t->stride[d] != expected)
             return 0;
-        expected *= t->shape[d];
+        if (ft_mul_size(expected, t->shape[d], &expected) != 0)
+            return 0;
     }
     return 1;
 }
 
-size_t ft_storage_nbytes(const ft_tensor *t) { return t->storage->nbytes; }
+size_t ft_storage_nbytes(const ft_tensor *t)
+{
+    return t && t->storage ? t->storage->nbytes : 0;
+}
 
 int ft_same_storage(const ft_tensor *a, const ft_tensor *b)
 {
-    return a->storage == b->storage;
+    return a && b && a->storage == b->storage;
+}
+
+/* ---- stride-0 dims ---- */
+
+int64_t ft_collapse_broadcast(ft_tensor *t)
+{
+    int64_t mult = 1;
+    if (ft_numel(t) == 0)
+        return 1;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] > 1 && t->stride[d] == 0) {
+            if (ft_mul_size(mult, t->shape[d], &mult) != 0) /* a factor of numel: fits */
+                mult = INT64_MAX;
+            t->shape[d] = 1;
+        }
+    return mult;
+}
+
+void ft_collapse_for_write(ft_tensor *dst, ft_tensor *src)
+{
+    if (ft_numel(dst) == 0)
+        return;
+    for (int d = 0; d < dst->ndim; d++)
+        if (dst->shape[d] > 1 && dst->stride[d] == 0) {
+            if (src) {
+                /* src's last element along d: inside src, as src has
+                 * elements (its shape is dst's). */
+                src->data = ft_elem_ptr(src, src->stride[d] * (src->shape[d] - 1));
+                src->shape[d] = 1;
+            }
+            dst->shape[d] = 1;
+        }
+}
+
+int ft_has_broadcast(const ft_tensor *t)
+{
+    if (ft_numel(t) == 0)
+        return 0;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] > 1 && t->stride[d] == 0)
+            return 1;
+    return 0;
 }
 
 /* A new handle on t's storage with the given geometry. */
@@ -173,16 +293,25 @@ static ft_status make_view(ft_tensor **out, const ft_tensor *t, void *data,
                           stride, func);
 }
 
+/* The result pointer of a view or copy, and the tensor it starts from. */
+static ft_status check_out_and_tensor(const char *func, ft_tensor **out,
+                                      const ft_tensor *t)
+{
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
+    *out = NULL;
+    return ft_check_tensor(func, 1, t);
+}
+
 ft_status ft_expand(ft_tensor **out, const ft_tensor *t, int ndim,
                     const int64_t *shape)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_expand", 1, t));
+    FT_TRY(check_out_and_tensor("ft_expand", out, t));
     char sr[SHAPE_TEXT], st[SHAPE_TEXT];
     if (ndim < t->ndim || ndim > FT_MAX_DIMS || (ndim > 0 && !shape))
         return ft_fail(FT_ERR_ARGUMENT, "ft_expand", 2,
                        "cannot expand a %d-d tensor to %d dims", t->ndim, ndim);
-    int64_t size[FT_MAX_DIMS], stride[FT_MAX_DIMS], numel = 1;
+    int64_t size[FT_MAX_DIMS], stride[FT_MAX_DIMS], numel;
     const int lead = ndim - t->ndim;
     for (int d = 0; d < ndim; d++) {
         const int64_t want = shape[d];
@@ -206,19 +335,15 @@ ft_status ft_expand(ft_tensor **out, const ft_tensor *t, int ndim,
                            (long long)want);
         }
     }
-    for (int d = 0; d < ndim; d++) {
-        if (size[d] > 0 && numel > INT64_MAX / size[d])
-            return ft_fail(FT_ERR_ARGUMENT, "ft_expand", 2, "shape %s is too large",
-                           ft_format_shape(sr, sizeof sr, ndim, size));
-        numel *= size[d];
-    }
+    if (ft_checked_numel(ndim, size, &numel) != 0)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_expand", 2, "shape %s is too large",
+                       ft_format_shape(sr, sizeof sr, ndim, size));
     return make_view(out, t, t->data, ndim, size, stride, "ft_expand");
 }
 
 ft_status ft_alias(ft_tensor **out, const ft_tensor *t)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_alias", 1, t));
+    FT_TRY(check_out_and_tensor("ft_alias", out, t));
     return make_view(out, t, t->data, t->ndim, t->shape, t->stride, "ft_alias");
 }
 
@@ -231,8 +356,9 @@ static ft_status infer_shape(const char *func, const ft_tensor *t, int ndim,
         return ft_fail(FT_ERR_ARGUMENT, func, 2,
                        "%d dims requested, at most %d are supported", ndim,
                        FT_MAX_DIMS);
-    int infer = -1;
-    int64_t known = 1;
+    if (ndim > 0 && !req)
+        return ft_fail(FT_ERR_ARGUMENT, func, 2, "shape expected, got NULL");
+    int infer = -1, zero = 0;
     for (int d = 0; d < ndim; d++) {
         shape[d] = req[d];
         if (req[d] == -1) {
@@ -244,13 +370,17 @@ static ft_status infer_shape(const char *func, const ft_tensor *t, int ndim,
         } else if (req[d] < 0) {
             return ft_fail(FT_ERR_ARGUMENT, func, 2, "negative size in %s",
                            ft_format_shape(sr, sizeof sr, ndim, req));
-        } else {
-            if (req[d] > 0 && known > INT64_MAX / req[d])
-                return ft_fail(FT_ERR_ARGUMENT, func, 2, "shape %s is too large",
-                               ft_format_shape(sr, sizeof sr, ndim, req));
-            known *= req[d];
         }
+        zero |= req[d] == 0;
     }
+    /* The product of the given sizes: 0 if one is 0, whatever the others. */
+    int64_t known = 1;
+    for (int d = 0; d < ndim && !zero; d++)
+        if (d != infer && ft_mul_size(known, req[d], &known) != 0)
+            return ft_fail(FT_ERR_ARGUMENT, func, 2, "shape %s is too large",
+                           ft_format_shape(sr, sizeof sr, ndim, req));
+    if (zero)
+        known = 0;
     int64_t numel = ft_numel(t);
     if (infer >= 0) {
         if (known == 0 || numel % known != 0)
@@ -273,7 +403,8 @@ static ft_status infer_shape(const char *func, const ft_tensor *t, int ndim,
 
 /* Strides for viewing t with shape, if t's strides allow it without a
  * copy: each run of dims of t that is contiguous within itself may be
- * split or merged freely, runs may not be merged with each other. */
+ * split or merged freely, runs may not be merged with each other. The
+ * products stay within t's element count and extent; checked anyway. */
 static int view_strides(const ft_tensor *t, int ndim, const int64_t *shape,
                         int64_t *stride)
 {
@@ -283,16 +414,20 @@ static int view_strides(const ft_tensor *t, int ndim, const int64_t *shape,
     }
     int vd = ndim - 1;
     int64_t chunk_stride = t->stride[t->ndim - 1];
-    int64_t t_numel = 1, v_numel = 1;
+    int64_t t_numel = 1, v_numel = 1, next;
     for (int td = t->ndim - 1; td >= 0; td--) {
-        t_numel *= t->shape[td];
-        int chunk_ends = td == 0 || (t->shape[td - 1] != 1 &&
-                                     t->stride[td - 1] != t_numel * chunk_stride);
+        if (ft_mul_size(t_numel, t->shape[td], &t_numel) != 0)
+            return 0;
+        int chunk_ends = td == 0 ||
+                         (t->shape[td - 1] != 1 &&
+                          (ft_mul_size(t_numel, chunk_stride, &next) != 0 ||
+                           t->stride[td - 1] != next));
         if (!chunk_ends)
             continue;
         while (vd >= 0 && (v_numel < t_numel || shape[vd] == 1)) {
-            stride[vd] = v_numel * chunk_stride;
-            v_numel *= shape[vd];
+            if (ft_mul_size(v_numel, chunk_stride, &stride[vd]) != 0 ||
+                ft_mul_size(v_numel, shape[vd], &v_numel) != 0)
+                return 0;
             vd--;
         }
         if (v_numel != t_numel)
@@ -308,8 +443,7 @@ static int view_strides(const ft_tensor *t, int ndim, const int64_t *shape,
 static ft_status view_named(ft_tensor **out, const ft_tensor *t, int ndim,
                             const int64_t *req, const char *func, int *no_view)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor(func, 1, t));
+    FT_TRY(check_out_and_tensor(func, out, t));
     int64_t shape[FT_MAX_DIMS], stride[FT_MAX_DIMS];
     FT_TRY(infer_shape(func, t, ndim, req, shape));
     if (ft_numel(t) == 0) {
@@ -348,8 +482,7 @@ ft_status ft_reshape(ft_tensor **out, const ft_tensor *t, int ndim,
 
 ft_status ft_transpose(ft_tensor **out, const ft_tensor *t, int dim0, int dim1)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_transpose", 1, t));
+    FT_TRY(check_out_and_tensor("ft_transpose", out, t));
     int d0, d1;
     FT_TRY(ft_check_dim("ft_transpose", 2, dim0, t->ndim, &d0));
     FT_TRY(ft_check_dim("ft_transpose", 3, dim1, t->ndim, &d1));
@@ -363,8 +496,7 @@ ft_status ft_transpose(ft_tensor **out, const ft_tensor *t, int dim0, int dim1)
 
 ft_status ft_permute(ft_tensor **out, const ft_tensor *t, const int *perm)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_permute", 1, t));
+    FT_TRY(check_out_and_tensor("ft_permute", out, t));
     if (t->ndim > 0 && !perm)
         return ft_fail(FT_ERR_ARGUMENT, "ft_permute", 2, "permutation expected");
     int64_t shape[FT_MAX_DIMS], stride[FT_MAX_DIMS];
@@ -381,11 +513,22 @@ ft_status ft_permute(ft_tensor **out, const ft_tensor *t, const int *perm)
     return make_view(out, t, t->data, t->ndim, shape, stride, "ft_permute");
 }
 
+/* The address of index along dim d of t, for a view that starts there. A
+ * view with no elements keeps t's address: its index may lie past the
+ * end of t's storage ({1e18, 0} has huge rows of nothing, and a length-0
+ * narrow may start one past the end), and it reaches no element. */
+static void *view_start(const ft_tensor *t, int d, int64_t index, int has_elements)
+{
+    int64_t off;
+    if (!has_elements || ft_mul_size(index, t->stride[d], &off) != 0)
+        return t->data;
+    return ft_elem_ptr(t, off);
+}
+
 ft_status ft_narrow(ft_tensor **out, const ft_tensor *t, int dim,
                     int64_t start, int64_t length)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_narrow", 1, t));
+    FT_TRY(check_out_and_tensor("ft_narrow", out, t));
     int d;
     FT_TRY(ft_check_dim("ft_narrow", 2, dim, t->ndim, &d));
     if (start < 0 || start > t->shape[d])
@@ -400,15 +543,14 @@ ft_status ft_narrow(ft_tensor **out, const ft_tensor *t, int dim,
     int64_t shape[FT_MAX_DIMS];
     memcpy(shape, t->shape, sizeof shape);
     shape[d] = length;
-    return make_view(out, t, ft_elem_ptr(t, start * t->stride[d]), t->ndim,
-                     shape, t->stride, "ft_narrow");
+    return make_view(out, t, view_start(t, d, start, length > 0 && ft_numel(t) > 0),
+                     t->ndim, shape, t->stride, "ft_narrow");
 }
 
 ft_status ft_select(ft_tensor **out, const ft_tensor *t, int dim,
                     int64_t index)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_select", 1, t));
+    FT_TRY(check_out_and_tensor("ft_select", out, t));
     int d;
     FT_TRY(ft_check_dim("ft_select", 2, dim, t->ndim, &d));
     if (index < 0 || index >= t->shape[d])
@@ -422,7 +564,7 @@ ft_status ft_select(ft_tensor **out, const ft_tensor *t, int dim,
             shape[n] = t->shape[k];
             stride[n++] = t->stride[k];
         }
-    return make_view(out, t, ft_elem_ptr(t, index * t->stride[d]), n, shape,
+    return make_view(out, t, view_start(t, d, index, ft_numel(t) > 0), n, shape,
                      stride, "ft_select");
 }
 
@@ -444,7 +586,9 @@ static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
     size_t es = ft_dtype_size(dst->dtype);
     if (dst->dtype == src->dtype && ft_is_contiguous(dst) &&
         ft_is_contiguous(src)) {
-        memcpy(dst->data, src->data, (size_t)n * es);
+        size_t bytes = 0; /* n fits memory: dst holds n distinct elements */
+        if (ft_checked_bytes(n, es, &bytes) == 0)
+            memcpy(dst->data, src->data, bytes);
         return;
     }
     ft_iter it;
@@ -475,7 +619,9 @@ static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
  * same dtype and shape. */
 static ft_status memcpy_host_device(ft_tensor *dst, const ft_tensor *src)
 {
-    size_t n = (size_t)ft_numel(dst) * ft_dtype_size(dst->dtype);
+    size_t n;
+    if (ft_checked_bytes(ft_numel(dst), ft_dtype_size(dst->dtype), &n) != 0)
+        return ft_fail(FT_ERR_INTERNAL, "ft_copy", 1, "contiguous tensor of impossible size");
     const ft_tensor *dev = dst->device.type == FT_CUDA ? dst : src;
     FT_TRY(ft_cuda_use_device(dev->device.index, "ft_copy"));
     if (n)
@@ -543,36 +689,38 @@ ft_status ft_copy(ft_tensor *dst, const ft_tensor *src)
     FT_TRY(ft_check_device("ft_copy", 1, dst, NULL));
     FT_TRY(ft_check_device("ft_copy", 2, src, NULL));
     FT_TRY(ft_check_same_shape("ft_copy", 2, dst, src));
-    if (same_view(dst, src))
+    if (same_view(dst, src) || ft_numel(dst) == 0)
         return FT_OK;
-    if (ft_same_storage(dst, src)) {
+    /* Each distinct element of dst is written once, with the value a
+     * row-major loop would leave in it (stride-0 dims of dst collapsed). */
+    ft_tensor d = *dst, s = *src;
+    ft_collapse_for_write(&d, &s);
+    FT_TRY(ft_check_walk("ft_copy", 1, ft_numel(&d), "elements"));
+    if (ft_same_storage(&d, &s)) {
         /* Overlapping views: read everything before writing anything. */
         ft_tensor *tmp;
-        FT_TRY(ft_clone(&tmp, src));
-        ft_status st = ft_copy(dst, tmp);
+        FT_TRY(ft_clone(&tmp, &s));
+        ft_status st = ft_copy(&d, tmp);
         ft_tensor_free(tmp);
         return st;
     }
 #ifdef FT_HAVE_CUDA
-    if (!ft_device_equal(dst->device, src->device) || dst->device.type == FT_CUDA) {
-        if (ft_numel(dst) == 0)
-            return FT_OK;
-        if (ft_device_equal(dst->device, src->device)) {
-            FT_TRY(ft_cuda_use_device(dst->device.index, "ft_copy"));
-            return ft_cuda_copy(dst, src);
+    if (!ft_device_equal(d.device, s.device) || d.device.type == FT_CUDA) {
+        if (ft_device_equal(d.device, s.device)) {
+            FT_TRY(ft_cuda_use_device(d.device.index, "ft_copy"));
+            return ft_cuda_copy(&d, &s);
         }
-        return copy_across(dst, src);
+        return copy_across(&d, &s);
     }
 #endif
-    copy_cpu(dst, src);
+    copy_cpu(&d, &s);
     return FT_OK;
 }
 
 ft_status ft_to(ft_tensor **out, const ft_tensor *t, ft_dtype dtype,
                 ft_device device)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_to", 1, t));
+    FT_TRY(check_out_and_tensor("ft_to", out, t));
     if (!ft_dtype_size(dtype))
         return ft_fail(FT_ERR_ARGUMENT, "ft_to", 2, "invalid dtype %d", (int)dtype);
     ft_tensor *r;
@@ -588,15 +736,13 @@ ft_status ft_to(ft_tensor **out, const ft_tensor *t, ft_dtype dtype,
 
 ft_status ft_clone(ft_tensor **out, const ft_tensor *t)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_clone", 1, t));
+    FT_TRY(check_out_and_tensor("ft_clone", out, t));
     return ft_to(out, t, t->dtype, t->device);
 }
 
 ft_status ft_contiguous(ft_tensor **out, const ft_tensor *t)
 {
-    *out = NULL;
-    FT_TRY(ft_check_tensor("ft_contiguous", 1, t));
+    FT_TRY(check_out_and_tensor("ft_contiguous", out, t));
     if (ft_is_contiguous(t))
         return ft_alias(out, t);
     return ft_clone(out, t);
@@ -606,23 +752,119 @@ ft_status ft_fill(ft_tensor *t, double value)
 {
     FT_TRY(ft_check_tensor("ft_fill", 1, t));
     FT_TRY(ft_check_device("ft_fill", 1, t, NULL));
-    int64_t n = ft_numel(t);
-    if (n == 0)
+    if (ft_numel(t) == 0)
         return FT_OK;
+    /* Each distinct element once: stride-0 dims collapsed. */
+    ft_tensor w = *t;
+    ft_collapse_for_write(&w, NULL);
+    const int64_t n = ft_numel(&w);
+    FT_TRY(ft_check_walk("ft_fill", 1, n, "elements"));
 #ifdef FT_HAVE_CUDA
-    if (t->device.type == FT_CUDA) {
-        FT_TRY(ft_cuda_use_device(t->device.index, "ft_fill"));
-        return ft_cuda_fill(t, value);
+    if (w.device.type == FT_CUDA) {
+        FT_TRY(ft_cuda_use_device(w.device.index, "ft_fill"));
+        return ft_cuda_fill(&w, value);
     }
 #endif
     /* Convert once, then replicate the bytes. */
     unsigned char bytes[8];
-    size_t es = ft_dtype_size(t->dtype);
-    ft_store_f64(bytes, t->dtype, value);
+    size_t es = ft_dtype_size(w.dtype);
+    ft_store_f64(bytes, w.dtype, value);
     ft_iter it;
-    ft_iter_init(&it, t->ndim, t->shape, 1, (const int64_t *[]){t->stride});
+    ft_iter_init(&it, w.ndim, w.shape, 1, (const int64_t *[]){w.stride});
     for (int64_t i = 0; i < n; i++, ft_iter_next(&it))
-        memcpy(ft_elem_ptr(t, it.offset[0]), bytes, es);
+        memcpy(ft_elem_ptr(&w, it.offset[0]), bytes, es);
+    return FT_OK;
+}
+
+ft_status ft_arange_count(int64_t start, int64_t stop, int64_t step,
+                          int64_t *count)
+{
+    static const char F[] = "ft_arange_count";
+    if (!count)
+        return ft_fail(FT_ERR_ARGUMENT, F, 0, "result pointer is NULL");
+    if (step == 0)
+        return ft_fail(FT_ERR_ARGUMENT, F, 3, "step must be nonzero");
+    /* ceil((stop - start) / step) in unsigned arithmetic: the distance
+     * between two int64 values always fits a uint64. */
+    uint64_t dist, ustep;
+    if (step > 0) {
+        dist = stop > start ? (uint64_t)stop - (uint64_t)start : 0;
+        ustep = (uint64_t)step;
+    } else {
+        dist = start > stop ? (uint64_t)start - (uint64_t)stop : 0;
+        ustep = (uint64_t)0 - (uint64_t)step;
+    }
+    const uint64_t n = dist / ustep + (dist % ustep != 0);
+    if (n > (uint64_t)FT_MAX_ELEMENTS)
+        return ft_fail(FT_ERR_ARGUMENT, F, 2,
+                       "%llu elements from %lld to %lld by %lld: more than "
+                       "the 2^48 a tensor may hold",
+                       (unsigned long long)n, (long long)start, (long long)stop,
+                       (long long)step);
+    *count = (int64_t)n;
+    return FT_OK;
+}
+
+ft_status ft_arange_int(ft_tensor *t, int64_t start, int64_t step)
+{
+    static const char F[] = "ft_arange_int";
+    FT_TRY(ft_check_tensor(F, 1, t));
+    FT_TRY(ft_check_device(F, 1, t, NULL));
+    if (t->dtype != FT_I64 && t->dtype != FT_I32)
+        return ft_fail(FT_ERR_ARGUMENT, F, 1, "needs an i64 or i32 tensor, got %s",
+                       ft_dtype_name(t->dtype));
+    const int64_t n = ft_numel(t);
+    if (n == 0)
+        return FT_OK;
+    /* The values run from start to start + (n - 1) * step, each in
+     * between: both ends must fit the dtype. */
+    const int64_t lo = t->dtype == FT_I64 ? INT64_MIN : INT32_MIN;
+    const int64_t hi = t->dtype == FT_I64 ? INT64_MAX : INT32_MAX;
+    int64_t span, last;
+    if (__builtin_mul_overflow(n - 1, step, &span) ||
+        __builtin_add_overflow(start, span, &last) || start < lo || start > hi ||
+        last < lo || last > hi)
+        return ft_fail(FT_ERR_ARGUMENT, F, 3,
+                       "%lld elements from %lld by %lld go past the range of %s",
+                       (long long)n, (long long)start, (long long)step,
+                       ft_dtype_name(t->dtype));
+    if (t->device.type != FT_CPU) {
+        /* Computed on the CPU, then copied over. */
+        ft_tensor *host;
+        FT_TRY(ft_empty_named(&host, t->ndim, t->shape, t->dtype,
+                              (ft_device){FT_CPU, 0}, F));
+        ft_status st = ft_arange_int(host, start, step);
+        if (st == FT_OK)
+            st = ft_copy(t, host);
+        ft_tensor_free(host);
+        return st;
+    }
+    /* Element i (row-major) is start + i * step. Stride-0 dims are
+     * collapsed; each distinct element takes the value of its last index
+     * along them, as a row-major loop would leave it. row[] are the
+     * row-major strides of the whole shape, which fit (n does). */
+    ft_tensor w = *t;
+    ft_collapse_for_write(&w, NULL);
+    int64_t row[FT_MAX_DIMS], base = 0, r = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        int64_t span_d = 0;
+        row[d] = r;
+        if (w.shape[d] != t->shape[d] &&
+            ft_mul_size(row[d], t->shape[d] - 1, &span_d) == 0)
+            ft_add_size(base, span_d, &base); /* <= n - 1: fits */
+        ft_mul_size(r, t->shape[d], &r);       /* <= n: fits */
+    }
+    const int64_t m = ft_numel(&w);
+    ft_iter it;
+    ft_iter_init(&it, w.ndim, w.shape, 2, (const int64_t *[]){w.stride, row});
+    for (int64_t i = 0; i < m; i++, ft_iter_next(&it)) {
+        const int64_t v = start + (base + it.offset[1]) * step;
+        void *p = ft_elem_ptr(&w, it.offset[0]);
+        if (w.dtype == FT_I64)
+            *(int64_t *)p = v;
+        else
+            *(int32_t *)p = (int32_t)v;
+    }
     return FT_OK;
 }
 
@@ -641,7 +883,11 @@ static ft_status element_offset(const char *func, const ft_tensor *t,
             return ft_fail(FT_ERR_ARGUMENT, func, 2,
                            "index %lld out of range for dim %d of size %lld",
                            (long long)index[d], d, (long long)t->shape[d]);
-        o += index[d] * t->stride[d];
+        int64_t step;
+        /* Inside the view, so inside its storage: never fails. */
+        if (ft_mul_size(index[d], t->stride[d], &step) != 0 ||
+            ft_add_size(o, step, &o) != 0)
+            return ft_fail(FT_ERR_INTERNAL, func, 2, "element offset overflows");
     }
     *off = o;
     return FT_OK;
@@ -674,6 +920,8 @@ ft_status ft_get(const ft_tensor *t, const int64_t *index, double *value)
 {
     int64_t off;
     unsigned char bytes[8];
+    if (!value)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_get", 0, "result pointer is NULL");
     FT_TRY(element_offset("ft_get", t, index, &off));
     FT_TRY(element_bytes("ft_get", t, off, bytes, 0));
     *value = ft_load_f64(bytes, t->dtype);
@@ -693,6 +941,8 @@ ft_status ft_get_int(const ft_tensor *t, const int64_t *index, int64_t *value)
 {
     int64_t off;
     unsigned char bytes[8];
+    if (!value)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_get_int", 0, "result pointer is NULL");
     FT_TRY(element_offset("ft_get_int", t, index, &off));
     switch (t->dtype) {
     case FT_I64: case FT_I32: break;
