@@ -26,7 +26,9 @@ static ft_status check_index(const char *func, int arg, const ft_tensor *index,
     FT_TRY(ft_check_device(func, arg, index, t));
     if (index->device.type != FT_CPU)
         return FT_OK;
-    for (int64_t i = 0; i < index->shape[0]; i++) {
+    /* An index expanded from one entry (stride 0) holds one value. */
+    const int64_t distinct = index->stride[0] == 0 && index->shape[0] > 0 ? 1 : index->shape[0];
+    for (int64_t i = 0; i < distinct; i++) {
         int64_t v = 0;
         FT_TRY(ft_get_int(index, &i, &v));
         if (v < 0 || v >= size)
@@ -59,15 +61,18 @@ static int64_t index_at(const ft_tensor *index, int64_t i)
 static void slices_cpu(ft_tensor *dst, const ft_tensor *src, int dim,
                        const ft_tensor *index, int add)
 {
-    int64_t shape[FT_MAX_DIMS], sd[FT_MAX_DIMS], ss[FT_MAX_DIMS], count = 1;
+    int64_t shape[FT_MAX_DIMS], sd[FT_MAX_DIMS], ss[FT_MAX_DIMS], count;
     int n = 0;
     for (int k = 0; k < dst->ndim; k++)
         if (k != dim) {
             shape[n] = dst->shape[k];
             sd[n] = dst->stride[k];
             ss[n++] = src->stride[k];
-            count *= dst->shape[k];
         }
+    /* A slice of a tensor with elements (the callers return early
+     * otherwise): its count fits. */
+    if (ft_checked_numel(n, shape, &count) != 0)
+        return;
     const size_t es = ft_dtype_size(dst->dtype);
     for (int64_t i = 0; i < index->shape[0]; i++) {
         const int64_t pos = index_at(index, i);
@@ -91,6 +96,8 @@ ft_status ft_index_select(ft_tensor **out, const ft_tensor *t, int dim,
                           const ft_tensor *index)
 {
     static const char func[] = "ft_index_select";
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
     *out = NULL;
     FT_TRY(ft_check_tensor(func, 1, t));
     FT_TRY(ft_check_device(func, 1, t, NULL));
@@ -107,7 +114,8 @@ ft_status ft_index_select(ft_tensor **out, const ft_tensor *t, int dim,
         st = ft_numel(r) ? ft_cuda_index_select(r, t, d, index) : FT_OK;
     else
 #endif
-        slices_cpu(r, t, d, index, 0);
+        if (ft_numel(r) > 0)
+            slices_cpu(r, t, d, index, 0);
     if (st != FT_OK) {
         ft_tensor_free(r);
         return st;
@@ -142,6 +150,10 @@ ft_status ft_index_add(ft_tensor *t, int dim, const ft_tensor *index, const ft_t
         return ft_fail(FT_ERR_ARGUMENT, func, 4, "src must have shape %s, got %s",
                        ft_format_shape(a, sizeof a, t->ndim, shape),
                        ft_format_shape(b, sizeof b, src->ndim, src->shape));
+    /* Every element of src is added in turn, repeats (stride 0) included. */
+    if (ft_numel(src) == 0)
+        return FT_OK;
+    FT_TRY(ft_check_walk(func, 4, ft_numel(src), "elements"));
 #ifdef FT_HAVE_CUDA
     if (t->device.type == FT_CUDA) {
         if (t->dtype != FT_F32 && t->dtype != FT_F64)
@@ -151,7 +163,7 @@ ft_status ft_index_add(ft_tensor *t, int dim, const ft_tensor *index, const ft_t
         if (!ft_is_contiguous(t))
             return ft_fail(FT_ERR_UNSUPPORTED, func, 1,
                            "index_add on CUDA needs a contiguous tensor");
-        return ft_numel(src) ? ft_cuda_index_add(t, d, index, src) : FT_OK;
+        return ft_cuda_index_add(t, d, index, src);
     }
 #endif
     slices_cpu(t, src, d, index, 1);

@@ -206,6 +206,8 @@ ft_status ft_binary(ft_tensor **out, ft_binop op, const ft_tensor *a,
     FT_TRY(ft_check_same_shape(F, 3, a, b));
     FT_TRY(check_binop(F, op, 2, a));
     FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+    if (ft_numel(*out) == 0)
+        return FT_OK;
 #ifdef FT_HAVE_CUDA
     if (on_cuda(a))
         return finish(ft_cuda_binary(*out, op, a, b), out, NULL);
@@ -223,6 +225,8 @@ ft_status ft_binary_scalar(ft_tensor **out, ft_binop op, const ft_tensor *a,
     FT_TRY(check_input(F, 2, a, NULL));
     FT_TRY(check_binop(F, op, 2, a));
     FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+    if (ft_numel(*out) == 0)
+        return FT_OK;
 #ifdef FT_HAVE_CUDA
     if (on_cuda(a))
         return finish(ft_cuda_binary_scalar(*out, op, a, s, scalar_first), out,
@@ -245,6 +249,8 @@ ft_status ft_unary(ft_tensor **out, ft_unop op, const ft_tensor *a)
                        "%s needs a floating-point tensor, got %s",
                        UNOP_NAMES[op], ft_dtype_name(a->dtype));
     FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+    if (ft_numel(*out) == 0)
+        return FT_OK;
 #ifdef FT_HAVE_CUDA
     if (on_cuda(a))
         return finish(ft_cuda_unary(*out, op, a), out, NULL);
@@ -344,10 +350,11 @@ static int64_t lines_init(ft_iter *it, const ft_tensor *t, int d, int nops,
                           const int64_t *const *strides)
 {
     int64_t shape[FT_MAX_DIMS], count = 1;
-    for (int i = 0; i < t->ndim; i++) {
+    for (int i = 0; i < t->ndim; i++)
         shape[i] = i == d ? 1 : t->shape[i];
-        count *= shape[i];
-    }
+    /* The lines are the elements of the result, which was allocated. */
+    if (ft_checked_numel(t->ndim, shape, &count) != 0)
+        count = 0;
     ft_iter_init(it, t->ndim, shape, nops, strides);
     return count;
 }
@@ -392,12 +399,85 @@ ft_status ft_reduce_all(ft_reduce_op op, const ft_tensor *a, double *result)
     if (is_extreme(op) && ft_numel(a) == 0)
         return ft_fail(FT_ERR_ARGUMENT, F, 2, "%s of an empty tensor",
                        REDUCE_NAMES[op]);
+    /* Stride-0 dims repeat each distinct element mult times: the distinct
+     * elements are reduced once, and the sum (and norm) scaled; the mean,
+     * max and min of the distinct elements are those of the whole. */
+    ft_tensor r = *a;
+    const int64_t mult = ft_collapse_broadcast(&r);
+    FT_TRY(ft_check_walk(F, 2, ft_numel(&r), "elements"));
+    double v;
 #ifdef FT_HAVE_CUDA
     if (on_cuda(a))
-        return ft_cuda_reduce_all(op, a, result);
+        FT_TRY(ft_cuda_reduce_all(op, &r, &v));
+    else
 #endif
-    *result = reduce_all_cpu(op, a);
+        v = reduce_all_cpu(op, &r);
+    if (mult > 1 && op == FT_SUM)
+        v *= (double)mult;
+    else if (mult > 1 && op == FT_NORM)
+        v *= sqrt((double)mult);
+    *result = v;
     return FT_OK;
+}
+
+/* dst = part expanded to full (a's shape with dim d of size 1), with dim d
+ * dropped when dst has one dim fewer. */
+static ft_status copy_broadcast(ft_tensor *dst, const ft_tensor *part, int ndim,
+                                const int64_t *full, int d)
+{
+    ft_tensor *e = NULL, *s = NULL;
+    ft_status st = ft_expand(&e, part, ndim, full);
+    if (st == FT_OK && dst->ndim < ndim)
+        st = ft_select(&s, e, d, 0);
+    if (st == FT_OK)
+        st = ft_copy(dst, s ? s : e);
+    ft_tensor_free(s);
+    ft_tensor_free(e);
+    return st;
+}
+
+/* a has stride-0 dims of size > 1 (from ft_expand): each distinct line is
+ * reduced once, on a with those dims collapsed, and the results are copied
+ * along them into out (and idx). Along a stride-0 dim d each line repeats
+ * one element x n times: its sum is n x (rounded once), its mean, max and
+ * min are x (at index 0), its norm is |x| sqrt(n). */
+static ft_status reduce_dim_broadcast(ft_tensor *out, ft_tensor *idx,
+                                      ft_reduce_op op, const ft_tensor *a, int d)
+{
+    ft_tensor r = *a;
+    ft_collapse_broadcast(&r);
+    const int64_t n = a->shape[d];
+    ft_tensor *part = NULL, *part_idx = NULL, *tmp = NULL;
+    ft_status st = FT_OK;
+    if (r.shape[d] != n) { /* dim d itself repeats one element */
+        if (op == FT_SUM) {
+            st = ft_binary_scalar(&part, FT_MUL, &r, (double)n, 0);
+        } else if (op == FT_NORM) {
+            st = ft_unary(&tmp, FT_ABS, &r);
+            if (st == FT_OK)
+                st = ft_binary_scalar(&part, FT_MUL, tmp, sqrt((double)n), 0);
+        } else {
+            st = ft_clone(&part, &r);
+        }
+        if (st == FT_OK && idx)
+            st = ft_empty_named(&part_idx, r.ndim, r.shape, FT_I64, r.device,
+                                "ft_reduce_dim");
+        if (st == FT_OK && idx)
+            st = ft_fill(part_idx, 0.0);
+    } else {
+        st = ft_reduce_dim(&part, idx ? &part_idx : NULL, op, &r, d, 1);
+    }
+    int64_t full[FT_MAX_DIMS];
+    memcpy(full, a->shape, sizeof full);
+    full[d] = 1;
+    if (st == FT_OK)
+        st = copy_broadcast(out, part, a->ndim, full, d);
+    if (st == FT_OK && idx)
+        st = copy_broadcast(idx, part_idx, a->ndim, full, d);
+    ft_tensor_free(tmp);
+    ft_tensor_free(part);
+    ft_tensor_free(part_idx);
+    return st;
 }
 
 ft_status ft_reduce_dim(ft_tensor **out, ft_tensor **indices, ft_reduce_op op,
@@ -434,6 +514,8 @@ ft_status ft_reduce_dim(ft_tensor **out, ft_tensor **indices, ft_reduce_op op,
         else if (keepdim)
             shape[ndim++] = 1;
     }
+    if (!ft_has_broadcast(a))
+        FT_TRY(ft_check_walk(F, 2, ft_numel(a), "elements"));
     FT_TRY(ft_empty_named(out, ndim, shape, a->dtype, a->device, F));
     if (indices) {
         ft_status s = ft_empty_named(indices, ndim, shape, FT_I64, a->device, F);
@@ -443,6 +525,20 @@ ft_status ft_reduce_dim(ft_tensor **out, ft_tensor **indices, ft_reduce_op op,
             return s;
         }
     }
+    if (ft_has_broadcast(a)) {
+        ft_status s = reduce_dim_broadcast(*out, indices ? *indices : NULL, op, a, d);
+        if (s != FT_OK) {
+            ft_tensor_free(*out);
+            *out = NULL;
+            if (indices) {
+                ft_tensor_free(*indices);
+                *indices = NULL;
+            }
+        }
+        return s;
+    }
+    if (ft_numel(*out) == 0)
+        return FT_OK;
 #ifdef FT_HAVE_CUDA
     if (on_cuda(a))
         return finish(ft_cuda_reduce_dim(*out, indices ? *indices : NULL, op,
@@ -499,6 +595,8 @@ ft_status ft_softmax(ft_tensor **out, const ft_tensor *a, int dim)
                        "softmax needs a floating-point tensor, got %s",
                        ft_dtype_name(a->dtype));
     FT_TRY(ft_empty_named(out, a->ndim, a->shape, a->dtype, a->device, F));
+    if (ft_numel(*out) == 0) /* also a line of size 0: no line to visit */
+        return FT_OK;
 #ifdef FT_HAVE_CUDA
     if (on_cuda(a))
         return finish(ft_cuda_softmax(*out, a, d), out, NULL);
@@ -527,13 +625,16 @@ static int fits_ld(int64_t ld, int64_t minimum)
     return ld >= (minimum > 1 ? minimum : 1) && ld <= BLAS_DIM_MAX;
 }
 
-/* rows x cols elements of elsize bytes (each count <= INT_MAX, so the
- * product fits int64); NULL if that many bytes cannot even be counted. */
+/* rows x cols elements of elsize bytes; NULL if they are more than
+ * FT_MAX_ELEMENTS (no malloc is tried) or malloc fails. */
 static void *alloc_matrix(int64_t rows, int64_t cols, size_t elsize)
 {
-    if ((uint64_t)(rows * cols) > SIZE_MAX / elsize)
+    int64_t n;
+    size_t bytes;
+    if (ft_mul_size(rows, cols, &n) != 0 || n > FT_MAX_ELEMENTS ||
+        ft_checked_bytes(n, elsize, &bytes) != 0)
         return NULL;
-    return malloc((size_t)(rows * cols) * elsize);
+    return malloc(bytes ? bytes : 1);
 }
 
 static ft_status mm_prepare(mm_operand *o, const ft_tensor *t, ft_dtype work)
@@ -572,6 +673,8 @@ static const void *mm_matrix(mm_operand *o, int64_t b, ft_dtype work)
     int64_t base = b * o->bstride;
     if (o->pack == NULL)
         return ft_elem_ptr(o->t, base);
+    if (b > 0 && o->bstride == 0) /* the same matrix in every batch: packed once */
+        return o->pack;
     for (int64_t i = 0; i < o->rows; i++)
         for (int64_t j = 0; j < o->cols; j++) {
             double v = ft_load_f64(ft_elem_ptr(o->t, base + i * o->rs +
@@ -663,6 +766,12 @@ static ft_status check_matmul(const ft_tensor *a, const ft_tensor *b)
                                (long long)t->shape[j],
                                (long long)BLAS_DIM_MAX);
     }
+    /* Each operand is read (or packed) batch by batch in full: stride-0
+     * views of more elements than a machine holds are refused. */
+    for (int i = 0; i < 2; i++) {
+        const ft_tensor *t = i == 0 ? a : b;
+        FT_TRY(ft_check_walk(F, i + 1, ft_numel(t), "elements"));
+    }
     return FT_OK;
 }
 
@@ -691,7 +800,7 @@ ft_status ft_matmul(ft_tensor **out, const ft_tensor *a, const ft_tensor *b)
 #endif
     if (a->shape[r + 1] == 0) {
         /* k == 0: an empty sum. All-zero bits are +0 in every float dtype. */
-        memset((*out)->data, 0, (size_t)numel * ft_dtype_size((*out)->dtype));
+        memset((*out)->data, 0, ft_storage_nbytes(*out)); /* the fresh result's bytes */
         return FT_OK;
     }
     ft_status s = matmul_cpu(*out, a, b);
@@ -704,12 +813,22 @@ ft_status ft_matmul(ft_tensor **out, const ft_tensor *a, const ft_tensor *b)
 
 /* ---- comparisons ------------------------------------------------------ */
 
+/* Checks a pair of tensors to compare and gives their headers with the
+ * dims where both have stride 0 collapsed (each pair of elements there
+ * repeats; repeats change neither a maximum nor an all-close answer). */
 static ft_status check_pair(const char *func, const ft_tensor *a,
-                            const ft_tensor *b)
+                            const ft_tensor *b, ft_tensor *ra, ft_tensor *rb)
 {
     FT_TRY(check_input(func, 1, a, NULL));
     FT_TRY(check_input(func, 2, b, a));
-    return ft_check_same_shape(func, 2, a, b);
+    FT_TRY(ft_check_same_shape(func, 2, a, b));
+    *ra = *a;
+    *rb = *b;
+    if (ft_numel(a) > 0)
+        for (int d = 0; d < a->ndim; d++)
+            if (a->shape[d] > 1 && a->stride[d] == 0 && b->stride[d] == 0)
+                ra->shape[d] = rb->shape[d] = 1;
+    return ft_check_walk(func, 1, ft_numel(ra), "pairs of elements");
 }
 
 /* Calls visit(x, y, ctx) on each pair of elements until it returns 0. */
@@ -762,13 +881,14 @@ ft_status ft_max_abs_diff(const ft_tensor *a, const ft_tensor *b,
 {
     static const char *const F = "ft_max_abs_diff";
     FT_TRY(check_out(F, result));
-    FT_TRY(check_pair(F, a, b));
+    ft_tensor ra, rb;
+    FT_TRY(check_pair(F, a, b, &ra, &rb));
 #ifdef FT_HAVE_CUDA
     if (on_cuda(a))
-        return ft_cuda_compare(a, b, 0.0, 0.0, result, NULL);
+        return ft_cuda_compare(&ra, &rb, 0.0, 0.0, result, NULL);
 #endif
     double m = 0.0;
-    pairs_cpu(a, b, visit_max_diff, &m);
+    pairs_cpu(&ra, &rb, visit_max_diff, &m);
     *result = m;
     return FT_OK;
 }
@@ -778,17 +898,18 @@ ft_status ft_allclose(const ft_tensor *a, const ft_tensor *b, double rtol,
 {
     static const char *const F = "ft_allclose";
     FT_TRY(check_out(F, result));
-    FT_TRY(check_pair(F, a, b));
+    ft_tensor ra, rb;
+    FT_TRY(check_pair(F, a, b, &ra, &rb));
     if (!(rtol >= 0.0))
         return ft_fail(FT_ERR_ARGUMENT, F, 3, "rtol must be >= 0, got %g", rtol);
     if (!(atol >= 0.0))
         return ft_fail(FT_ERR_ARGUMENT, F, 4, "atol must be >= 0, got %g", atol);
 #ifdef FT_HAVE_CUDA
     if (on_cuda(a))
-        return ft_cuda_compare(a, b, rtol, atol, NULL, result);
+        return ft_cuda_compare(&ra, &rb, rtol, atol, NULL, result);
 #endif
     close_ctx c = {rtol, atol, 1};
-    pairs_cpu(a, b, visit_close, &c);
+    pairs_cpu(&ra, &rb, visit_close, &c);
     *result = c.close;
     return FT_OK;
 }

@@ -38,6 +38,54 @@ static double below_one(ft_dtype dtype)
     }
 }
 
+/* Stores the stream's element i (uniform or normal) at p, of dtype. */
+static void store_random(void *p, ft_dtype dtype, ft_distribution dist,
+                         ft_philox4 block, const double *normals, unsigned lane,
+                         double clamp)
+{
+    if (dist == FT_DIST_UNIFORM) {
+        ft_store_f64(p, dtype, (double)ft_philox_lane_uniform(block, lane));
+        /* f16/bf16 round to nearest even, which can give 1.0. */
+        if (clamp > 0.0 && ft_load_f64(p, dtype) >= 1.0)
+            ft_store_f64(p, dtype, clamp);
+    } else {
+        ft_store_f64(p, dtype, normals[lane]);
+    }
+}
+
+/* A view with stride-0 dims (ft_expand's): each distinct element is
+ * written once, with the value of its last index along those dims, the
+ * value a row-major loop over every index would leave in it. */
+static void fill_random_broadcast(ft_tensor *t, uint64_t seed, uint64_t offset,
+                                  ft_distribution dist, double clamp)
+{
+    ft_tensor w = *t;
+    ft_collapse_for_write(&w, NULL);
+    /* row[]: the row-major strides of t's whole shape (they fit: its
+     * element count does); base: the logical index the collapsed dims
+     * add. */
+    int64_t row[FT_MAX_DIMS], base = 0, r = 1, span;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        row[d] = r;
+        if (w.shape[d] != t->shape[d] &&
+            ft_mul_size(row[d], t->shape[d] - 1, &span) == 0)
+            ft_add_size(base, span, &base);
+        ft_mul_size(r, t->shape[d], &r);
+    }
+    const int64_t m = ft_numel(&w);
+    ft_iter it;
+    ft_iter_init(&it, w.ndim, w.shape, 2, (const int64_t *const[]){w.stride, row});
+    double normals[FT_PHILOX_LANES] = {0, 0, 0, 0};
+    for (int64_t k = 0; k < m; k++, ft_iter_next(&it)) {
+        const uint64_t i = (uint64_t)(base + it.offset[1]);
+        const ft_philox4 block = ft_philox_block(seed, offset + i / FT_PHILOX_LANES);
+        if (dist == FT_DIST_NORMAL)
+            ft_philox_block_normals(block, normals);
+        store_random(ft_elem_ptr(&w, it.offset[0]), w.dtype, dist, block, normals,
+                     (unsigned)(i % FT_PHILOX_LANES), clamp);
+    }
+}
+
 /* Fills t (any shape and strides) with the stream (seed, offset) in
  * row-major logical order. One Philox block serves FT_PHILOX_LANES
  * consecutive elements, so it is computed once per block; the values are
@@ -51,13 +99,25 @@ static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
         return ft_fail(FT_ERR_ARGUMENT, func, 1,
                        "needs a floating-point tensor, got %s",
                        ft_dtype_name(t->dtype));
-#ifdef FT_HAVE_CUDA
-    if (t->device.type == FT_CUDA)
-        return ft_cuda_random(t, seed, offset, dist == FT_DIST_NORMAL);
-#endif
-
     const int64_t n = ft_numel(t);
+    if (n == 0)
+        return FT_OK;
+#ifdef FT_HAVE_CUDA
+    /* The kernel visits every index, repeats included. */
+    if (t->device.type == FT_CUDA) {
+        FT_TRY(ft_check_walk(func, 1, n, "elements"));
+        return ft_cuda_random(t, seed, offset, dist == FT_DIST_NORMAL);
+    }
+#endif
     const double clamp = below_one(t->dtype);
+    if (ft_has_broadcast(t)) {
+        ft_tensor w = *t;
+        ft_collapse_for_write(&w, NULL);
+        FT_TRY(ft_check_walk(func, 1, ft_numel(&w), "elements"));
+        fill_random_broadcast(t, seed, offset, dist, clamp);
+        return FT_OK;
+    }
+    FT_TRY(ft_check_walk(func, 1, n, "elements"));
     ft_iter it;
     ft_iter_init(&it, t->ndim, t->shape, 1,
                  (const int64_t *const[]){t->stride});
@@ -72,16 +132,8 @@ static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
             if (dist == FT_DIST_NORMAL)
                 ft_philox_block_normals(block, normals);
         }
-        void *p = ft_elem_ptr(t, it.offset[0]);
-        if (dist == FT_DIST_UNIFORM) {
-            ft_store_f64(p, t->dtype,
-                         (double)ft_philox_lane_uniform(block, lane));
-            /* f16/bf16 round to nearest even, which can give 1.0. */
-            if (clamp > 0.0 && ft_load_f64(p, t->dtype) >= 1.0)
-                ft_store_f64(p, t->dtype, clamp);
-        } else {
-            ft_store_f64(p, t->dtype, normals[lane]);
-        }
+        store_random(ft_elem_ptr(t, it.offset[0]), t->dtype, dist, block, normals,
+                     lane, clamp);
     }
     return FT_OK;
 }
