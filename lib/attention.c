@@ -38,6 +38,8 @@ const char *ft_attn_impl_name(ft_attn_impl impl)
 
 ft_status ft_attn_impl_parse(const char *name, ft_attn_impl *out)
 {
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_attn_impl_parse", 0, "result pointer is NULL");
     for (int i = 0; name && i <= FT_ATTN_FLASH; i++)
         if (strcmp(name, impl_names[i]) == 0) {
             *out = (ft_attn_impl)i;
@@ -124,6 +126,19 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
         return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
                        "head_dim %lld is not supported (1 to %d)", (long long)s->d,
                        MAX_HEAD_DIM);
+    /* On the cpu each (batch, head) scores every query against every key:
+     * B * H * Nq * Nk scores in loops that must stay within
+     * FT_MAX_ELEMENTS (stride-0 inputs can ask for far more). */
+    int64_t scores;
+    const int64_t dims[4] = {s->B, s->H, s->Nq, s->Nk};
+    if (q->device.type == FT_CPU &&
+        (ft_checked_numel(4, dims, &scores) != 0 || scores > FT_MAX_ELEMENTS))
+        return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
+                       "attention on the cpu would compute %lld x %lld x %lld x %lld "
+                       "scores (batch x heads x seqlen_q x seqlen_k), more than "
+                       "flashtile's limit of 2^48 for one loop",
+                       (long long)s->B, (long long)s->H, (long long)s->Nq,
+                       (long long)s->Nk);
 
     if (!p)
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "params expected (ft_attn_params_init)");
@@ -211,6 +226,8 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
                                const ft_tensor *v, const ft_attn_params *p)
 {
     static const char func[] = "ft_attention_forward";
+    if (!out || !lse)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
     *out = NULL;
     *lse = NULL;
     ft_attn_shape s;
@@ -240,6 +257,8 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
 {
     static const char func[] = "ft_attention_backward";
     char sa[SHAPE_TEXT], sb[SHAPE_TEXT];
+    if (!dq || !dk || !dv)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
     *dq = *dk = *dv = NULL;
     ft_attn_shape s;
     FT_TRY(check_qkv(func, 2, 7, q, k, v, p, &s));

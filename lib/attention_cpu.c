@@ -95,6 +95,13 @@ static double lse_load(const ft_tensor *lse, int64_t b, int64_t h, int64_t i)
     return ft_load_f64(lse_ptr(lse, b, h, i), lse->dtype);
 }
 
+/* *n += a * b for a scratch size; nonzero when it overflows int64. */
+static int scratch_add(int64_t *n, int64_t a, int64_t b)
+{
+    int64_t p;
+    return ft_mul_size(a, b, &p) != 0 || ft_add_size(*n, p, n) != 0;
+}
+
 #define ACC float
 #define SFX _f32
 #define ACC_EXP expf
@@ -129,29 +136,45 @@ static int threads_for(int64_t tasks, const ft_attn_shape *s)
     return tasks < n ? (tasks > 0 ? (int)tasks : 1) : n;
 }
 
-/* Scratch for nthreads threads plus `extra` shared elements. */
-static ft_status scratch_new(ft_storage **out, size_t per_thread, int nthreads,
-                             size_t extra, size_t elem, const char *func)
+/* Scratch for nthreads threads of per_thread elements plus `extra` shared
+ * elements (per_thread < 0: its count overflowed). More than
+ * FT_MAX_ELEMENTS fails at once, without asking malloc. */
+static ft_status scratch_new(ft_storage **out, int64_t per_thread, int nthreads,
+                             int64_t extra, size_t elem, const char *func)
 {
-    size_t n = per_thread * (size_t)nthreads + extra;
-    return ft_storage_new(out, n * elem, (ft_device){FT_CPU, 0}, func);
+    int64_t n;
+    size_t bytes;
+    if (per_thread < 0 || extra < 0 || ft_mul_size(per_thread, nthreads, &n) != 0 ||
+        ft_add_size(n, extra, &n) != 0 || n > FT_MAX_ELEMENTS ||
+        ft_checked_bytes(n, elem, &bytes) != 0)
+        return ft_fail(FT_ERR_NOMEM, func, 0,
+                       "attention on the cpu needs more scratch memory than any "
+                       "machine has (more than 2^48 elements)");
+    return ft_storage_new(out, bytes, (ft_device){FT_CPU, 0}, func);
 }
 
 ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
                                    const ft_tensor *q, const ft_tensor *k,
                                    const ft_tensor *v, ft_tensor *out, ft_tensor *lse)
 {
+    /* No query (B, Nq or H is 0): out and lse have no elements. Otherwise
+     * B * H * Nq is lse's element count, which was allocated, and every
+     * count of tasks below is at most that. */
+    if (ft_numel(out) == 0)
+        return FT_OK;
     const int f64 = q->dtype == FT_F64;
-    size_t per = f64 ? scratch_per_thread_f64(impl, 0, s) : scratch_per_thread_f32(impl, 0, s);
+    int64_t per = -1;
+    if (f64 ? scratch_per_thread_f64(impl, 0, s, &per) : scratch_per_thread_f32(impl, 0, s, &per))
+        per = -1;
     const int64_t nqb = (s->Nq + s->block_q - 1) / s->block_q;
     const int nthreads = threads_for(s->B * s->H * (impl == FT_ATTN_NAIVE ? 1 : nqb), s);
     ft_storage *scratch;
     FT_TRY(scratch_new(&scratch, per, nthreads, 0, f64 ? sizeof(double) : sizeof(float),
                        "ft_attention_forward"));
     if (f64)
-        forward_f64(impl, s, q, k, v, out, lse, scratch->data, per, nthreads);
+        forward_f64(impl, s, q, k, v, out, lse, scratch->data, (size_t)per, nthreads);
     else
-        forward_f32(impl, s, q, k, v, out, lse, scratch->data, per, nthreads);
+        forward_f32(impl, s, q, k, v, out, lse, scratch->data, (size_t)per, nthreads);
     ft_storage_release(scratch);
     return FT_OK;
 }
@@ -162,21 +185,32 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
                                     const ft_tensor *out, const ft_tensor *lse,
                                     ft_tensor *dq, ft_tensor *dk, ft_tensor *dv)
 {
+    /* No query, or no key: the gradients that have elements are zero (no
+     * score reaches them). Otherwise dq and dk were allocated, so
+     * B * H * Nq and B * Hk * Nk fit, and so do the task counts below. */
+    if (ft_numel(dq) == 0 || ft_numel(dk) == 0) {
+        FT_TRY(ft_fill(dq, 0.0));
+        FT_TRY(ft_fill(dk, 0.0));
+        return ft_fill(dv, 0.0);
+    }
     const int f64 = q->dtype == FT_F64;
-    size_t per = f64 ? scratch_per_thread_f64(impl, 1, s) : scratch_per_thread_f32(impl, 1, s);
-    size_t nD = impl == FT_ATTN_NAIVE ? 0 : (size_t)(s->B * s->H * s->Nq);
+    int64_t per = -1, nD = 0;
+    if (f64 ? scratch_per_thread_f64(impl, 1, s, &per) : scratch_per_thread_f32(impl, 1, s, &per))
+        per = -1;
+    if (impl != FT_ATTN_NAIVE) /* D: one value per query row, B * H * Nq */
+        nD = ft_numel(lse);
     const int nthreads = threads_for(s->B * s->Hk, s);
     ft_storage *scratch;
     FT_TRY(scratch_new(&scratch, per, nthreads, nD, f64 ? sizeof(double) : sizeof(float),
                        "ft_attention_backward"));
-    size_t threads_part = per * (size_t)nthreads;
+    size_t threads_part = (size_t)per * (size_t)nthreads;
     if (f64) {
         double *base = scratch->data;
-        backward_f64(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, per, nthreads,
+        backward_f64(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per, nthreads,
                      base + threads_part);
     } else {
         float *base = scratch->data;
-        backward_f32(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, per, nthreads,
+        backward_f32(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per, nthreads,
                      base + threads_part);
     }
     ft_storage_release(scratch);

@@ -106,9 +106,11 @@ static void FN(scores)(ACC *S, const ACC *Q, const ACC *Kt, int64_t nr, int64_t 
 
 /* Scratch per thread: Q, O [Nq, d]; K^T [d, Nk]; V [Nk, d]; S [Nq, Nk];
  * a row [d]. */
-static size_t FN(naive_forward_scratch)(const ft_attn_shape *s)
+static int FN(naive_forward_scratch)(const ft_attn_shape *s, int64_t *n)
 {
-    return (size_t)(2 * s->Nq * s->d + 2 * s->Nk * s->d + s->Nq * s->Nk + s->d);
+    *n = 0;
+    return scratch_add(n, 2 * s->d, s->Nq) || scratch_add(n, 2 * s->d, s->Nk) ||
+           scratch_add(n, s->Nq, s->Nk) || scratch_add(n, s->d, 1);
 }
 
 static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
@@ -145,9 +147,11 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
 
 /* Scratch per thread: Q, dO, dQ [Nq, d]; K, dK, dV [Nk, d]; K^T, V^T
  * [d, Nk]; P, dP [Nq, Nk]; a row [d]. */
-static size_t FN(naive_backward_scratch)(const ft_attn_shape *s)
+static int FN(naive_backward_scratch)(const ft_attn_shape *s, int64_t *n)
 {
-    return (size_t)(3 * s->Nq * s->d + 5 * s->Nk * s->d + 2 * s->Nq * s->Nk + s->d);
+    *n = 0;
+    return scratch_add(n, 3 * s->d, s->Nq) || scratch_add(n, 5 * s->d, s->Nk) ||
+           scratch_add(n, 2 * s->Nq, s->Nk) || scratch_add(n, s->d, 1);
 }
 
 /* One (b, hk) with the H/Hk query heads of its group: the traditional
@@ -203,10 +207,12 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
 
 /* Scratch per thread: Q, O [Bq, d]; K^T [d, Bk]; V [Bk, d]; S [Bq, Bk];
  * m, l [Bq]; a row [d]. */
-static size_t FN(tiled_forward_scratch)(const ft_attn_shape *s)
+static int FN(tiled_forward_scratch)(const ft_attn_shape *s, int64_t *n)
 {
     const int64_t Bq = s->block_q, Bk = s->block_k;
-    return (size_t)(2 * Bq * s->d + 2 * Bk * s->d + Bq * Bk + 2 * Bq + s->d);
+    *n = 0;
+    return scratch_add(n, 2 * s->d, Bq) || scratch_add(n, 2 * s->d, Bk) ||
+           scratch_add(n, Bq, Bk) || scratch_add(n, 2, Bq) || scratch_add(n, s->d, 1);
 }
 
 /* Query rows i0 .. i0+Bq-1 of (b, h): one pass over the K/V blocks with a
@@ -282,11 +288,14 @@ static void FN(tiled_backward_D)(const ft_attn_shape *s, const ft_tensor *dout,
 /* Scratch per thread: K, dK, dV [Bk, d]; K^T, V^T [d, Bk]; Q, dO [Bq, d];
  * P, dS [Bq, Bk]; lse [Bq]; a row [d]; dQ accumulators for the group
  * [G, Nq, d] (the O(N) part). */
-static size_t FN(tiled_backward_scratch)(const ft_attn_shape *s)
+static int FN(tiled_backward_scratch)(const ft_attn_shape *s, int64_t *n)
 {
     const int64_t Bq = s->block_q, Bk = s->block_k, G = s->H / s->Hk;
-    return (size_t)(5 * Bk * s->d + 2 * Bq * s->d + 2 * Bq * Bk + Bq + s->d +
-                    G * s->Nq * s->d);
+    int64_t dq = 0;
+    *n = 0;
+    return scratch_add(n, 5 * s->d, Bk) || scratch_add(n, 2 * s->d, Bq) ||
+           scratch_add(n, 2 * Bq, Bk) || scratch_add(n, Bq, 1) || scratch_add(n, s->d, 1) ||
+           scratch_add(&dq, G, s->Nq) || scratch_add(n, dq, s->d);
 }
 
 /* One (b, hk): for each K/V block, for each query head of the group and
@@ -352,13 +361,14 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
 
 /* ---- drivers: scratch sizes and the parallel loops ---- */
 
-/* Elements of ACC scratch per thread for a forward or backward pass. */
-static size_t FN(scratch_per_thread)(ft_attn_impl impl, int backward,
-                                     const ft_attn_shape *s)
+/* Elements of ACC scratch per thread for a forward or backward pass into
+ * *n; -1 if the count overflows int64. */
+static int FN(scratch_per_thread)(ft_attn_impl impl, int backward,
+                                  const ft_attn_shape *s, int64_t *n)
 {
     if (impl == FT_ATTN_NAIVE)
-        return backward ? FN(naive_backward_scratch)(s) : FN(naive_forward_scratch)(s);
-    return backward ? FN(tiled_backward_scratch)(s) : FN(tiled_forward_scratch)(s);
+        return backward ? FN(naive_backward_scratch)(s, n) : FN(naive_forward_scratch)(s, n);
+    return backward ? FN(tiled_backward_scratch)(s, n) : FN(tiled_forward_scratch)(s, n);
 }
 
 /* Naive: one task per (b, h). Tiled: one per (b, h, query block). */
