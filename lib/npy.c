@@ -24,13 +24,20 @@
  * represent (another dtype, a version other than 1.0-3.0, more than
  * FT_MAX_DIMS dimensions) are FT_ERR_UNSUPPORTED.
  */
+#define _XOPEN_SOURCE 700 /* POSIX 2008 with XSI: fdopen, fsync, fchmod, lstat, realpath */
+
 #include "internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #define NPY_MAGIC "\x93NUMPY"
 #define NPY_MAGIC_LEN 6
@@ -85,6 +92,143 @@ void ft_swap_elements(void *data, size_t n, size_t esize)
 const char *ft_errno_text(int err, const char *fallback)
 {
     return err != 0 ? strerror(err) : fallback;
+}
+
+
+/* ---- writing a file in one piece (both savers) ---- */
+
+/* Attempts at a fresh temporary name before giving up. */
+#define FT_TMP_TRIES 100
+
+/* The file to write for path: *target (malloc'd) is path, or the file the
+ * symbolic link path points to; *in_place is set for a device or FIFO and
+ * for a link that points nowhere. Returns 0, or an errno. */
+static int file_target(const char *path, char **target, int *in_place,
+                       struct stat *existing, int *exists)
+{
+    struct stat st;
+    *in_place = 0;
+    *exists = 0;
+    *target = NULL;
+    const char *name = path;
+    char *resolved = NULL;
+    if (lstat(path, &st) == 0 && S_ISLNK(st.st_mode)) {
+        resolved = realpath(path, NULL);
+        if (resolved == NULL) { /* a dangling link: fopen creates its target */
+            *in_place = 1;
+            return 0;
+        }
+        name = resolved;
+    }
+    if (stat(name, &st) == 0) {
+        *exists = 1;
+        *existing = st;
+        if (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) || S_ISFIFO(st.st_mode) ||
+            S_ISSOCK(st.st_mode)) {
+            free(resolved);
+            *in_place = 1;
+            return 0;
+        }
+    }
+    *target = resolved ? resolved : strdup(path);
+    return *target ? 0 : ENOMEM;
+}
+
+ft_status ft_file_begin(ft_out_file *o, const char *path, const char *func,
+                        int arg)
+{
+    static atomic_uint serial;
+    memset(o, 0, sizeof *o);
+    o->path = path;
+    o->func = func;
+    o->arg = arg;
+    struct stat existing;
+    int in_place, exists, err;
+    err = file_target(path, &o->target, &in_place, &existing, &exists);
+    if (err != 0)
+        return ft_fail(FT_ERR_NOMEM, func, arg, "out of memory");
+    if (in_place) {
+        errno = 0;
+        o->f = fopen(path, "wb");
+        if (o->f == NULL)
+            return ft_fail(FT_ERR_IO, func, arg, "cannot open '%s' for writing: %s",
+                           path, ft_errno_text(errno, "fopen failed"));
+        return FT_OK;
+    }
+    const size_t cap = strlen(o->target) + 64;
+    o->tmp = malloc(cap);
+    if (o->tmp == NULL) {
+        free(o->target);
+        o->target = NULL;
+        return ft_fail(FT_ERR_NOMEM, func, arg, "out of memory");
+    }
+    int fd = -1;
+    err = 0;
+    for (int attempt = 0; attempt < FT_TMP_TRIES && fd < 0; attempt++) {
+        snprintf(o->tmp, cap, "%s.tmp-%ld-%u", o->target, (long)getpid(),
+                 atomic_fetch_add(&serial, 1u));
+        errno = 0;
+        fd = open(o->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        err = errno;
+        if (fd < 0 && err != EEXIST)
+            break;
+    }
+    if (fd < 0) {
+        free(o->tmp);
+        free(o->target);
+        o->tmp = o->target = NULL;
+        return ft_fail(FT_ERR_IO, func, arg,
+                       "cannot create a temporary file next to '%s': %s", path,
+                       ft_errno_text(err, "open failed"));
+    }
+    /* The new file keeps the permissions of the one it replaces (its
+     * owner cannot be kept without privileges; a failure leaves the
+     * umask's). */
+    if (exists && S_ISREG(existing.st_mode))
+        (void)fchmod(fd, existing.st_mode & 07777);
+    errno = 0;
+    o->f = fdopen(fd, "wb");
+    if (o->f == NULL) {
+        err = errno;
+        close(fd);
+        return ft_file_end(o, ft_fail(FT_ERR_IO, func, arg, "cannot write '%s': %s", path,
+                                      ft_errno_text(err, "fdopen failed")));
+    }
+    return FT_OK;
+}
+
+ft_status ft_file_end(ft_out_file *o, ft_status status)
+{
+    if (o->f != NULL) {
+        /* The data reaches the disk before the rename makes it visible
+         * under path (a device written in place is only flushed); a full
+         * disk may only show at the flush. */
+        errno = 0;
+        if (status == FT_OK &&
+            (fflush(o->f) != 0 || (o->tmp != NULL && fsync(fileno(o->f)) != 0)))
+            status = ft_fail(FT_ERR_IO, o->func, o->arg, "cannot write '%s': %s",
+                             o->path, ft_errno_text(errno, "write error"));
+        errno = 0;
+        if (fclose(o->f) != 0 && status == FT_OK)
+            status = ft_fail(FT_ERR_IO, o->func, o->arg, "cannot write '%s': %s",
+                             o->path, ft_errno_text(errno, "fclose failed"));
+        o->f = NULL;
+    }
+    if (status == FT_OK && o->tmp != NULL) {
+        errno = 0;
+        if (rename(o->tmp, o->target) != 0)
+            status = ft_fail(FT_ERR_IO, o->func, o->arg,
+                             "cannot move the new file into place as '%s': %s",
+                             o->path, ft_errno_text(errno, "rename failed"));
+    }
+    /* The temporary file is ours (created with O_EXCL): on failure it
+     * goes, and the file at path is untouched. */
+    if (status != FT_OK && o->tmp != NULL)
+        unlink(o->tmp);
+    free(o->tmp);
+    free(o->target);
+    o->tmp = o->target = NULL;
+    return status;
 }
 
 /* ---- dtypes ---- */
@@ -232,6 +376,8 @@ ft_status ft_save_npy(const ft_tensor *t, const char *path)
     FT_TRY(ft_check_tensor(SAVE, 1, t));
     if (path == NULL)
         return ft_fail(FT_ERR_ARGUMENT, SAVE, 2, "path is NULL");
+    if (path[0] == '\0')
+        return ft_fail(FT_ERR_ARGUMENT, SAVE, 2, "path is empty");
     FT_TRY(ft_check_device(SAVE, 1, t, NULL));
     if (t->dtype == FT_BF16)
         return ft_fail(FT_ERR_ARGUMENT, SAVE, 1,
@@ -239,6 +385,9 @@ ft_status ft_save_npy(const ft_tensor *t, const char *path)
     if (npy_type_code(t->dtype) == NULL)
         return ft_fail(FT_ERR_ARGUMENT, SAVE, 1, "invalid dtype %d",
                        (int)t->dtype);
+    /* The file holds every element, repeats of a stride-0 view included:
+     * more than FT_MAX_ELEMENTS is more than any disk holds. */
+    FT_TRY(ft_check_walk(SAVE, 1, ft_numel(t), "elements"));
     if (t->device.type != FT_CPU) {
         /* The file is written from a contiguous CPU copy. */
         ft_tensor *host = NULL;
@@ -256,7 +405,7 @@ ft_status ft_save_npy(const ft_tensor *t, const char *path)
                        NPY_HEADER_CAP);
 
     /* The staging buffer comes first: running out of memory must not
-     * leave an empty file behind. */
+     * leave a file behind. */
     unsigned char *chunk = NULL;
     if (!npy_direct_write(t) && ft_numel(t) > 0) {
         chunk = malloc(NPY_WRITE_CHUNK);
@@ -266,33 +415,26 @@ ft_status ft_save_npy(const ft_tensor *t, const char *path)
                            NPY_WRITE_CHUNK);
     }
 
-    errno = 0;
-    FILE *f = fopen(path, "wb");
-    if (f == NULL) {
-        int err = errno;
+    /* Written under a temporary name and renamed over path: a reader sees
+     * the old file or the whole new one, and a failed save leaves path as
+     * it was (ft_file_begin). */
+    ft_out_file o;
+    ft_status st = ft_file_begin(&o, path, SAVE, 2);
+    if (st != FT_OK) {
         free(chunk);
-        return ft_fail(FT_ERR_IO, SAVE, 2, "cannot open '%s' for writing: %s",
-                       path, ft_errno_text(err, "fopen failed"));
+        return st;
     }
-
     int err = 0;
     errno = 0;
-    if (fwrite(header, 1, header_total, f) != header_total)
+    if (fwrite(header, 1, header_total, o.f) != header_total)
         err = errno != 0 ? errno : EIO;
     else
-        err = npy_write_data(f, t, chunk);
+        err = npy_write_data(o.f, t, chunk);
     free(chunk);
-    /* fclose flushes: a full disk may only show here. */
-    errno = 0;
-    if (fclose(f) != 0 && err == 0)
-        err = errno != 0 ? errno : EIO;
-    /* A failed save leaves what was written: removing the path could
-     * delete something that is not ours (a device or a FIFO), and the
-     * loader reports the short data as a truncated file. */
     if (err != 0)
-        return ft_fail(FT_ERR_IO, SAVE, 2, "cannot write '%s': %s", path,
-                       strerror(err));
-    return FT_OK;
+        st = ft_fail(FT_ERR_IO, SAVE, 2, "cannot write '%s': %s", path,
+                     strerror(err));
+    return ft_file_end(&o, st);
 }
 
 /* ---- the header dict ---- */
@@ -670,7 +812,7 @@ static void npy_from_fortran(ft_tensor *t, const unsigned char *src,
     int64_t s = 1;
     for (int d = 0; d < t->ndim; d++) {
         fstride[d] = s;
-        s *= t->shape[d];
+        ft_mul_size(s, t->shape[d], &s); /* <= n, which fits */
     }
     ft_iter it;
     ft_iter_init(&it, t->ndim, t->shape, 2,
@@ -695,22 +837,14 @@ static ft_status npy_read_data(FILE *f, const char *path,
 
     /* The element count and byte size must fit int64 (and so size_t on
      * 64-bit hosts). */
-    int64_t n = 1;
-    for (int d = 0; d < h->ndim; d++)
-        if (h->shape[d] == 0)
-            n = 0;
-    for (int d = 0; d < h->ndim && n != 0; d++) {
-        if (n > INT64_MAX / (int64_t)esize / h->shape[d] ||
-            (uint64_t)n * (uint64_t)h->shape[d] > SIZE_MAX / esize) {
-            char buf[FT_MAX_DIMS * 24 + 4];
-            return ft_fail(FT_ERR_IO, LOAD, 1,
-                           "'%s': shape %s is too large", path,
-                           ft_format_shape(buf, sizeof buf, h->ndim,
-                                           h->shape));
-        }
-        n *= h->shape[d];
+    int64_t n;
+    size_t nbytes;
+    if (ft_checked_numel(h->ndim, h->shape, &n) != 0 ||
+        ft_checked_bytes(n, esize, &nbytes) != 0) {
+        char buf[FT_MAX_DIMS * 24 + 4];
+        return ft_fail(FT_ERR_IO, LOAD, 1, "'%s': shape %s is too large", path,
+                       ft_format_shape(buf, sizeof buf, h->ndim, h->shape));
     }
-    const size_t nbytes = (size_t)n * esize;
 
     /* Check the size before allocating: a corrupt shape must not cost a
      * huge allocation. */

@@ -36,7 +36,7 @@
  * flashtile cannot represent (a dtype of the format it lacks, more than
  * FT_MAX_DIMS dimensions, a string holding U+0000) are FT_ERR_UNSUPPORTED.
  */
-#define _POSIX_C_SOURCE 200809L /* fseeko, ftello, fdopen, fsync, getpid */
+#define _POSIX_C_SOURCE 200809L /* fseeko, ftello */
 #define _FILE_OFFSET_BITS 64
 
 #include "internal.h"
@@ -65,8 +65,6 @@
 #define ST_MSG_CAP 400
 /* Bytes of a name or key shown in a message; longer ones end in "...". */
 #define ST_SHOWN 80
-/* Attempts at a fresh temporary name before giving up. */
-#define ST_TMP_TRIES 100
 
 static const char SAVE[] = "ft_safetensors_save";
 static const char LOAD[] = "ft_safetensors_load";
@@ -830,21 +828,14 @@ static ft_status check_entry(const ft_safetensors *st, const st_entry *e)
                        st->path, t.s, e->begin, e->end);
     /* The element count and the byte size must fit int64 (ft_empty's
      * limit is tighter still; a file cannot hold more anyway). */
-    uint64_t n = 1;
-    for (int d = 0; d < e->ndim; d++)
-        if (e->shape[d] == 0)
-            n = 0;
-    const uint64_t esize = ft_dtype_size(e->dtype);
-    for (int d = 0; d < e->ndim && n != 0; d++) {
-        uint64_t s = (uint64_t)e->shape[d];
-        if (n > (uint64_t)INT64_MAX / esize / s)
-            return ft_fail(FT_ERR_IO, LOAD, 1,
-                           "'%s': tensor '%s': the size of shape %s "
-                           "overflows 64 bits",
-                           st->path, t.s, shape);
-        n *= s;
-    }
-    const uint64_t nbytes = n * esize;
+    int64_t n, size;
+    if (ft_checked_numel(e->ndim, e->shape, &n) != 0 ||
+        ft_mul_size(n, (int64_t)ft_dtype_size(e->dtype), &size) != 0)
+        return ft_fail(FT_ERR_IO, LOAD, 1,
+                       "'%s': tensor '%s': the size of shape %s "
+                       "overflows 64 bits",
+                       st->path, t.s, shape);
+    const uint64_t nbytes = (uint64_t)size;
     if (e->end - e->begin != nbytes)
         return ft_fail(FT_ERR_IO, LOAD, 1,
                        "'%s': tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64
@@ -1257,9 +1248,11 @@ static ft_status build_header(st_buf *b, int count, const st_item *names,
     uint64_t offset = 0;
     for (int i = 0; i < count; i++) {
         const ft_tensor *t = tensors[names[i].index];
-        const uint64_t nbytes =
-            (uint64_t)ft_numel(t) * ft_dtype_size(t->dtype);
-        if (nbytes > (uint64_t)INT64_MAX - offset)
+        /* Every element is written, repeats of a stride-0 view included. */
+        int64_t nbytes, end;
+        FT_TRY(ft_check_walk(SAVE, 3, ft_numel(t), "elements"));
+        if (ft_mul_size(ft_numel(t), (int64_t)ft_dtype_size(t->dtype), &nbytes) != 0 ||
+            ft_add_size((int64_t)offset, nbytes, &end) != 0)
             return ft_fail(FT_ERR_ARGUMENT, SAVE, 3,
                            "the tensors' sizes add up to more than 2^63 "
                            "bytes");
@@ -1277,9 +1270,9 @@ static ft_status build_header(st_buf *b, int count, const st_item *names,
         buf_text(b, "],\"data_offsets\":[");
         buf_u64(b, offset);
         buf_text(b, ",");
-        buf_u64(b, offset + nbytes);
+        buf_u64(b, (uint64_t)end);
         buf_text(b, "]}");
-        offset += nbytes;
+        offset = (uint64_t)end;
     }
     buf_text(b, "}");
     while (!b->failed && b->len % ST_ALIGN != 0)
@@ -1319,48 +1312,6 @@ static int write_le(FILE *f, const void *data, size_t n, size_t esize)
         done += k;
     }
     return 0;
-}
-
-/* Creates a new file next to path, under a name nobody else uses, with
- * the permissions a plain fopen would give. *tmp receives its name
- * (malloc'd). */
-static ft_status create_temp(const char *path, char **tmp, FILE **f)
-{
-    static atomic_uint serial;
-    *tmp = NULL;
-    *f = NULL;
-    const size_t cap = strlen(path) + 64;
-    char *name = malloc(cap);
-    if (name == NULL)
-        return ft_fail(FT_ERR_NOMEM, SAVE, 1, "out of memory");
-    int fd = -1, err = 0;
-    for (int attempt = 0; attempt < ST_TMP_TRIES && fd < 0; attempt++) {
-        snprintf(name, cap, "%s.tmp-%ld-%u", path, (long)getpid(),
-                 atomic_fetch_add(&serial, 1u));
-        errno = 0;
-        fd = open(name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-        err = errno;
-        if (fd < 0 && err != EEXIST)
-            break;
-    }
-    if (fd < 0) {
-        free(name);
-        return ft_fail(FT_ERR_IO, SAVE, 1,
-                       "cannot create a temporary file next to '%s': %s",
-                       path, ft_errno_text(err, "open failed"));
-    }
-    errno = 0;
-    *f = fdopen(fd, "wb");
-    if (*f == NULL) {
-        err = errno;
-        close(fd);
-        unlink(name);
-        free(name);
-        return ft_fail(FT_ERR_IO, SAVE, 1, "cannot write '%s': %s", path,
-                       ft_errno_text(err, "fdopen failed"));
-    }
-    *tmp = name;
-    return FT_OK;
 }
 
 /* Writes tensor t (any layout, any device) as contiguous little-endian
@@ -1456,8 +1407,7 @@ ft_status ft_safetensors_save(const char *path, int count,
                            meta_keys, meta_values));
     st_item *order = NULL, *keys = NULL;
     st_buf header = {0};
-    char *tmp = NULL;
-    FILE *f = NULL;
+    ft_out_file o = {0};
     ft_status status = sort_strings(&order, count, names, 2, "name");
     if (status == FT_OK)
         status = sort_strings(&keys, meta_count, meta_keys, 4,
@@ -1465,44 +1415,23 @@ ft_status ft_safetensors_save(const char *path, int count,
     if (status == FT_OK)
         status = build_header(&header, count, order, tensors, meta_count,
                               keys, meta_values);
+    /* Written under a temporary name and renamed over path (ft_file_begin). */
     if (status == FT_OK)
-        status = create_temp(path, &tmp, &f);
+        status = ft_file_begin(&o, path, SAVE, 1);
     if (status == FT_OK) {
         unsigned char field[ST_SIZE_FIELD];
         for (int b = 0; b < ST_SIZE_FIELD; b++)
             field[b] = (unsigned char)((uint64_t)header.len >> (8 * b));
         errno = 0;
-        if (fwrite(field, 1, sizeof field, f) != sizeof field ||
-            fwrite(header.p, 1, header.len, f) != header.len)
+        if (fwrite(field, 1, sizeof field, o.f) != sizeof field ||
+            fwrite(header.p, 1, header.len, o.f) != header.len)
             status = ft_fail(FT_ERR_IO, SAVE, 1, "cannot write '%s': %s",
                              path, ft_errno_text(errno, "write error"));
     }
     for (int i = 0; status == FT_OK && i < count; i++)
-        status = write_tensor(f, path, tensors[order[i].index], order[i].name);
-    if (f != NULL) {
-        /* The data reaches the disk before the rename makes it visible
-         * under path; a full disk may only show at the flush. */
-        errno = 0;
-        if (status == FT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
-            status = ft_fail(FT_ERR_IO, SAVE, 1, "cannot write '%s': %s",
-                             path, ft_errno_text(errno, "write error"));
-        errno = 0;
-        if (fclose(f) != 0 && status == FT_OK)
-            status = ft_fail(FT_ERR_IO, SAVE, 1, "cannot write '%s': %s",
-                             path, ft_errno_text(errno, "fclose failed"));
-    }
-    if (status == FT_OK) {
-        errno = 0;
-        if (rename(tmp, path) != 0)
-            status = ft_fail(FT_ERR_IO, SAVE, 1,
-                             "cannot move the new file into place as '%s': %s",
-                             path, ft_errno_text(errno, "rename failed"));
-    }
-    /* The temporary file is ours (created with O_EXCL): on failure it
-     * goes, and the file at path is untouched. */
-    if (status != FT_OK && tmp != NULL)
-        unlink(tmp);
-    free(tmp);
+        status = write_tensor(o.f, path, tensors[order[i].index], order[i].name);
+    if (o.f != NULL)
+        status = ft_file_end(&o, status);
     free(header.p);
     free(order);
     free(keys);
