@@ -8,6 +8,7 @@
  */
 #include "internal.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -47,6 +48,8 @@ ft_status ft_dtype_parse(const char *name, ft_dtype *out)
 {
     if (!name)
         return ft_fail(FT_ERR_ARGUMENT, "ft_dtype_parse", 1, "dtype name expected");
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_dtype_parse", 0, "result pointer is NULL");
     for (int d = 0; d < FT_NUM_DTYPES; d++)
         if (strcmp(name, dtype_info[d].name) == 0) {
             *out = (ft_dtype)d;
@@ -62,36 +65,69 @@ ft_status ft_dtype_parse(const char *name, ft_dtype *out)
                    name);
 }
 
+/* The N of "cuda:N": decimal digits only (no sign, space or other
+ * character), at most INT_MAX. Returns 0, or -1 with *why set. */
+static int parse_cuda_index(const char *s, int *index, const char **why)
+{
+    if (*s == '\0') {
+        *why = "the device index after 'cuda:' is missing";
+        return -1;
+    }
+    long long v = 0;
+    for (const char *p = s; *p; p++) {
+        if (*p < '0' || *p > '9') {
+            *why = "the device index must be decimal digits only";
+            return -1;
+        }
+        v = v * 10 + (*p - '0');
+        if (v > INT_MAX) {
+            *why = "the device index is too large";
+            return -1;
+        }
+    }
+    *index = (int)v;
+    return 0;
+}
+
 ft_status ft_device_parse(const char *name, ft_device *out)
 {
     if (!name)
         return ft_fail(FT_ERR_ARGUMENT, "ft_device_parse", 1, "device name expected");
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, "ft_device_parse", 0, "result pointer is NULL");
     if (strcmp(name, "cpu") == 0) {
         *out = (ft_device){FT_CPU, 0};
         return FT_OK;
     }
-    int index = 0, used = 0;
-    if (strcmp(name, "cuda") == 0 ||
-        (sscanf(name, "cuda:%d%n", &index, &used) == 1 &&
-         used == (int)strlen(name) && index >= 0)) {
-        if (!ft_cuda_built())
-            return ft_fail(FT_ERR_UNSUPPORTED, "ft_device_parse", 1,
-                           "device '%s': flashtile was built without CUDA", name);
-        ft_status st = ft_cuda_device_check("ft_device_parse", 1, index);
-        if (st != FT_OK) {
-            char why[256];
-            snprintf(why, sizeof why, "%s", ft_last_error_detail());
-            return ft_fail(st, "ft_device_parse", 1, "device '%s': %s", name, why);
-        }
-        *out = (ft_device){FT_CUDA, index};
-        return FT_OK;
+    int index = 0;
+    if (strncmp(name, "cuda:", 5) == 0) {
+        const char *why = NULL;
+        if (parse_cuda_index(name + 5, &index, &why) != 0)
+            return ft_fail(FT_ERR_ARGUMENT, "ft_device_parse", 1,
+                           "invalid device '%.40s%s': %s (expected 'cuda:N', N from 0)",
+                           name, strlen(name) > 40 ? "..." : "", why);
+    } else if (strcmp(name, "cuda") != 0) {
+        return ft_fail(FT_ERR_ARGUMENT, "ft_device_parse", 1,
+                       "unknown device '%.40s%s' (expected 'cpu', 'cuda' or 'cuda:N')",
+                       name, strlen(name) > 40 ? "..." : "");
     }
-    return ft_fail(FT_ERR_ARGUMENT, "ft_device_parse", 1,
-                   "unknown device '%s' (expected 'cpu', 'cuda' or 'cuda:N')", name);
+    if (!ft_cuda_built())
+        return ft_fail(FT_ERR_UNSUPPORTED, "ft_device_parse", 1,
+                       "device '%s': flashtile was built without CUDA", name);
+    ft_status st = ft_cuda_device_check("ft_device_parse", 1, index);
+    if (st != FT_OK) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", ft_last_error_detail());
+        return ft_fail(st, "ft_device_parse", 1, "device '%s': %s", name, why);
+    }
+    *out = (ft_device){FT_CUDA, index};
+    return FT_OK;
 }
 
 char *ft_device_name(ft_device device, char *buf, size_t size)
 {
+    if (!buf || size == 0)
+        return buf;
     if (device.type == FT_CPU)
         snprintf(buf, size, "cpu");
     else
