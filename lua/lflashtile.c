@@ -977,6 +977,23 @@ static int l_arange(lua_State *L)
     if (step == 0 || !isfinite(step) || !isfinite(start) || !isfinite(stop))
         luaL_argerror(L, nnum, "step must be finite and nonzero, bounds finite");
     options o = check_options(L, nnum + 1, DEFAULT_DTYPE);
+    int exact = !ft_dtype_is_float(o.dtype);
+    for (int i = 1; i <= nnum; i++) { /* integral numbers, floats included */
+        int ok = 0;
+        lua_tointegerx(L, i, &ok);
+        exact = exact && ok;
+    }
+    if (exact) { /* integer dtypes from integer bounds: exact past 2^53 */
+        int ok;
+        int64_t a = nnum == 1 ? 0 : (int64_t)lua_tointegerx(L, 1, &ok);
+        int64_t b = (int64_t)lua_tointegerx(L, nnum == 1 ? 1 : 2, &ok);
+        int64_t s = nnum == 3 ? (int64_t)lua_tointegerx(L, 3, &ok) : 1;
+        int64_t n = 0;
+        CALL(L, 0, ft_arange_count(a, b, s, &n));
+        ft_tensor *t = new_tensor(L, 1, &n, o, 0);
+        CALL(L, NO_ARG, ft_arange_int(t, a, s));
+        return 1;
+    }
     double count = ceil((stop - start) / step);
     if (count < 0)
         count = 0;
@@ -1235,19 +1252,21 @@ static ft_tensor *zero_based_index(lua_State *L, int idx, int64_t size)
                                               ft_dtype_name(index->dtype)));
     if (index->ndim != 1)
         luaL_argerror(L, idx, lua_pushfstring(L, "index must be 1-d, got %d-d", index->ndim));
-    if (index->device.type == FT_CPU)
-        for (int64_t i = 0; i < index->shape[0]; i++) {
+    ft_tensor **slot = push_slot(L);
+    /* C: op = 1, the index = 2. A new contiguous tensor (an index too big to
+     * hold fails here, before any walk), checked below. */
+    CALL(L, idx - 2, ft_binary_scalar(slot, FT_SUB, index, 1.0, 0));
+    ft_tensor *zero = *slot;
+    if (zero->device.type == FT_CPU)
+        for (int64_t i = 0; i < zero->shape[0]; i++) {
             int64_t v = 0;
-            ft_get_int(index, &i, &v);
-            if (v < 1 || v > size)
+            ft_get_int(zero, &i, &v);
+            if (v < 0 || v >= size)
                 luaL_argerror(L, idx, lua_pushfstring(L, "index[%s] = %s is out of range 1..%s",
-                                                      istr(L, i + 1), istr(L, v),
+                                                      istr(L, i + 1), istr(L, v + 1),
                                                       istr(L, size)));
         }
-    ft_tensor **slot = push_slot(L);
-    /* C: op = 1, the index = 2 */
-    CALL(L, idx - 2, ft_binary_scalar(slot, FT_SUB, index, 1.0, 0));
-    return *slot;
+    return zero;
 }
 
 /* t:index_select(dim, index): rows (1-based) of t along dim. */
@@ -1455,9 +1474,17 @@ static void totable_rec(lua_State *L, const ft_tensor *t, int d, int64_t *index)
     }
 }
 
+/* Lua tables take 16 bytes or more a number: a tensor bigger than this
+ * (a stride-0 view can be 2^62 elements on 4 bytes) is an error, not an
+ * exhausted machine. */
+#define TOTABLE_MAX ((int64_t)1 << 27)
+
 static int t_totable(lua_State *L)
 {
     ft_tensor *t = check_tensor(L, 1);
+    if (ft_numel(t) > TOTABLE_MAX)
+        luaL_argerror(L, 1, lua_pushfstring(L, "%s elements are too many for a Lua table (at most %s): narrow the tensor or save it",
+                                            istr(L, ft_numel(t)), istr(L, TOTABLE_MAX)));
     int64_t index[FT_MAX_DIMS] = {0};
     totable_rec(L, t, 0, index);
     return 1;

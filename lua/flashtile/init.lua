@@ -132,9 +132,12 @@ local function render(t)
 end
 
 Tensor.__tostring = function(t)
-  if not pcall(t.dim, t) then return "[flashtile.Tensor (freed)]" end
-  return string.format("%s\n[flashtile.Tensor %s %s %s]", render(t), t.dtype, t.device,
-                       shape_string(t))
+  -- a tensor freed before or while it is printed prints as freed
+  local ok, s = pcall(function()
+    return string.format("%s\n[flashtile.Tensor %s %s %s]", render(t), t.dtype, t.device,
+                         shape_string(t))
+  end)
+  return ok and s or "[flashtile.Tensor (freed)]"
 end
 
 return ft
