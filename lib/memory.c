@@ -6,10 +6,12 @@
  * process-wide resource, and every Lua state of a host shares it. CUDA
  * storage comes from device.c, whose pool keeps its own counters.
  */
+#define _POSIX_C_SOURCE 200809L /* sysconf */
 #include "internal.h"
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define FT_ALIGNMENT 64 /* a cache line; also enough for any SIMD load */
 
@@ -28,6 +30,13 @@ static void count_storage(size_t nbytes)
 int64_t ft_thread_allocated_bytes(void) { return thread_allocated; }
 
 int64_t ft_storage_in_use(void) { return (int64_t)atomic_load(&all_in_use); }
+
+/* The machine's physical memory in bytes (infinite where unknown). */
+static double physical_bytes(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGESIZE);
+    return pages > 0 && size > 0 ? (double)pages * (double)size : 1e300;
+}
 
 static void count_alloc(long long nbytes)
 {
@@ -56,6 +65,15 @@ ft_status ft_storage_new(ft_storage **out, size_t nbytes, ft_device device,
         s->device = device;
         *out = s;
         return FT_OK;
+    }
+    /* More than the machine's memory is never a real tensor: where the
+     * kernel overcommits, malloc would give it and the first walk over it
+     * would run until the machine gave out. */
+    if ((double)nbytes > physical_bytes()) {
+        free(s);
+        return ft_fail(FT_ERR_NOMEM, func, 0,
+                       "out of memory: %zu bytes is more than this machine's memory (%.0f bytes)",
+                       nbytes, physical_bytes());
     }
     /* aligned_alloc wants a multiple of the alignment, and never 0. */
     size_t rounded = (nbytes + FT_ALIGNMENT - 1) / FT_ALIGNMENT * FT_ALIGNMENT;
