@@ -79,14 +79,6 @@ static int compat_getfield(lua_State *L, int idx, const char *key)
     ((idx) > 0 || (idx) <= LUA_REGISTRYINDEX ? (idx) : lua_gettop(L) + (idx) + 1)
 #endif
 
-static int lua_geti(lua_State *L, int idx, lua_Integer i)
-{
-    idx = lua_absindex(L, idx);
-    lua_pushinteger(L, i);
-    lua_gettable(L, idx);
-    return lua_type(L, -1);
-}
-
 static void lua_seti(lua_State *L, int idx, lua_Integer i)
 {
     idx = lua_absindex(L, idx);
@@ -97,22 +89,6 @@ static void lua_seti(lua_State *L, int idx, lua_Integer i)
 #endif
 
 #if LUA_VERSION_NUM < 502
-/* The length with __len honoured (5.1 calls it only for userdata, and
- * lua_objlen calls it never). */
-static lua_Integer luaL_len(lua_State *L, int idx)
-{
-    idx = lua_absindex(L, idx);
-    if (luaL_callmeta(L, idx, "__len")) {
-        int ok = lua_type(L, -1) == LUA_TNUMBER;
-        lua_Number n = lua_tonumber(L, -1);
-        lua_pop(L, 1);
-        if (!ok || n != floor(n))
-            luaL_error(L, "%s", "object length is not an integer");
-        return (lua_Integer)n;
-    }
-    return (lua_Integer)lua_objlen(L, idx);
-}
-
 #ifndef luaL_newlib /* plain 5.1; LuaJIT 2.1 has these */
 static void luaL_setfuncs(lua_State *L, const luaL_Reg *l, int nup)
 {

@@ -130,8 +130,9 @@ describe("hostile input", function()
       assert.are.same({ big, big + 1, big + 2, big + 3 }, t:totable())
     else
       -- below 5.3 the elements come back as doubles: check the stored bits
-      local d = t - ft.tensor(2 ^ 53, { dtype = "i64" }):expand({ 4 })
-      assert.are.same({ 0, 1, 2, 3 }, d:totable())
+      local want = ""
+      for k = 0, 3 do want = want .. h.i64_bytes(2 ^ 21, k) end
+      assert.are.equal(want, h.saved_bytes(t))
     end
   end)
 
