@@ -92,15 +92,22 @@ add_library(flashtile_lua_static STATIC lua/lflashtile.c)
 target_include_directories(flashtile_lua_static PUBLIC ${FT_LUA_INCLUDE_DIR})
 target_link_libraries(flashtile_lua_static PUBLIC flashtile)
 
+# tests/embed_example.c is the host README.md shows under "Embedding": it is
+# built and run here (beside embed_host_static, the same way), and
+# readme_embed_example checks that the README's copy is this file.
 if(FT_LUA_LIBRARY)
-  add_executable(embed_host_static tests/embed_host.c)
-  target_link_libraries(embed_host_static PRIVATE flashtile_lua_static ${FT_LUA_LIBRARY}
-                        Threads::Threads m ${CMAKE_DL_LIBS})
-  add_test(NAME embed_host_static
-           COMMAND embed_host_static ${CMAKE_CURRENT_SOURCE_DIR}/lua)
-  set_tests_properties(embed_host_static PROPERTIES ENVIRONMENT "${FT_SANITIZER_ENV}")
+  foreach(host embed_host_static embed_example)
+    string(REPLACE "_static" "" src ${host})
+    add_executable(${host} tests/${src}.c)
+    target_link_libraries(${host} PRIVATE flashtile_lua_static ${FT_LUA_LIBRARY}
+                          Threads::Threads m ${CMAKE_DL_LIBS})
+    add_test(NAME ${host} COMMAND ${host} ${CMAKE_CURRENT_SOURCE_DIR}/lua)
+    set_tests_properties(${host} PROPERTIES ENVIRONMENT "${FT_SANITIZER_ENV}")
+  endforeach()
+  set_tests_properties(embed_example PROPERTIES
+    PASS_REGULAR_EXPRESSION "seed 1: [0-9.e+-]+ [0-9.e+-]+\nseed 2|seed 2: [0-9.e+-]+ [0-9.e+-]+\nseed 1")
 else()
-  message(STATUS "flashtile: no shared Lua ${FT_LUA_NAME} library found; embed_host_static not built")
+  message(STATUS "flashtile: no shared Lua ${FT_LUA_NAME} library found; embed_host_static and embed_example not built")
 endif()
 
 if(FT_LUA_STATIC_LIBRARY)
@@ -119,17 +126,6 @@ else()
   message(STATUS "flashtile: no static Lua ${FT_LUA_NAME} library found; embed_host_dynamic not built")
 endif()
 
-# tests/embed_example.c is the host README.md shows under "Embedding": it is
-# built and run here, and readme_embed_example checks that the README's
-# copy is this file, line for line.
-if(FT_LUA_LIBRARY)
-  add_executable(embed_example tests/embed_example.c)
-  target_link_libraries(embed_example PRIVATE flashtile_lua_static ${FT_LUA_LIBRARY}
-                        Threads::Threads m ${CMAKE_DL_LIBS})
-  add_test(NAME embed_example COMMAND embed_example ${CMAKE_CURRENT_SOURCE_DIR}/lua)
-  set_tests_properties(embed_example PROPERTIES ENVIRONMENT "${FT_SANITIZER_ENV}"
-    PASS_REGULAR_EXPRESSION "seed 1: [0-9.e+-]+ [0-9.e+-]+\nseed 2|seed 2: [0-9.e+-]+ [0-9.e+-]+\nseed 1")
-endif()
 add_test(NAME readme_embed_example
   COMMAND ${CMAKE_COMMAND} -DREADME=${CMAKE_CURRENT_SOURCE_DIR}/README.md
           -DEXAMPLE=${CMAKE_CURRENT_SOURCE_DIR}/tests/embed_example.c

@@ -34,8 +34,8 @@
  *
  * The binding is written against 5.4's API; below 5.4 the missing calls
  * are defined here in terms of the older ones. LuaJIT 2.1 has a few of
- * 5.2's (luaL_setfuncs, luaL_testudata, luaL_setmetatable, luaL_newlib),
- * recognised by luaL_newlib being defined. Integers: below 5.3 a Lua
+ * 5.2's (luaL_testudata and luaL_setmetatable among them), recognised by
+ * luaL_newlib being defined. Integers: below 5.3 a Lua
  * number is a double, and an "integer" is a double with an integral value
  * (exactly what lua_tointegerx accepts in 5.3 and 5.4). */
 
@@ -90,18 +90,6 @@ static void lua_seti(lua_State *L, int idx, lua_Integer i)
 
 #if LUA_VERSION_NUM < 502
 #ifndef luaL_newlib /* plain 5.1; LuaJIT 2.1 has these */
-static void luaL_setfuncs(lua_State *L, const luaL_Reg *l, int nup)
-{
-    luaL_checkstack(L, nup, "too many upvalues");
-    for (; l->name; l++) {
-        for (int i = 0; i < nup; i++)
-            lua_pushvalue(L, -nup);
-        lua_pushcclosure(L, l->func, nup);
-        lua_setfield(L, -(nup + 2), l->name);
-    }
-    lua_pop(L, nup);
-}
-
 static void *luaL_testudata(lua_State *L, int idx, const char *tname)
 {
     void *p = lua_touserdata(L, idx);
@@ -118,8 +106,6 @@ static void luaL_setmetatable(lua_State *L, const char *tname)
     luaL_getmetatable(L, tname);
     lua_setmetatable(L, -2);
 }
-
-#define luaL_newlib(L, l) (lua_newtable(L), luaL_setfuncs((L), (l), 0))
 #endif
 #endif
 
