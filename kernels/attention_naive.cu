@@ -385,6 +385,10 @@ static ft_status gemm_heads(const naive_ctx *c, cublasOperation_t ta, cublasOper
             if (e != CUBLAS_STATUS_SUCCESS)
                 return cublas_fail(e, c->func, "cublasGemmStridedBatchedEx", __FILE__, __LINE__);
         }
+    const int64_t heads = C->kv ? s->Hk : s->H;
+    if (s->B > 0 && heads > 0 && m > 0 && n > 0)
+        ft_cuda_mark_written(C->ptr, (size_t)((s->B - 1) * C->sb + (heads - 1) * C->sh +
+                                              (n - 1) * C->ld + m) * C->esize);
     return FT_OK;
 }
 

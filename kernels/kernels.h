@@ -54,6 +54,14 @@ ft_status ft_cuda_index_add(ft_tensor *t, int dim, const ft_tensor *index,
  * bf16 with f32 accumulation, f64 in f64. */
 ft_status ft_cuda_matmul(ft_tensor *out, const ft_tensor *a, const ft_tensor *b);
 
+/* Tells compute-sanitizer's initcheck (run with --nvtx yes) that the
+ * bytes [p, p + bytes) on the current device were written by work queued
+ * on the default stream. cuBLAS's Hopper GEMMs store C in a way initcheck
+ * does not track: without this every read of a GEMM result is reported as
+ * uninitialized (scripts/gpu-check). Without an NVTX tool attached it
+ * costs one branch. */
+void ft_cuda_mark_written(const void *p, size_t bytes);
+
 /* ---- attention_naive.cu: S and P materialised, through cuBLAS ---- */
 
 ft_status ft_attention_forward_naive_cuda(const ft_attn_shape *s, const ft_tensor *q,

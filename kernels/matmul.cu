@@ -14,6 +14,7 @@
 #include "kernels.h"
 
 #include <cublas_v2.h>
+#include <nvtx3/nvToolsExtMemCudaRt.h>
 
 #define F "ft_matmul"
 #define MAX_HANDLES 64 /* CUDA devices with a cached handle */
@@ -34,6 +35,32 @@ static ft_status cublas_fail(cublasStatus_t s, const char *expr, int line)
         if (cublas_s_ != CUBLAS_STATUS_SUCCESS)          \
             return cublas_fail(cublas_s_, #expr, __LINE__); \
     } while (0)
+
+static nvtxDomainHandle_t nvtx_domain;
+static pthread_once_t nvtx_once = PTHREAD_ONCE_INIT;
+
+static void nvtx_init(void)
+{
+    nvtx_domain = nvtxDomainCreateA("flashtile");
+}
+
+void ft_cuda_mark_written(const void *p, size_t bytes)
+{
+    if (bytes == 0)
+        return;
+    pthread_once(&nvtx_once, nvtx_init);
+    nvtxMemVirtualRangeDesc_t range;
+    range.size = bytes;
+    range.ptr = p;
+    nvtxMemMarkInitializedBatch_t batch;
+    batch.extCompatID = NVTX_EXT_COMPATID_MEM;
+    batch.structSize = sizeof batch;
+    batch.regionType = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+    batch.regionDescCount = 1;
+    batch.regionDescElementSize = sizeof range;
+    batch.regionDescElements = &range;
+    nvtxMemCudaMarkInitialized(nvtx_domain, 0, 0, &batch);
+}
 
 /* The handle of device index (the current device), created on first use. */
 static ft_status get_handle(int index, cublasHandle_t *out)
@@ -142,6 +169,7 @@ static ft_status gemm(cublasHandle_t h, ft_tensor *out, const mm_operand *A,
                 pa, type, A->ld, A->bstride, &zero, pc, type, n, sc, count,
                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         }
+        ft_cuda_mark_written(pc, (size_t)(count * sc) * es);
     }
     return FT_OK;
 }
@@ -151,6 +179,8 @@ ft_status ft_cuda_matmul(ft_tensor *out, const ft_tensor *a, const ft_tensor *b)
     FT_TRY(ft_cuda_use_device(a->device.index, F));
     if (ft_numel(out) == 0)
         return FT_OK;
+    if (a->shape[a->ndim - 1] == 0) /* an empty sum: cuBLAS is not asked */
+        return ft_cuda_fill(out, 0.0);
     cublasHandle_t h;
     FT_TRY(get_handle(a->device.index, &h));
     /* Operands cuBLAS cannot read as they are become contiguous copies. */

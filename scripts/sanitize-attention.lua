@@ -4,7 +4,8 @@
 -- mma.sync kernels): flash forward and backward for f16, bf16 (head dims 32
 -- to 256, causal or not, GQA, odd lengths, Nq != Nk) and f32, the naive
 -- cuBLAS path, and the tensor ops they use. Checks each result against the
--- naive path loosely (the specs check accuracy); prints one line.
+-- naive path loosely (the specs check accuracy); prints one line, and one
+-- per configuration on stderr when FT_SANITIZE_VERBOSE is set.
 --
 --   lua scripts/sanitize-attention.lua
 local ok, ft = pcall(require, "flashtile")
@@ -17,7 +18,7 @@ if not ft.cuda.is_available() then
   os.exit(1)
 end
 
-local calls, seed = 0, 0
+local calls, seed, started = 0, 0, os.time()
 local function input(shape, dtype)
   seed = seed + 1
   return ft.randn(shape, { dtype = dtype, device = "cuda", seed = seed })
@@ -38,6 +39,10 @@ local function run(dtype, d, nq, nk, h, hk, causal)
   end
   assert(dq.dtype == dtype and dk.dtype == dtype and dv.dtype == dtype)
   calls = calls + 1
+  if os.getenv("FT_SANITIZE_VERBOSE") then
+    io.stderr:write(("%s d=%d nq=%d nk=%d causal=%s done at %d s\n"):format(
+      dtype, d, nq, nk, tostring(causal), os.time() - started))
+  end
 end
 
 for _, dtype in ipairs { "f16", "bf16" } do

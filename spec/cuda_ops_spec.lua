@@ -84,6 +84,10 @@ describe("tensor operations on CUDA #gpu", function()
       same(ft.matmul(a, b), ft.matmul(a:cuda(), b:cuda()), tol, dtype .. " batched")
       same(ft.matmul(a:select(1, 1), b:select(1, 2)),
         ft.matmul(a:select(1, 1):cuda(), b:select(1, 2):cuda()), tol, dtype .. " 2-d")
+      -- an empty inner dim sums nothing: zeros
+      local e = ft.matmul(ft.ones({ 2, 5, 0 }, { dtype = dtype, device = "cuda" }),
+        ft.ones({ 2, 0, 7 }, { dtype = dtype, device = "cuda" }))
+      same(ft.zeros({ 2, 5, 7 }, { dtype = dtype }), e, 0, dtype .. " inner dim 0")
     end
   end)
 
