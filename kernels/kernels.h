@@ -20,8 +20,12 @@ extern "C" {
 /* dst = src converted; same shape, same device, any strides and dtypes. */
 ft_status ft_cuda_copy(ft_tensor *dst, const ft_tensor *src);
 ft_status ft_cuda_fill(ft_tensor *t, double value);
-/* Philox 4x32-10 exactly as ft_rand/ft_randn on the CPU (philox.h). */
-ft_status ft_cuda_random(ft_tensor *t, uint64_t seed, uint64_t offset, int normal);
+/* Philox 4x32-10 exactly as ft_rand/ft_randn on the CPU (philox.h):
+ * element i of t in row-major order gets the stream's element i; with row
+ * not NULL, element i gets the stream's element base + (i's offset along
+ * the strides row[]) instead (random.c's stride-0 views, collapsed). */
+ft_status ft_cuda_random(ft_tensor *t, const int64_t *row, int64_t base, uint64_t seed,
+                         uint64_t offset, int normal);
 /* out is allocated, contiguous, a's shape and dtype. */
 ft_status ft_cuda_binary(ft_tensor *out, ft_binop op, const ft_tensor *a,
                          const ft_tensor *b);

@@ -583,8 +583,37 @@ random_kernel(geo g, void *data, int dtype, uint64_t seed, uint64_t offset,
     }
 }
 
-ft_status ft_cuda_random(ft_tensor *t, uint64_t seed, uint64_t offset,
-                         int normal)
+/* One element per thread: element k of g's shape lies at offset off[0]
+ * and is element base + off[1] of the stream (a stride-0 view collapsed:
+ * the logical indices are not consecutive, so each element takes its own
+ * Philox block). */
+__global__ void __launch_bounds__(BLOCK)
+random_at_kernel(geo g, void *data, int dtype, uint64_t seed, uint64_t offset,
+                 int normal, double clamp, int64_t base, int64_t n)
+{
+    const int64_t step = (int64_t)gridDim.x * BLOCK;
+    for (int64_t k = (int64_t)blockIdx.x * BLOCK + threadIdx.x; k < n; k += step) {
+        int64_t off[2];
+        geo_offsets<2>(g, k, off);
+        const uint64_t i = (uint64_t)(base + off[1]);
+        const unsigned lane = (unsigned)(i % FT_PHILOX_LANES);
+        const ft_philox4 block = ft_philox_block(seed, offset + i / FT_PHILOX_LANES);
+        double v;
+        if (normal) {
+            double z[FT_PHILOX_LANES];
+            ft_philox_block_normals(block, z);
+            v = z[lane];
+        } else {
+            v = (double)ft_philox_lane_uniform(block, lane);
+            if (clamp > 0.0 && round_to_dtype(v, dtype) >= 1.0)
+                v = clamp;
+        }
+        store_f64(data, off[0], dtype, v);
+    }
+}
+
+ft_status ft_cuda_random(ft_tensor *t, const int64_t *row, int64_t base, uint64_t seed,
+                         uint64_t offset, int normal)
 {
     const char *const F = normal ? "ft_randn" : "ft_rand";
     FT_TRY(ft_cuda_use_device(t->device.index, F));
@@ -597,11 +626,18 @@ ft_status ft_cuda_random(ft_tensor *t, uint64_t seed, uint64_t offset,
         clamp = 1.0 - 1.0 / 2048.0;
     else if (t->dtype == FT_BF16)
         clamp = 1.0 - 1.0 / 256.0;
-    const int64_t *strides[1] = {t->stride};
-    const geo g = geo_make(t->ndim, t->shape, 1, strides);
-    const int64_t blocks = (n + FT_PHILOX_LANES - 1) / FT_PHILOX_LANES;
-    random_kernel<<<grid_for(blocks, BLOCK, MAX_GRID), BLOCK>>>(
-        g, t->data, (int)t->dtype, seed, offset, normal, clamp, n);
+    if (row) {
+        const int64_t *strides[2] = {t->stride, row};
+        const geo g = geo_make(t->ndim, t->shape, 2, strides);
+        random_at_kernel<<<grid_for(n, BLOCK, MAX_GRID), BLOCK>>>(
+            g, t->data, (int)t->dtype, seed, offset, normal, clamp, base, n);
+    } else {
+        const int64_t *strides[1] = {t->stride};
+        const geo g = geo_make(t->ndim, t->shape, 1, strides);
+        const int64_t blocks = (n + FT_PHILOX_LANES - 1) / FT_PHILOX_LANES;
+        random_kernel<<<grid_for(blocks, BLOCK, MAX_GRID), BLOCK>>>(
+            g, t->data, (int)t->dtype, seed, offset, normal, clamp, n);
+    }
     FT_CUDA_CHECK_LAUNCH(F);
     return FT_OK;
 }

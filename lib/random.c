@@ -55,33 +55,40 @@ static void store_random(void *p, ft_dtype dtype, ft_distribution dist,
 
 /* A view with stride-0 dims (ft_expand's): each distinct element is
  * written once, with the value of its last index along those dims, the
- * value a row-major loop over every index would leave in it. */
-static void fill_random_broadcast(ft_tensor *t, uint64_t seed, uint64_t offset,
-                                  ft_distribution dist, double clamp)
+ * value a row-major loop over every index would leave in it. w: t with
+ * those dims collapsed; row[]: the row-major strides of t's whole shape
+ * (they fit: its element count does), so element k of w is element
+ * *base + (k's offset along row) of the stream. */
+static void broadcast_plan(const ft_tensor *t, ft_tensor *w, int64_t row[FT_MAX_DIMS],
+                           int64_t *base)
 {
-    ft_tensor w = *t;
-    ft_collapse_for_write(&w, NULL);
-    /* row[]: the row-major strides of t's whole shape (they fit: its
-     * element count does); base: the logical index the collapsed dims
-     * add. */
-    int64_t row[FT_MAX_DIMS], base = 0, r = 1, span;
+    *w = *t;
+    ft_collapse_for_write(w, NULL);
+    int64_t r = 1, span;
+    *base = 0;
     for (int d = t->ndim - 1; d >= 0; d--) {
         row[d] = r;
-        if (w.shape[d] != t->shape[d] &&
+        if (w->shape[d] != t->shape[d] &&
             ft_mul_size(row[d], t->shape[d] - 1, &span) == 0)
-            ft_add_size(base, span, &base);
+            ft_add_size(*base, span, base);
         ft_mul_size(r, t->shape[d], &r);
     }
-    const int64_t m = ft_numel(&w);
+}
+
+static void fill_random_broadcast(ft_tensor *w, const int64_t *row, int64_t base,
+                                  uint64_t seed, uint64_t offset, ft_distribution dist,
+                                  double clamp)
+{
+    const int64_t m = ft_numel(w);
     ft_iter it;
-    ft_iter_init(&it, w.ndim, w.shape, 2, (const int64_t *const[]){w.stride, row});
+    ft_iter_init(&it, w->ndim, w->shape, 2, (const int64_t *const[]){w->stride, row});
     double normals[FT_PHILOX_LANES] = {0, 0, 0, 0};
     for (int64_t k = 0; k < m; k++, ft_iter_next(&it)) {
         const uint64_t i = (uint64_t)(base + it.offset[1]);
         const ft_philox4 block = ft_philox_block(seed, offset + i / FT_PHILOX_LANES);
         if (dist == FT_DIST_NORMAL)
             ft_philox_block_normals(block, normals);
-        store_random(ft_elem_ptr(&w, it.offset[0]), w.dtype, dist, block, normals,
+        store_random(ft_elem_ptr(w, it.offset[0]), w->dtype, dist, block, normals,
                      (unsigned)(i % FT_PHILOX_LANES), clamp);
     }
 }
@@ -102,21 +109,25 @@ static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
     const int64_t n = ft_numel(t);
     if (n == 0)
         return FT_OK;
+    if (ft_has_broadcast(t)) {
+        ft_tensor w;
+        int64_t row[FT_MAX_DIMS], base;
+        broadcast_plan(t, &w, row, &base);
+        FT_TRY(ft_check_walk(func, 1, ft_numel(&w), "elements"));
 #ifdef FT_HAVE_CUDA
-    /* The kernel visits every index, repeats included. */
+        if (t->device.type == FT_CUDA)
+            return ft_cuda_random(&w, row, base, seed, offset, dist == FT_DIST_NORMAL);
+#endif
+        fill_random_broadcast(&w, row, base, seed, offset, dist, below_one(t->dtype));
+        return FT_OK;
+    }
+#ifdef FT_HAVE_CUDA
     if (t->device.type == FT_CUDA) {
         FT_TRY(ft_check_walk(func, 1, n, "elements"));
-        return ft_cuda_random(t, seed, offset, dist == FT_DIST_NORMAL);
+        return ft_cuda_random(t, NULL, 0, seed, offset, dist == FT_DIST_NORMAL);
     }
 #endif
     const double clamp = below_one(t->dtype);
-    if (ft_has_broadcast(t)) {
-        ft_tensor w = *t;
-        ft_collapse_for_write(&w, NULL);
-        FT_TRY(ft_check_walk(func, 1, ft_numel(&w), "elements"));
-        fill_random_broadcast(t, seed, offset, dist, clamp);
-        return FT_OK;
-    }
     FT_TRY(ft_check_walk(func, 1, n, "elements"));
     ft_iter it;
     ft_iter_init(&it, t->ndim, t->shape, 1,

@@ -564,6 +564,55 @@ static void test_broadcast_random(void)
     }
 }
 
+/* The same on a CUDA device: each distinct element written once, by one
+ * thread, with the CPU's value (a kernel over every index would race). */
+static void test_broadcast_random_cuda(void)
+{
+    if (ft_cuda_device_count() <= 0) {
+        printf("test_broadcast_random_cuda: skipped, no CUDA device\n");
+        return;
+    }
+    const ft_device gpu = {FT_CUDA, 0};
+    const uint64_t seed = 99, offset = 5;
+    const ft_dtype dtypes[3] = {FT_F32, FT_F16, FT_BF16};
+    for (int normal = 0; normal < 2; normal++)
+        for (int k = 0; k < 3; k++) {
+            ft_status (*fn)(ft_tensor *, uint64_t, uint64_t) = normal ? ft_randn : ft_rand;
+            const int64_t shape[3] = {3, 4, 5}, small[3] = {3, 1, 5};
+            ft_tensor *c = empty(dtypes[k], 3, small), *g = NULL, *ec = NULL, *eg = NULL,
+                      *back = NULL;
+            CHECK_OK(ft_empty(&g, 3, small, dtypes[k], gpu));
+            if (c && g && (ec = expand(c, 3, shape)) && (eg = expand(g, 3, shape))) {
+                CHECK_OK(fn(ec, seed, offset));
+                CHECK_OK(fn(eg, seed, offset));
+                CHECK_OK(ft_to(&back, g, dtypes[k], (ft_device){FT_CPU, 0}));
+                /* Uniforms are exact; normals pass through the device's
+                 * log and sincos, an ulp from the host's at most. */
+                const double tol = normal ? (k == 0 ? 1e-6 : k == 1 ? 1e-3 : 8e-3) : 0;
+                for (int64_t i = 0; back && i < 15; i++)
+                    CHECK(fabs(at(back, i) - at(c, i)) <= tol * (1 + fabs(at(c, i))), "cuda %s %s [%lld]: %g vs cpu %g",
+                          normal ? "randn" : "rand", ft_dtype_name(dtypes[k]),
+                          (long long)i, at(back, i), at(c, i));
+            }
+            ft_tensor_free(back);
+            ft_tensor_free(eg);
+            ft_tensor_free(ec);
+            ft_tensor_free(g);
+            ft_tensor_free(c);
+        }
+    /* 2^62 repeats on the device: one element written, at once */
+    ft_tensor *g = NULL, *e = NULL, *back = NULL;
+    CHECK_OK(ft_empty(&g, 1, (const int64_t[]){1}, FT_F32, gpu));
+    if (g && (e = expand(g, 1, (const int64_t[]){P62}))) {
+        CHECK_OK(ft_rand(e, seed, offset));
+        CHECK_OK(ft_to(&back, g, FT_F32, (ft_device){FT_CPU, 0}));
+        CHECK(back && at(back, 0) >= 0 && at(back, 0) < 1, "a value was written");
+    }
+    ft_tensor_free(back);
+    ft_tensor_free(e);
+    ft_tensor_free(g);
+}
+
 static void test_broadcast_index(void)
 {
     const double vals[3] = {10, 20, 30};
@@ -1016,6 +1065,7 @@ int main(void)
     test_broadcast_matches_copy();
     test_broadcast_writes();
     test_broadcast_random();
+    test_broadcast_random_cuda();
     test_broadcast_index();
     test_matmul_limits();
     test_attention_limits();
