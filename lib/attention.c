@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_HEAD_DIM 256
@@ -54,13 +55,14 @@ ft_status ft_attn_impl_parse(const char *name, ft_attn_impl *out)
 static ft_dtype lse_dtype(ft_dtype in) { return in == FT_F64 ? FT_F64 : FT_F32; }
 
 static ft_status check_qkv_tensor(const char *func, int arg, const char *name,
-                                  const ft_tensor *t, const ft_tensor *q)
+                                  const ft_tensor *t, const ft_tensor *q, int varlen)
 {
     FT_TRY(ft_check_tensor(func, arg, t));
-    if (t->ndim != 4)
-        return ft_fail(FT_ERR_ARGUMENT, func, arg,
-                       "%s must be 4-d [batch, seqlen, heads, head_dim], got %d-d",
-                       name, t->ndim);
+    if (t->ndim != (varlen ? 3 : 4))
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "%s must be %s, got %d-d", name,
+                       varlen ? "3-d [total_tokens, heads, head_dim] (cu_seqlens given)"
+                              : "4-d [batch, seqlen, heads, head_dim]",
+                       t->ndim);
     if (!ft_dtype_is_float(t->dtype))
         return ft_fail(FT_ERR_ARGUMENT, func, arg,
                        "%s must be f64, f32, f16 or bf16, got %s", name,
@@ -75,38 +77,235 @@ static ft_status check_qkv_tensor(const char *func, int arg, const char *name,
                        name, ft_device_name(t->device, a, sizeof a),
                        ft_device_name(q->device, b, sizeof b));
     }
-    if (t->shape[3] > 1 && t->stride[3] != 1)
+    const int last = t->ndim - 1;
+    if (t->shape[last] > 1 && t->stride[last] != 1)
         return ft_fail(FT_ERR_ARGUMENT, func, arg,
                        "%s's last dim (head_dim) must be contiguous, its stride is %lld",
-                       name, (long long)t->stride[3]);
+                       name, (long long)t->stride[last]);
+    return FT_OK;
+}
+
+/* A per-head (or per batch and head) float vector option: alibi_slopes
+ * [H] or [B, H], sink [H]. */
+static ft_status check_head_vector(const char *func, int ap, const char *name,
+                                   const ft_tensor *t, const ft_tensor *q, int64_t B,
+                                   int64_t H, int allow_batch)
+{
+    char sa[SHAPE_TEXT];
+    FT_TRY(ft_check_tensor(func, ap, t));
+    if (t->dtype != FT_F32 && t->dtype != FT_F64)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "%s must be f32 or f64, got %s", name,
+                       ft_dtype_name(t->dtype));
+    if (!ft_device_equal(t->device, q->device)) {
+        char a[16], b[16];
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "%s is on %s but q is on %s", name,
+                       ft_device_name(t->device, a, sizeof a),
+                       ft_device_name(q->device, b, sizeof b));
+    }
+    const int per_head = t->ndim == 1 && t->shape[0] == H;
+    const int per_batch = allow_batch && t->ndim == 2 && t->shape[0] == B && t->shape[1] == H;
+    if (!per_head && !per_batch)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "%s must be [heads]%s = [%lld]%s, got %s",
+                       name, allow_batch ? " or [batch, heads]" : "", (long long)H,
+                       allow_batch ? " or [batch, heads]" : "",
+                       ft_format_shape(sa, sizeof sa, t->ndim, t->shape));
+    return FT_OK;
+}
+
+/* The variant options into s->mod (s's sizes are set). */
+static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
+                               const ft_attn_params *p, ft_attn_shape *s)
+{
+    ft_attn_mod *m = &s->mod;
+    memset(m, 0, sizeof *m);
+    s->alibi = s->sink = NULL;
+    s->batch0 = 0;
+    if (p->window_left < -1 || p->window_right < -1)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                       "window_left and window_right must be -1 (unbounded) or at least 0, "
+                       "got %lld and %lld", (long long)p->window_left,
+                       (long long)p->window_right);
+    if (s->causal && p->window_right > 0)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                       "window_right must be 0 or -1 with causal (causal is window_right = 0), "
+                       "got %lld", (long long)p->window_right);
+    m->left = p->window_left;
+    m->right = s->causal ? 0 : p->window_right;
+    if (!(p->softcap >= 0) || !isfinite(p->softcap))
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "softcap must be 0 (off) or positive, got %g",
+                       p->softcap);
+    m->softcap = p->softcap;
+    if (p->alibi_slopes) {
+        FT_TRY(check_head_vector(func, ap, "alibi_slopes", p->alibi_slopes, q, s->B, s->H, 1));
+        s->alibi = p->alibi_slopes;
+        m->alibi = 1;
+    }
+    if (p->sink) {
+        FT_TRY(check_head_vector(func, ap, "sink", p->sink, q, s->B, s->H, 0));
+        s->sink = p->sink;
+        m->sink = 1;
+    }
+    if (!(p->dropout_p >= 0 && p->dropout_p < 1))
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "dropout_p must be in [0, 1), got %g",
+                       p->dropout_p);
+    if (p->dropout_offset >= (UINT64_C(1) << 31))
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "offset must be below 2^31, got %llu",
+                       (unsigned long long)p->dropout_offset);
+    if (p->dropout_p > 0) {
+        if (s->B * s->H > (int64_t)UINT32_MAX)
+            return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                           "dropout counts batch x heads in 32 bits; %lld x %lld is more",
+                           (long long)s->B, (long long)s->H);
+        m->dropout = 1;
+        m->drop_threshold = (uint32_t)floor(p->dropout_p * 4294967296.0);
+        m->drop_scale = 1.0 / (1.0 - p->dropout_p);
+        m->seed = p->dropout_seed;
+        m->offset = (uint32_t)p->dropout_offset;
+    }
+    const char *variant = NULL;
+    if (m->left >= 0 || (m->right >= 0 && !s->causal))
+        variant = "sliding windows (window_left/window_right)";
+    else if (m->softcap > 0)
+        variant = "softcap";
+    else if (m->alibi)
+        variant = "ALiBi slopes";
+    else if (m->sink)
+        variant = "sinks";
+    else if (m->dropout)
+        variant = "dropout";
+    else if (s->cu_q)
+        variant = "variable-length batches (cu_seqlens)";
+    if (variant && q->device.type == FT_CUDA)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "%s on CUDA tensors: not supported yet (the cpu runs them)", variant);
+    return FT_OK;
+}
+
+double ft_attn_slope(const ft_attn_shape *s, int64_t b, int64_t h)
+{
+    const ft_tensor *t = s->alibi;
+    if (!t)
+        return 0;
+    const int64_t off = t->ndim == 1 ? h * t->stride[0]
+                                     : (s->batch0 + b) * t->stride[0] + h * t->stride[1];
+    return ft_load_f64(ft_elem_ptr(t, off), t->dtype);
+}
+
+double ft_attn_sink(const ft_attn_shape *s, int64_t h)
+{
+    const ft_tensor *t = s->sink;
+    return t ? ft_load_f64(ft_elem_ptr(t, h * t->stride[0]), t->dtype) : -INFINITY;
+}
+
+/* A varlen call's offsets t (i32 [B + 1], the first 0, never decreasing,
+ * the last `total`) as a new host array *out; *longest: the longest
+ * sequence. */
+static ft_status read_offsets(const char *func, int ap, const char *name, const ft_tensor *t,
+                              int64_t total, int64_t **out, int64_t *count, int64_t *longest)
+{
+    FT_TRY(ft_check_tensor(func, ap, t));
+    if (t->dtype != FT_I32 || t->ndim != 1 || t->shape[0] < 1)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                       "%s must be a 1-d i32 tensor [batch + 1], got %s with %d dims", name,
+                       ft_dtype_name(t->dtype), t->ndim);
+    ft_tensor *h = NULL;
+    FT_TRY(ft_to(&h, t, FT_I64, (ft_device){FT_CPU, 0}));
+    const int64_t n = t->shape[0], *v = h->data;
+    ft_status st = FT_OK;
+    *longest = 0;
+    if (v[0] != 0)
+        st = ft_fail(FT_ERR_ARGUMENT, func, ap, "%s must start at 0, got %lld", name,
+                     (long long)v[0]);
+    for (int64_t b = 1; st == FT_OK && b < n; b++) {
+        if (v[b] < v[b - 1])
+            st = ft_fail(FT_ERR_ARGUMENT, func, ap,
+                         "%s must never decrease, but [%lld] = %lld is below [%lld] = %lld",
+                         name, (long long)b, (long long)v[b], (long long)(b - 1),
+                         (long long)v[b - 1]);
+        else if (v[b] - v[b - 1] > *longest)
+            *longest = v[b] - v[b - 1];
+    }
+    if (st == FT_OK && v[n - 1] != total)
+        st = ft_fail(FT_ERR_ARGUMENT, func, ap,
+                     "%s must end at the token count %lld, got %lld", name, (long long)total,
+                     (long long)v[n - 1]);
+    if (st == FT_OK && !(*out = malloc((size_t)n * sizeof **out)))
+        st = ft_fail(FT_ERR_NOMEM, func, ap, "out of memory reading %s", name);
+    if (st == FT_OK)
+        memcpy(*out, v, (size_t)n * sizeof **out);
+    *count = n;
+    ft_tensor_free(h);
+    return st;
+}
+
+/* The sizes of a varlen call: B sequences, Nq and Nk their longest. */
+static ft_status check_varlen(const char *func, int aq, int ap, const ft_tensor *q,
+                              const ft_tensor *k, const ft_attn_params *p, ft_attn_shape *s)
+{
+    if (!p->cu_seqlens_q || !p->cu_seqlens_k)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                       "cu_seqlens_q and cu_seqlens_k go together, got only %s",
+                       p->cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k");
+    int64_t nq, nk, *cq = NULL, *ck = NULL;
+    FT_TRY(read_offsets(func, ap, "cu_seqlens_q", p->cu_seqlens_q, q->shape[0], &cq, &nq,
+                        &s->Nq));
+    s->cu_q = cq;
+    FT_TRY(read_offsets(func, ap, "cu_seqlens_k", p->cu_seqlens_k, k->shape[0], &ck, &nk,
+                        &s->Nk));
+    s->cu_k = ck;
+    if (nq != nk)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                       "cu_seqlens_q has %lld offsets but cu_seqlens_k %lld (one per "
+                       "sequence, plus one)", (long long)nq, (long long)nk);
+    const int64_t given[2] = {p->max_seqlen_q, p->max_seqlen_k}, real[2] = {s->Nq, s->Nk};
+    for (int i = 0; i < 2; i++)
+        if (given[i] < 0 || (given[i] > 0 && given[i] < real[i]))
+            return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                           "max_seqlen_%c must be 0 (worked out) or at least the longest "
+                           "sequence, %lld; got %lld", i ? 'k' : 'q', (long long)real[i],
+                           (long long)given[i]);
+    (void)aq;
+    s->B = nq - 1;
+    s->H = q->shape[1], s->d = q->shape[2], s->Hk = k->shape[1];
     return FT_OK;
 }
 
 /* Checks q, k, v (inputs at positions aq, aq+1, aq+2) and the options
- * (position ap), and fills s. */
+ * (position ap), and fills s. A varlen call leaves host arrays in s that
+ * shape_free releases, also after a failure. */
 static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
                            const ft_tensor *k, const ft_tensor *v,
                            const ft_attn_params *p, ft_attn_shape *s)
 {
     char sa[SHAPE_TEXT], sb[SHAPE_TEXT];
-    FT_TRY(check_qkv_tensor(func, aq, "q", q, q));
-    FT_TRY(check_qkv_tensor(func, aq + 1, "k", k, q));
-    FT_TRY(check_qkv_tensor(func, aq + 2, "v", v, q));
+    s->cu_q = s->cu_k = NULL;
+    if (!p)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "params expected (ft_attn_params_init)");
+    const int varlen = p->cu_seqlens_q || p->cu_seqlens_k;
+    FT_TRY(check_qkv_tensor(func, aq, "q", q, q, varlen));
+    FT_TRY(check_qkv_tensor(func, aq + 1, "k", k, q, varlen));
+    FT_TRY(check_qkv_tensor(func, aq + 2, "v", v, q, varlen));
     FT_TRY(ft_check_device(func, aq, q, NULL));
-    s->B = q->shape[0], s->Nq = q->shape[1], s->H = q->shape[2], s->d = q->shape[3];
     s->dtype = q->dtype;
-    s->Nk = k->shape[1], s->Hk = k->shape[2];
-    if (k->shape[0] != s->B || k->shape[3] != s->d)
-        return ft_fail(FT_ERR_ARGUMENT, func, aq + 1,
-                       "k %s does not match q %s in batch or head_dim",
-                       ft_format_shape(sa, sizeof sa, 4, k->shape),
-                       ft_format_shape(sb, sizeof sb, 4, q->shape));
-    for (int dim = 0; dim < 4; dim++)
+    const int r = varlen ? 0 : 1; /* the seqlen dim; heads and head_dim follow */
+    for (int dim = 0; dim < q->ndim; dim++)
         if (v->shape[dim] != k->shape[dim])
             return ft_fail(FT_ERR_ARGUMENT, func, aq + 2,
                            "v %s must have k's shape %s",
-                           ft_format_shape(sa, sizeof sa, 4, v->shape),
-                           ft_format_shape(sb, sizeof sb, 4, k->shape));
+                           ft_format_shape(sa, sizeof sa, v->ndim, v->shape),
+                           ft_format_shape(sb, sizeof sb, k->ndim, k->shape));
+    if ((!varlen && k->shape[0] != q->shape[0]) || k->shape[r + 2] != q->shape[r + 2])
+        return ft_fail(FT_ERR_ARGUMENT, func, aq + 1,
+                       "k %s does not match q %s in %s",
+                       ft_format_shape(sa, sizeof sa, k->ndim, k->shape),
+                       ft_format_shape(sb, sizeof sb, q->ndim, q->shape),
+                       varlen ? "head_dim" : "batch or head_dim");
+    if (varlen) {
+        FT_TRY(check_varlen(func, aq, ap, q, k, p, s));
+    } else {
+        s->B = q->shape[0], s->Nq = q->shape[1], s->H = q->shape[2], s->d = q->shape[3];
+        s->Nk = k->shape[1], s->Hk = k->shape[2];
+    }
     if (s->Hk == 0 || s->H % s->Hk != 0)
         return ft_fail(FT_ERR_ARGUMENT, func, aq + 1,
                        "k/v heads (%lld) must divide q heads (%lld) for GQA/MQA",
@@ -140,8 +339,6 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
                        (long long)s->B, (long long)s->H, (long long)s->Nq,
                        (long long)s->Nk);
 
-    if (!p)
-        return ft_fail(FT_ERR_ARGUMENT, func, ap, "params expected (ft_attn_params_init)");
     if (p->impl < FT_ATTN_AUTO || p->impl > FT_ATTN_FLASH)
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "invalid impl %d", (int)p->impl);
     const int cuda = q->device.type == FT_CUDA;
@@ -168,20 +365,7 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
     s->block_q = p->block_q ? p->block_q : DEFAULT_BLOCK_Q;
     s->block_k = p->block_k ? p->block_k : DEFAULT_BLOCK_K;
 
-    const char *later = NULL;
-    if (p->window_left != -1 || p->window_right != -1)
-        later = "sliding windows (window_left/window_right)";
-    else if (p->softcap != 0)
-        later = "softcap";
-    else if (p->alibi_slopes)
-        later = "ALiBi slopes";
-    else if (p->dropout_p != 0)
-        later = "dropout";
-    else if (p->cu_seqlens_q || p->cu_seqlens_k)
-        later = "variable-length batches (cu_seqlens)";
-    if (later)
-        return ft_fail(FT_ERR_UNSUPPORTED, func, ap, "%s: not supported yet", later);
-    return FT_OK;
+    return check_variant(func, ap, q, p, s);
 }
 
 #ifdef FT_HAVE_CUDA
@@ -221,6 +405,50 @@ static ft_status run_backward(ft_attn_impl impl, const ft_attn_shape *s,
     return ft_attention_backward_cpu(impl, s, dout, q, k, v, out, lse, dq, dk, dv);
 }
 
+static void shape_free(ft_attn_shape *s)
+{
+    free((void *)s->cu_q);
+    free((void *)s->cu_k);
+    s->cu_q = s->cu_k = NULL;
+}
+
+/* Rows r0 .. r0 + n - 1 of a varlen tensor [total, heads, d] as the
+ * [1, n, heads, d] tensor of a one-sequence call: a view on the stack,
+ * never freed. */
+static ft_tensor seq_rows(const ft_tensor *t, int64_t r0, int64_t n)
+{
+    ft_tensor v = *t;
+    v.ndim = 4;
+    v.shape[0] = 1, v.shape[1] = n, v.shape[2] = t->shape[1], v.shape[3] = t->shape[2];
+    v.stride[0] = 0, v.stride[1] = t->stride[0];
+    v.stride[2] = t->stride[1], v.stride[3] = t->stride[2];
+    v.data = ft_elem_ptr(t, r0 * t->stride[0]);
+    return v;
+}
+
+/* Columns r0 .. r0 + n - 1 of a varlen lse [H, total] as [1, H, n]. */
+static ft_tensor seq_lse(const ft_tensor *t, int64_t r0, int64_t n)
+{
+    ft_tensor v = *t;
+    v.ndim = 3;
+    v.shape[0] = 1, v.shape[1] = t->shape[0], v.shape[2] = n;
+    v.stride[0] = 0, v.stride[1] = t->stride[0], v.stride[2] = t->stride[1];
+    v.data = ft_elem_ptr(t, r0 * t->stride[1]);
+    return v;
+}
+
+/* Sequence b of a varlen call as a call of its own. */
+static ft_attn_shape seq_shape(const ft_attn_shape *s, int64_t b)
+{
+    ft_attn_shape one = *s;
+    one.B = 1;
+    one.Nq = s->cu_q[b + 1] - s->cu_q[b];
+    one.Nk = s->cu_k[b + 1] - s->cu_k[b];
+    one.batch0 = b;
+    one.cu_q = one.cu_k = NULL;
+    return one;
+}
+
 ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
                                const ft_tensor *q, const ft_tensor *k,
                                const ft_tensor *v, const ft_attn_params *p)
@@ -231,14 +459,27 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
     *out = NULL;
     *lse = NULL;
     ft_attn_shape s;
-    FT_TRY(check_qkv(func, 1, 4, q, k, v, p, &s));
-    int64_t lse_shape[3] = {s.B, s.H, s.Nq};
     ft_tensor *o = NULL, *l = NULL;
-    ft_status st = ft_empty_named(&o, 4, q->shape, q->dtype, q->device, func);
+    ft_status st = check_qkv(func, 1, 4, q, k, v, p, &s);
     if (st == FT_OK)
-        st = ft_empty_named(&l, 3, lse_shape, lse_dtype(q->dtype), q->device, func);
-    if (st == FT_OK)
+        st = ft_empty_named(&o, q->ndim, q->shape, q->dtype, q->device, func);
+    if (st == FT_OK) {
+        /* [B, H, Nq]; varlen: [H, total_q] */
+        const int64_t fixed[3] = {s.B, s.H, s.Nq}, packed[2] = {s.H, q->shape[0]};
+        st = s.cu_q ? ft_empty_named(&l, 2, packed, lse_dtype(q->dtype), q->device, func)
+                    : ft_empty_named(&l, 3, fixed, lse_dtype(q->dtype), q->device, func);
+    }
+    if (st == FT_OK && !s.cu_q)
         st = run_forward(p->impl, &s, q, k, v, o, l);
+    for (int64_t b = 0; st == FT_OK && s.cu_q && b < s.B; b++) {
+        const ft_attn_shape one = seq_shape(&s, b);
+        const int64_t iq = s.cu_q[b], ik = s.cu_k[b];
+        ft_tensor qb = seq_rows(q, iq, one.Nq), kb = seq_rows(k, ik, one.Nk),
+                  vb = seq_rows(v, ik, one.Nk), ob = seq_rows(o, iq, one.Nq),
+                  lb = seq_lse(l, iq, one.Nq);
+        st = run_forward(p->impl, &one, &qb, &kb, &vb, &ob, &lb);
+    }
+    shape_free(&s);
     if (st != FT_OK) {
         ft_tensor_free(o);
         ft_tensor_free(l);
@@ -249,39 +490,36 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
     return FT_OK;
 }
 
-ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
-                                const ft_tensor *dout, const ft_tensor *q,
-                                const ft_tensor *k, const ft_tensor *v,
-                                const ft_tensor *out, const ft_tensor *lse,
-                                const ft_attn_params *p)
+/* The checks of the backward's own inputs: dout and out like q, lse as
+ * the forward returned it. */
+static ft_status check_backward_inputs(const char *func, const ft_attn_shape *s,
+                                       const ft_tensor *dout, const ft_tensor *q,
+                                       const ft_tensor *out, const ft_tensor *lse)
 {
-    static const char func[] = "ft_attention_backward";
     char sa[SHAPE_TEXT], sb[SHAPE_TEXT];
-    if (!dq || !dk || !dv)
-        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
-    *dq = *dk = *dv = NULL;
-    ft_attn_shape s;
-    FT_TRY(check_qkv(func, 2, 7, q, k, v, p, &s));
-    FT_TRY(check_qkv_tensor(func, 1, "dout", dout, q));
-    FT_TRY(check_qkv_tensor(func, 5, "out", out, q));
+    const int varlen = s->cu_q != NULL;
+    FT_TRY(check_qkv_tensor(func, 1, "dout", dout, q, varlen));
+    FT_TRY(check_qkv_tensor(func, 5, "out", out, q, varlen));
     const ft_tensor *like_q[2] = {dout, out};
     const char *like_q_name[2] = {"dout", "out"};
     for (int i = 0; i < 2; i++)
-        for (int dim = 0; dim < 4; dim++)
+        for (int dim = 0; dim < q->ndim; dim++)
             if (like_q[i]->shape[dim] != q->shape[dim])
                 return ft_fail(FT_ERR_ARGUMENT, func, i == 0 ? 1 : 5,
                                "%s %s must have q's shape %s", like_q_name[i],
-                               ft_format_shape(sa, sizeof sa, 4, like_q[i]->shape),
-                               ft_format_shape(sb, sizeof sb, 4, q->shape));
+                               ft_format_shape(sa, sizeof sa, q->ndim, like_q[i]->shape),
+                               ft_format_shape(sb, sizeof sb, q->ndim, q->shape));
     FT_TRY(ft_check_tensor(func, 6, lse));
-    int64_t lse_shape[3] = {s.B, s.H, s.Nq};
-    int lse_ok = lse->ndim == 3;
-    for (int dim = 0; lse_ok && dim < 3; dim++)
-        lse_ok = lse->shape[dim] == lse_shape[dim];
+    const int64_t fixed[3] = {s->B, s->H, s->Nq}, packed[2] = {s->H, q->shape[0]};
+    const int64_t *want = varlen ? packed : fixed;
+    const int nd = varlen ? 2 : 3;
+    int lse_ok = lse->ndim == nd;
+    for (int dim = 0; lse_ok && dim < nd; dim++)
+        lse_ok = lse->shape[dim] == want[dim];
     if (!lse_ok)
-        return ft_fail(FT_ERR_ARGUMENT, func, 6,
-                       "lse must be [batch, heads, seqlen_q] = %s, got %s",
-                       ft_format_shape(sa, sizeof sa, 3, lse_shape),
+        return ft_fail(FT_ERR_ARGUMENT, func, 6, "lse must be %s = %s, got %s",
+                       varlen ? "[heads, total_q]" : "[batch, heads, seqlen_q]",
+                       ft_format_shape(sa, sizeof sa, nd, want),
                        ft_format_shape(sb, sizeof sb, lse->ndim, lse->shape));
     if (lse->dtype != lse_dtype(q->dtype))
         return ft_fail(FT_ERR_ARGUMENT, func, 6,
@@ -290,19 +528,75 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
                        ft_dtype_name(lse->dtype));
     if (!ft_device_equal(lse->device, q->device))
         return ft_fail(FT_ERR_ARGUMENT, func, 6, "lse is not on q's device");
+    return FT_OK;
+}
 
-    ft_tensor *g[3] = {NULL, NULL, NULL};
-    const ft_tensor *like[3] = {q, k, v};
-    ft_status st = FT_OK;
-    for (int i = 0; i < 3 && st == FT_OK; i++)
-        st = ft_empty_named(&g[i], 4, like[i]->shape, q->dtype, q->device, func);
+/* The sink's gradient into a new tensor like s->sink. */
+static ft_status sink_grad(const char *func, const ft_attn_shape *s, const ft_tensor *dout,
+                           const ft_tensor *out, const ft_tensor *lse, ft_tensor **dsink)
+{
+    double *acc = calloc((size_t)s->H, sizeof *acc);
+    if (!acc)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the sink's gradient");
+    if (!s->cu_q)
+        ft_attention_sink_grad_cpu(s, dout, out, lse, acc);
+    for (int64_t b = 0; s->cu_q && b < s->B; b++) {
+        const ft_attn_shape one = seq_shape(s, b);
+        const int64_t iq = s->cu_q[b];
+        ft_tensor db = seq_rows(dout, iq, one.Nq), ob = seq_rows(out, iq, one.Nq),
+                  lb = seq_lse(lse, iq, one.Nq);
+        ft_attention_sink_grad_cpu(&one, &db, &ob, &lb, acc);
+    }
+    ft_status st = ft_empty_named(dsink, 1, &s->H, s->sink->dtype, s->sink->device, func);
+    for (int64_t h = 0; st == FT_OK && h < s->H; h++)
+        ft_store_f64(ft_elem_ptr(*dsink, h), (*dsink)->dtype, acc[h]);
+    free(acc);
+    return st;
+}
+
+ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
+                                const ft_tensor *dout, const ft_tensor *q,
+                                const ft_tensor *k, const ft_tensor *v,
+                                const ft_tensor *out, const ft_tensor *lse,
+                                const ft_attn_params *p)
+{
+    static const char func[] = "ft_attention_backward";
+    if (!dq || !dk || !dv)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
+    *dq = *dk = *dv = NULL;
+    if (p && p->dsink)
+        *p->dsink = NULL;
+    ft_attn_shape s;
+    ft_status st = check_qkv(func, 2, 7, q, k, v, p, &s);
     if (st == FT_OK)
+        st = check_backward_inputs(func, &s, dout, q, out, lse);
+    ft_tensor *g[3] = {NULL, NULL, NULL}, *ds = NULL;
+    const ft_tensor *like[3] = {q, k, v};
+    for (int i = 0; i < 3 && st == FT_OK; i++)
+        st = ft_empty_named(&g[i], like[i]->ndim, like[i]->shape, q->dtype, q->device, func);
+    if (st == FT_OK && !s.cu_q)
         st = run_backward(p->impl, &s, dout, q, k, v, out, lse, g[0], g[1], g[2]);
+    for (int64_t b = 0; st == FT_OK && s.cu_q && b < s.B; b++) {
+        const ft_attn_shape one = seq_shape(&s, b);
+        const int64_t iq = s.cu_q[b], ik = s.cu_k[b];
+        ft_tensor qb = seq_rows(q, iq, one.Nq), kb = seq_rows(k, ik, one.Nk),
+                  vb = seq_rows(v, ik, one.Nk), ob = seq_rows(out, iq, one.Nq),
+                  db = seq_rows(dout, iq, one.Nq), lb = seq_lse(lse, iq, one.Nq),
+                  gq = seq_rows(g[0], iq, one.Nq), gk = seq_rows(g[1], ik, one.Nk),
+                  gv = seq_rows(g[2], ik, one.Nk);
+        st = run_backward(p->impl, &one, &db, &qb, &kb, &vb, &ob, &lb, &gq, &gk, &gv);
+    }
+    if (st == FT_OK && s.sink && p->dsink)
+        st = sink_grad(func, &s, dout, out, lse, &ds);
+    shape_free(&s);
     if (st != FT_OK) {
         for (int i = 0; i < 3; i++)
             ft_tensor_free(g[i]);
+        ft_tensor_free(ds);
         return st;
     }
     *dq = g[0], *dk = g[1], *dv = g[2];
+    if (p->dsink)
+        *p->dsink = ds;
     return FT_OK;
 }

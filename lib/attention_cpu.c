@@ -26,7 +26,6 @@
 #define FT_CAT(a, b) FT_CAT_(a, b)
 
 static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-static int64_t iclamp(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 static int thread_count(void)
 {
@@ -46,22 +45,39 @@ static size_t thread_index(void)
 #endif
 }
 
-/* Bottom-right causal alignment: query i sees key j when j <= i + Nk - Nq. */
+/* Which keys a query sees: lib/attn_mod.h (causal, windows). */
 static int visible(const ft_attn_shape *s, int64_t i, int64_t j)
 {
-    return !s->causal || j <= i + s->Nk - s->Nq;
+    return ft_mod_visible(&s->mod, s->Nq, s->Nk, i, j);
 }
 
-/* One past the last key that query i can see. */
+static int64_t key_begin(const ft_attn_shape *s, int64_t i)
+{
+    return ft_mod_key_begin(&s->mod, s->Nq, s->Nk, i);
+}
+
 static int64_t key_end(const ft_attn_shape *s, int64_t i)
 {
-    return s->causal ? iclamp(i + s->Nk - s->Nq + 1, 0, s->Nk) : s->Nk;
+    return ft_mod_key_end(&s->mod, s->Nq, s->Nk, i);
 }
 
-/* The first query that can see key j. */
-static int64_t query_start(const ft_attn_shape *s, int64_t j)
+static int64_t query_begin(const ft_attn_shape *s, int64_t j)
 {
-    return s->causal ? iclamp(j - (s->Nk - s->Nq), 0, s->Nq) : 0;
+    return ft_mod_query_begin(&s->mod, s->Nq, s->Nk, j);
+}
+
+static int64_t query_end(const ft_attn_shape *s, int64_t j)
+{
+    return ft_mod_query_end(&s->mod, s->Nq, s->Nk, j);
+}
+
+/* Dropout's factor for P_ij of (b, h): 1 / (1 - p) where kept, 0 where
+ * dropped, 1 without dropout. */
+static double keep_scale(const ft_attn_shape *s, int64_t b, int64_t h, int64_t i, int64_t j)
+{
+    if (!s->mod.dropout)
+        return 1.0;
+    return ft_mod_keep(&s->mod, s->batch0 + b, s->H, h, i, j) ? s->mod.drop_scale : 0.0;
 }
 
 /* The traditional method run in a 16-bit input precision holds its
@@ -151,6 +167,27 @@ static ft_status scratch_new(ft_storage **out, int64_t per_thread, int nthreads,
                        "attention on the cpu needs more scratch memory than any "
                        "machine has (more than 2^48 elements)");
     return ft_storage_new(out, bytes, (ft_device){FT_CPU, 0}, func);
+}
+
+void ft_attention_sink_grad_cpu(const ft_attn_shape *s, const ft_tensor *dout,
+                                const ft_tensor *out, const ft_tensor *lse, double *acc)
+{
+    for (int64_t h = 0; h < s->H; h++) {
+        const double sink = ft_attn_sink(s, h);
+        if (sink == -INFINITY) /* a sink of weight 0 */
+            continue;
+        for (int64_t b = 0; b < s->B; b++)
+            for (int64_t i = 0; i < s->Nq; i++) {
+                const int64_t od = b * out->stride[0] + i * out->stride[1] + h * out->stride[2];
+                const int64_t dd = b * dout->stride[0] + i * dout->stride[1] +
+                                   h * dout->stride[2];
+                double D = 0;
+                for (int64_t j = 0; j < s->d; j++)
+                    D += ft_load_f64(ft_elem_ptr(dout, dd + j * dout->stride[3]), dout->dtype) *
+                         ft_load_f64(ft_elem_ptr(out, od + j * out->stride[3]), out->dtype);
+                acc[h] -= exp(sink - lse_load(lse, b, h, i)) * D;
+            }
+    }
 }
 
 ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,

@@ -89,17 +89,34 @@ static void FN(mm_abt)(ACC *C, const ACC *A, const ACC *Bt, int64_t nr, int64_t 
     }
 }
 
-/* S[r, c] = scale * Q[r] . K[c] for visible pairs, -inf for masked ones:
- * Q holds query rows i0.., Kt the key rows j0.. transposed [d, nc]. */
-static void FN(scores)(ACC *S, const ACC *Q, const ACC *Kt, int64_t nr, int64_t nc,
-                       int64_t i0, int64_t j0, const ft_attn_shape *s)
+/* The scores of query rows i0.. (Q) against key rows j0.. (Kt, transposed
+ * [d, nc]) of batch b, head h: x = scale * Q[r] . K[c], modified as
+ * lib/attn_mod.h says (softcap, ALiBi) for visible pairs, -inf for masked
+ * ones. G, when not NULL, gets d score / d x (the softcap's derivative; 0
+ * where masked). */
+static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, int64_t nc,
+                       int64_t i0, int64_t j0, const ft_attn_shape *s, int64_t b, int64_t h)
 {
     const ACC scale = (ACC)s->scale;
+    const ft_attn_mod *m = &s->mod;
+    const int modified = m->softcap > 0 || m->alibi;
+    const double slope = ft_attn_slope(s, b, h);
     FN(mm_abt)(S, Q, Kt, nr, nc, s->d);
     for (int64_t r = 0; r < nr; r++)
-        for (int64_t c = 0; c < nc; c++)
-            S[r * nc + c] = visible(s, i0 + r, j0 + c) ? scale * S[r * nc + c]
-                                                       : (ACC)-INFINITY;
+        for (int64_t c = 0; c < nc; c++) {
+            ACC *x = S + r * nc + c;
+            if (!visible(s, i0 + r, j0 + c)) {
+                *x = (ACC)-INFINITY;
+                if (G)
+                    G[r * nc + c] = 0;
+                continue;
+            }
+            *x *= scale;
+            if (G)
+                G[r * nc + c] = (ACC)ft_mod_score_grad(m, (double)*x);
+            if (modified)
+                *x = (ACC)ft_mod_score(m, slope, s->Nq, s->Nk, i0 + r, j0 + c, (double)*x);
+        }
 }
 
 /* ---- naive: S and P of a whole (b, h) materialised ---- */
@@ -123,14 +140,15 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
     FN(load_rows)(Q, q, b, h, 0, Nq);
     FN(load_rows_t)(Kt, k, b, hk, 0, Nk, row);
     FN(load_rows)(V, v, b, hk, 0, Nk);
-    FN(scores)(S, Q, Kt, Nq, Nk, 0, 0, s);
+    FN(scores)(S, NULL, Q, Kt, Nq, Nk, 0, 0, s, b, h);
+    const ACC sink = (ACC)ft_attn_sink(s, h); /* -inf: none */
     for (int64_t i = 0; i < Nq; i++) {
         ACC *P = S + i * Nk, *o = O + i * d;
-        ACC m = (ACC)-INFINITY, l = 0;
+        ACC m = sink, l = 0;
         for (int64_t j = 0; j < Nk; j++)
             m = P[j] > m ? P[j] : m;
         memset(o, 0, (size_t)d * sizeof *o);
-        if (m == (ACC)-INFINITY) { /* no visible key */
+        if (m == (ACC)-INFINITY) { /* no visible key, no sink */
             lse_store(lse, b, h, i, -INFINITY);
             continue;
         }
@@ -138,20 +156,24 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
             P[j] = ACC_EXP(P[j] - m);
             l += P[j];
         }
+        if (sink != (ACC)-INFINITY) /* the sink joins the sum, not the output */
+            l += ACC_EXP(sink - m);
         for (int64_t j = 0; j < Nk; j++)
-            FN(axpy)(o, (ACC)round_input(s, P[j] / l), V + j * d, d);
+            FN(axpy)(o, (ACC)round_input(s, P[j] / l * keep_scale(s, b, h, i, j)), V + j * d,
+                     d);
         lse_store(lse, b, h, i, (double)m + log((double)l));
     }
     FN(store_rows)(out, b, h, 0, Nq, O);
 }
 
 /* Scratch per thread: Q, dO, dQ [Nq, d]; K, dK, dV [Nk, d]; K^T, V^T
- * [d, Nk]; P, dP [Nq, Nk]; a row [d]. */
+ * [d, Nk]; P, dP, SG (the score gradient of a softcap) [Nq, Nk]; a row
+ * [d]. */
 static int FN(naive_backward_scratch)(const ft_attn_shape *s, int64_t *n)
 {
     *n = 0;
     return scratch_add(n, 3 * s->d, s->Nq) || scratch_add(n, 5 * s->d, s->Nk) ||
-           scratch_add(n, 2 * s->Nq, s->Nk) || scratch_add(n, s->d, 1);
+           scratch_add(n, 3 * s->Nq, s->Nk) || scratch_add(n, s->d, 1);
 }
 
 /* One (b, hk) with the H/Hk query heads of its group: the traditional
@@ -165,7 +187,8 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
     const ACC scale = (ACC)s->scale;
     ACC *Q = scratch, *dO = Q + Nq * d, *dQ = dO + Nq * d;
     ACC *K = dQ + Nq * d, *Kt = K + Nk * d, *Vt = Kt + Nk * d, *dK = Vt + Nk * d;
-    ACC *dV = dK + Nk * d, *P = dV + Nk * d, *dP = P + Nq * Nk, *row = dP + Nq * Nk;
+    ACC *dV = dK + Nk * d, *P = dV + Nk * d, *dP = P + Nq * Nk, *SG = dP + Nq * Nk;
+    ACC *row = SG + Nq * Nk;
     FN(load_rows)(K, k, b, hk, 0, Nk);
     FN(load_rows_t)(Kt, k, b, hk, 0, Nk, row);
     FN(load_rows_t)(Vt, v, b, hk, 0, Nk, row);
@@ -173,26 +196,33 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
     for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
         FN(load_rows)(Q, q, b, h, 0, Nq);
         FN(load_rows)(dO, dout, b, h, 0, Nq);
-        FN(scores)(P, Q, Kt, Nq, Nk, 0, 0, s);
+        FN(scores)(P, SG, Q, Kt, Nq, Nk, 0, 0, s, b, h);
         FN(mm_abt)(dP, dO, Vt, Nq, Nk, d); /* dP = dO V^T */
         memset(dQ, 0, (size_t)(Nq * d) * sizeof *dQ);
+        const ACC sink = (ACC)ft_attn_sink(s, h);
         for (int64_t i = 0; i < Nq; i++) {
-            ACC *p = P + i * Nk, *dp = dP + i * Nk;
-            ACC m = (ACC)-INFINITY, l = 0, D = 0;
+            ACC *p = P + i * Nk, *dp = dP + i * Nk, *g = SG + i * Nk;
+            ACC m = sink, l = 0, D = 0;
             for (int64_t j = 0; j < Nk; j++)
                 m = p[j] > m ? p[j] : m;
             for (int64_t j = 0; j < Nk; j++) {
                 p[j] = m == (ACC)-INFINITY ? 0 : ACC_EXP(p[j] - m);
                 l += p[j];
             }
+            if (sink != (ACC)-INFINITY)
+                l += ACC_EXP(sink - m);
+            /* P (undropped) in p, dP (as P's, dropout folded in) in dp;
+             * D = sum P dP = rowsum(dO * O). */
             for (int64_t j = 0; j < Nk; j++) {
+                const ACC z = (ACC)keep_scale(s, b, h, i, j);
                 p[j] = (ACC)round_input(s, l > 0 ? p[j] / l : 0);
-                dp[j] = (ACC)round_input(s, dp[j]);
+                dp[j] = (ACC)round_input(s, dp[j]) * z;
                 D += p[j] * dp[j];
             }
             for (int64_t j = 0; j < Nk; j++) {
-                ACC ds = (ACC)round_input(s, p[j] * (dp[j] - D));
-                FN(axpy)(dV + j * d, p[j], dO + i * d, d);
+                const ACC z = (ACC)keep_scale(s, b, h, i, j);
+                ACC ds = (ACC)round_input(s, p[j] * (dp[j] - D) * g[j]);
+                FN(axpy)(dV + j * d, (ACC)round_input(s, p[j] * z), dO + i * d, d);
                 FN(axpy)(dK + j * d, scale * ds, Q + i * d, d);
                 FN(axpy)(dQ + i * d, scale * ds, K + j * d, d);
             }
@@ -229,15 +259,19 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
     ACC *m = S + s->block_q * s->block_k, *l = m + s->block_q, *row = l + s->block_q;
     FN(load_rows)(Q, q, b, h, i0, nr);
     memset(O, 0, (size_t)(nr * d) * sizeof *O);
+    /* A sink starts each row's sum at e^(sink - sink) = 1, with no value. */
+    const ACC sink = (ACC)ft_attn_sink(s, h);
     for (int64_t r = 0; r < nr; r++)
-        m[r] = (ACC)-INFINITY, l[r] = 0;
-    /* Blocks wholly above the causal diagonal of the last row are skipped. */
+        m[r] = sink, l[r] = sink == (ACC)-INFINITY ? 0 : 1;
+    /* Only the key blocks some row of this block sees (the visible keys
+     * of a row move right with the row). */
+    const int64_t j_begin = key_begin(s, i0) / s->block_k * s->block_k;
     const int64_t j_end = key_end(s, i0 + nr - 1);
-    for (int64_t j0 = 0; j0 < j_end; j0 += s->block_k) {
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += s->block_k) {
         const int64_t nc = imin(s->block_k, s->Nk - j0);
         FN(load_rows_t)(Kt, k, b, hk, j0, nc, row);
         FN(load_rows)(V, v, b, hk, j0, nc);
-        FN(scores)(S, Q, Kt, nr, nc, i0, j0, s);
+        FN(scores)(S, NULL, Q, Kt, nr, nc, i0, j0, s, b, h);
         for (int64_t r = 0; r < nr; r++) {
             const ACC *srow = S + r * nc;
             ACC m_new = m[r];
@@ -252,8 +286,9 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
                 o[j] *= alpha;
             for (int64_t c = 0; c < nc; c++) {
                 const ACC p = ACC_EXP(srow[c] - m_new);
-                sum += p;
-                FN(axpy)(o, p, V + c * d, d);
+                sum += p; /* the softmax's sum is of the undropped P */
+                FN(axpy)(o, s->mod.dropout ? p * (ACC)keep_scale(s, b, h, i0 + r, j0 + c) : p,
+                         V + c * d, d);
             }
             l[r] = l[r] * alpha + sum;
             m[r] = m_new;
@@ -286,7 +321,7 @@ static void FN(tiled_backward_D)(const ft_attn_shape *s, const ft_tensor *dout,
 }
 
 /* Scratch per thread: K, dK, dV [Bk, d]; K^T, V^T [d, Bk]; Q, dO [Bq, d];
- * P, dS [Bq, Bk]; lse [Bq]; a row [d]; dQ accumulators for the group
+ * P, dS, SG (the score gradient of a softcap) [Bq, Bk]; lse [Bq]; a row [d]; dQ accumulators for the group
  * [G, Nq, d] (the O(N) part). */
 static int FN(tiled_backward_scratch)(const ft_attn_shape *s, int64_t *n)
 {
@@ -294,7 +329,7 @@ static int FN(tiled_backward_scratch)(const ft_attn_shape *s, int64_t *n)
     int64_t dq = 0;
     *n = 0;
     return scratch_add(n, 5 * s->d, Bk) || scratch_add(n, 2 * s->d, Bq) ||
-           scratch_add(n, 2 * Bq, Bk) || scratch_add(n, Bq, 1) || scratch_add(n, s->d, 1) ||
+           scratch_add(n, 3 * Bq, Bk) || scratch_add(n, Bq, 1) || scratch_add(n, s->d, 1) ||
            scratch_add(&dq, G, s->Nq) || scratch_add(n, dq, s->d);
 }
 
@@ -311,7 +346,7 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
     const ACC scale = (ACC)s->scale;
     ACC *K = scratch, *Kt = K + Bk * d, *Vt = Kt + Bk * d, *dK = Vt + Bk * d;
     ACC *dV = dK + Bk * d, *Q = dV + Bk * d, *dO = Q + Bq * d, *P = dO + Bq * d;
-    ACC *dS = P + Bq * Bk, *L = dS + Bq * Bk, *row = L + Bq, *dQ = row + d;
+    ACC *dS = P + Bq * Bk, *SG = dS + Bq * Bk, *L = SG + Bq * Bk, *row = L + Bq, *dQ = row + d;
     memset(dQ, 0, (size_t)(G * s->Nq * d) * sizeof *dQ);
     for (int64_t j0 = 0; j0 < s->Nk; j0 += Bk) {
         const int64_t nc = imin(Bk, s->Nk - j0);
@@ -323,14 +358,15 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
             const int64_t h = hk * G + g;
             const ACC *Dh = D + (b * s->H + h) * s->Nq;
             ACC *dQh = dQ + g * s->Nq * d;
-            /* Rows before query_start cannot see key j0, nor any later key. */
-            for (int64_t i0 = query_start(s, j0); i0 < s->Nq; i0 += Bq) {
-                const int64_t nr = imin(Bq, s->Nq - i0);
+            /* Only the query rows that see some key of this block. */
+            const int64_t i_end = query_end(s, j0 + nc - 1);
+            for (int64_t i0 = query_begin(s, j0); i0 < i_end; i0 += Bq) {
+                const int64_t nr = imin(Bq, i_end - i0);
                 FN(load_rows)(Q, q, b, h, i0, nr);
                 FN(load_rows)(dO, dout, b, h, i0, nr);
                 for (int64_t r = 0; r < nr; r++)
                     L[r] = (ACC)lse_load(lse, b, h, i0 + r);
-                FN(scores)(P, Q, Kt, nr, nc, i0, j0, s);
+                FN(scores)(P, SG, Q, Kt, nr, nc, i0, j0, s, b, h);
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {
                         ACC *p = P + r * nc + c;
@@ -340,9 +376,13 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
                 FN(mm_abt)(dS, dO, Vt, nr, nc, d); /* dP = dO V^T */
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {
+                        /* P is undropped; dV takes it dropped, and dP goes
+                         * back through the same mask. */
                         const ACC p = P[r * nc + c];
-                        dS[r * nc + c] = p * (dS[r * nc + c] - Dh[i0 + r]);
-                        FN(axpy)(dV + c * d, p, dO + r * d, d);
+                        const ACC z = s->mod.dropout
+                                          ? (ACC)keep_scale(s, b, h, i0 + r, j0 + c) : 1;
+                        dS[r * nc + c] = p * (dS[r * nc + c] * z - Dh[i0 + r]) * SG[r * nc + c];
+                        FN(axpy)(dV + c * d, p * z, dO + r * d, d);
                     }
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {

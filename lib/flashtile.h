@@ -318,16 +318,26 @@ typedef struct ft_attn_params {
     int64_t block_q;     /* rows of Q per tile (B_r); 0: the default */
     int64_t block_k;     /* rows of K/V per tile (B_c); 0: the default */
     int deterministic;   /* nonzero: bitwise-reproducible gradients */
-    /* Fields for later features; anything but the init value is
-     * rejected with FT_ERR_UNSUPPORTED until implemented. */
-    int64_t window_left;     /* -1: unlimited (sliding window) */
-    int64_t window_right;    /* -1: unlimited */
-    double softcap;          /* 0: off (tanh soft-capping of scores) */
-    const ft_tensor *alibi_slopes; /* NULL: off; [H] or [B, H] f32 */
-    double dropout_p;        /* 0: off */
+    /* Variants (lib/attn_mod.h defines each exactly); the init values
+     * turn them off. */
+    int64_t window_left;     /* -1: unbounded; else keys at most this far left */
+    int64_t window_right;    /* -1: unbounded; else this far right (causal: 0) */
+    double softcap;          /* 0: off; c > 0: scores become c tanh(score / c) */
+    const ft_tensor *alibi_slopes; /* NULL: off; [H] or [B, H], f32 or f64 */
+    const ft_tensor *sink;   /* NULL: off; [H] f32 or f64 logits */
+    double dropout_p;        /* 0: off; else in (0, 1) */
     uint64_t dropout_seed;
-    const ft_tensor *cu_seqlens_q; /* NULL: fixed lengths; [B + 1] i32 */
+    uint64_t dropout_offset; /* below 2^31 */
+    /* Variable lengths: q [total_q, H, d], k/v [total_k, Hk, d], out
+     * likewise, lse [H, total_q]; sequence b is rows cu_seqlens[b] ..
+     * cu_seqlens[b + 1] - 1. Both or neither; i32 [B + 1], first 0. */
+    const ft_tensor *cu_seqlens_q;
     const ft_tensor *cu_seqlens_k;
+    int64_t max_seqlen_q;    /* 0: worked out; else at least the longest */
+    int64_t max_seqlen_k;
+    /* Backward with a sink: where the sink's gradient (a new tensor
+     * shaped and typed like sink) goes; NULL: not returned. */
+    ft_tensor **dsink;
 } ft_attn_params;
 
 FT_API void ft_attn_params_init(ft_attn_params *p);

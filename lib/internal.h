@@ -8,6 +8,7 @@
 #define FT_INTERNAL_H
 
 #include "flashtile.h"
+#include "attn_mod.h"
 
 #include <stdbool.h>
 #include <stdio.h>
@@ -278,14 +279,30 @@ static inline void *ft_elem_ptr(const ft_tensor *t, int64_t off)
 /* ---- attention (attention.c validates, attention_cpu.c computes) ---- */
 
 /* The checked sizes and options of one attention call:
- * q [B, Nq, H, d], k/v [B, Nk, Hk, d]. */
+ * q [B, Nq, H, d], k/v [B, Nk, Hk, d]. A varlen call (cu_q not NULL) is
+ * run one sequence at a time, each as a call of B = 1 whose batch0 is the
+ * sequence's index (ALiBi's slopes and dropout's counter use batch0 + b). */
 typedef struct ft_attn_shape {
     int64_t B, Nq, Nk, H, Hk, d;
     ft_dtype dtype; /* of q, k, v (and out, dout) */
     double scale;
     int causal;
     int64_t block_q, block_k;
+    ft_attn_mod mod;             /* the variant: lib/attn_mod.h */
+    const ft_tensor *alibi;      /* [H] or [B, H], or NULL */
+    const ft_tensor *sink;       /* [H], or NULL */
+    int64_t batch0;
+    const int64_t *cu_q, *cu_k;  /* varlen: B + 1 offsets each (host copies) */
 } ft_attn_shape;
+
+/* acc[h] -= sum over b, i of e^(sink_h - lse) (dout . out): the sink's
+ * gradient (a row's sink probability times D = rowsum(dout * out)). */
+void ft_attention_sink_grad_cpu(const ft_attn_shape *s, const ft_tensor *dout,
+                                const ft_tensor *out, const ft_tensor *lse, double *acc);
+/* ALiBi's slope for batch batch0 + b, head h (0 without ALiBi). */
+double ft_attn_slope(const ft_attn_shape *s, int64_t b, int64_t h);
+/* The sink logit of head h (-inf without a sink). */
+double ft_attn_sink(const ft_attn_shape *s, int64_t h);
 
 /* out and lse (and dq, dk, dv) are allocated and contiguous; the inputs
  * are checked. Only scratch allocation can fail. */

@@ -1786,8 +1786,9 @@ static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
         {"causal", OPT_BOOL},        {"scale", OPT_NUMBER},        {"impl", OPT_IMPL},
         {"block_q", OPT_INT},        {"block_k", OPT_INT},         {"deterministic", OPT_BOOL},
         {"window_left", OPT_INT},    {"window_right", OPT_INT},    {"softcap", OPT_NUMBER},
-        {"alibi_slopes", OPT_TENSOR}, {"dropout_p", OPT_NUMBER},   {"dropout_seed", OPT_INT},
-        {"cu_seqlens_q", OPT_TENSOR}, {"cu_seqlens_k", OPT_TENSOR}};
+        {"alibi_slopes", OPT_TENSOR}, {"dropout_p", OPT_NUMBER},   {"seed", OPT_INT},
+        {"cu_seqlens_q", OPT_TENSOR}, {"cu_seqlens_k", OPT_TENSOR}, {"sink", OPT_TENSOR},
+        {"offset", OPT_INT},         {"max_seqlen_q", OPT_INT},    {"max_seqlen_k", OPT_INT}};
     enum { N = sizeof spec / sizeof spec[0] };
     opt_value v[N];
     read_options(L, idx, spec, N, v);
@@ -1814,6 +1815,12 @@ static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
     p->dropout_seed = (uint64_t)v[11].integer;
     p->cu_seqlens_q = v[12].tensor;
     p->cu_seqlens_k = v[13].tensor;
+    p->sink = v[14].tensor;
+    if (v[15].present && (v[15].integer < 0 || v[15].integer >= (lua_Integer)1 << 31))
+        luaL_argerror(L, idx, "option 'offset' must be 0 to 2^31 - 1 (a counter of dropout calls)");
+    p->dropout_offset = (uint64_t)v[15].integer;
+    p->max_seqlen_q = v[16].integer;
+    p->max_seqlen_k = v[17].integer;
 }
 
 /* out, lse = ft.attention(q, k, v [, opts]) */
@@ -1828,7 +1835,8 @@ static int l_attention(lua_State *L)
     return 2;
 }
 
-/* dq, dk, dv = ft.attention_backward(dout, q, k, v, out, lse [, opts]) */
+/* dq, dk, dv [, dsink] = ft.attention_backward(dout, q, k, v, out, lse [, opts]):
+ * dsink when opts has a sink. */
 static int l_attention_backward(lua_State *L)
 {
     const ft_tensor *t[6];
@@ -1839,8 +1847,10 @@ static int l_attention_backward(lua_State *L)
     ft_tensor **dq = push_slot(L);
     ft_tensor **dk = push_slot(L);
     ft_tensor **dv = push_slot(L);
+    if (p.sink)
+        p.dsink = push_slot(L);
     CALL(L, 0, ft_attention_backward(dq, dk, dv, t[0], t[1], t[2], t[3], t[4], t[5], &p));
-    return 3;
+    return p.sink ? 4 : 3;
 }
 
 /* ---- CUDA ---- */

@@ -780,27 +780,53 @@ describe("attention (cpu)", function()
       { "unknown option key", function()
           return A(q4, k4, v4, { casual = true })
         end, { "bad argument #4", "unknown option 'casual'", "expected causal, scale" } },
-      { "window_left", function()
-          return A(q4, k4, v4, { window_left = 16 })
-        end, { "bad argument #4", "sliding windows (window_left/window_right): not supported yet" } },
-      { "window_right", function()
-          return A(q4, k4, v4, { window_right = 0 })
-        end, { "bad argument #4", "not supported yet" } },
-      { "softcap", function()
-          return A(q4, k4, v4, { softcap = 30.0 })
-        end, { "bad argument #4", "softcap: not supported yet" } },
-      { "dropout_p", function()
-          return A(q4, k4, v4, { dropout_p = 0.1 })
-        end, { "bad argument #4", "dropout: not supported yet" } },
-      { "alibi_slopes", function()
-          return A(q4, k4, v4, { alibi_slopes = ft.randn({ 4 }, { seed = 3 }) })
-        end, { "bad argument #4", "ALiBi slopes: not supported yet" } },
-      { "cu_seqlens_q", function()
-          return A(q4, k4, v4, { cu_seqlens_q = ft.tensor({ 0, 5, 10 }, { dtype = "i32" }) })
-        end, { "bad argument #4", "variable-length batches (cu_seqlens): not supported yet" } },
-      { "a later feature in backward", function()
-          return BW(dout4, q4, k4, v4, out4, lse4, { softcap = 5.0 })
-        end, { "bad argument #7", "softcap: not supported yet" } },
+      { "window_left below -1", function()
+          return A(q4, k4, v4, { window_left = -2 })
+        end, { "bad argument #4", "window_left and window_right must be -1 (unbounded) or at least 0, got -2 and -1" } },
+      { "window_right past the diagonal with causal", function()
+          return A(q4, k4, v4, { causal = true, window_right = 3 })
+        end, { "bad argument #4", "window_right must be 0 or -1 with causal" } },
+      { "a negative softcap", function()
+          return A(q4, k4, v4, { softcap = -30.0 })
+        end, { "bad argument #4", "softcap must be 0 (off) or positive, got -30" } },
+      { "dropout_p of 1", function()
+          return A(q4, k4, v4, { dropout_p = 1 })
+        end, { "bad argument #4", "dropout_p must be in [0, 1), got 1" } },
+      { "a dropout offset of 2^31", function()
+          return A(q4, k4, v4, { dropout_p = 0.5, offset = 2 ^ 31 })
+        end, { "bad argument #4", "option 'offset' must be 0 to 2^31 - 1" } },
+      { "alibi_slopes of the wrong length", function()
+          return A(q4, k4, v4, { alibi_slopes = ft.randn({ 3 }, { seed = 3 }) })
+        end, { "bad argument #4", "alibi_slopes must be [heads] or [batch, heads] = [4] or [batch, heads], got {3}" } },
+      { "an integer sink", function()
+          return A(q4, k4, v4, { sink = ft.zeros({ 4 }, { dtype = "i32" }) })
+        end, { "bad argument #4", "sink must be f32 or f64, got i32" } },
+      { "cu_seqlens_q alone", function()
+          return A(q4:select(1, 1), k4:select(1, 1), v4:select(1, 1),
+            { cu_seqlens_q = ft.tensor({ 0, 5 }, { dtype = "i32" }) })
+        end, { "bad argument #4", "cu_seqlens_q and cu_seqlens_k go together, got only cu_seqlens_q" } },
+      { "4-d inputs with cu_seqlens", function()
+          local cu = ft.tensor({ 0, 5 }, { dtype = "i32" })
+          return A(q4, k4, v4, { cu_seqlens_q = cu, cu_seqlens_k = cu })
+        end, { "bad argument #1", "q must be 3-d [total_tokens, heads, head_dim] (cu_seqlens given)" } },
+      { "cu_seqlens that do not add up", function()
+          local cu = ft.tensor({ 0, 2, 4 }, { dtype = "i32" })
+          return A(q4:select(1, 1), k4:select(1, 1), v4:select(1, 1),
+            { cu_seqlens_q = cu, cu_seqlens_k = cu })
+        end, { "bad argument #4", "cu_seqlens_q must end at the token count 5, got 4" } },
+      { "decreasing cu_seqlens", function()
+          local cu = ft.tensor({ 0, 3, 2, 5 }, { dtype = "i32" })
+          return A(q4:select(1, 1), k4:select(1, 1), v4:select(1, 1),
+            { cu_seqlens_q = cu, cu_seqlens_k = cu })
+        end, { "bad argument #4", "cu_seqlens_q must never decrease, but [2] = 2 is below [1] = 3" } },
+      { "max_seqlen below the longest sequence", function()
+          return A(q4:select(1, 1), k4:select(1, 1), v4:select(1, 1),
+            { cu_seqlens_q = ft.tensor({ 0, 1, 5 }, { dtype = "i32" }),
+              cu_seqlens_k = ft.tensor({ 0, 1, 6 }, { dtype = "i32" }), max_seqlen_q = 3 })
+        end, { "bad argument #4", "max_seqlen_q must be 0 (worked out) or at least the longest sequence, 4; got 3" } },
+      { "a bad variant in backward", function()
+          return BW(dout4, q4, k4, v4, out4, lse4, { softcap = -5.0 })
+        end, { "bad argument #7", "softcap must be 0 (off) or positive" } },
       { "causal not a boolean", function()
           return A(q4, k4, v4, { causal = 1 })
         end, { "bad argument #4", "option 'causal' must be a boolean" } },
