@@ -112,6 +112,30 @@ static ft_status check_head_vector(const char *func, int ap, const char *name,
     return FT_OK;
 }
 
+/* dropout_p, seed and offset into m (B batches of H heads). */
+static ft_status check_dropout(const char *func, int ap, const ft_attn_params *p, int64_t B,
+                               int64_t H, ft_attn_mod *m)
+{
+    if (!(p->dropout_p >= 0 && p->dropout_p < 1))
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "dropout_p must be in [0, 1), got %g",
+                       p->dropout_p);
+    if (p->dropout_offset >= (UINT64_C(1) << 31))
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "offset must be below 2^31, got %llu",
+                       (unsigned long long)p->dropout_offset);
+    if (p->dropout_p > 0) {
+        if (B > 0 && H > (int64_t)UINT32_MAX / B)
+            return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                           "dropout counts batch x heads in 32 bits; %lld x %lld is more",
+                           (long long)B, (long long)H);
+        m->dropout = 1;
+        m->drop_threshold = (uint32_t)floor(p->dropout_p * 4294967296.0);
+        m->drop_scale = 1.0 / (1.0 - p->dropout_p);
+        m->seed = p->dropout_seed;
+        m->offset = (uint32_t)p->dropout_offset;
+    }
+    return FT_OK;
+}
+
 /* The variant options into s->mod (s's sizes are set). */
 static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
                                const ft_attn_params *p, ft_attn_shape *s)
@@ -145,23 +169,7 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         s->sink = p->sink;
         m->sink = 1;
     }
-    if (!(p->dropout_p >= 0 && p->dropout_p < 1))
-        return ft_fail(FT_ERR_ARGUMENT, func, ap, "dropout_p must be in [0, 1), got %g",
-                       p->dropout_p);
-    if (p->dropout_offset >= (UINT64_C(1) << 31))
-        return ft_fail(FT_ERR_ARGUMENT, func, ap, "offset must be below 2^31, got %llu",
-                       (unsigned long long)p->dropout_offset);
-    if (p->dropout_p > 0) {
-        if (s->B * s->H > (int64_t)UINT32_MAX)
-            return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
-                           "dropout counts batch x heads in 32 bits; %lld x %lld is more",
-                           (long long)s->B, (long long)s->H);
-        m->dropout = 1;
-        m->drop_threshold = (uint32_t)floor(p->dropout_p * 4294967296.0);
-        m->drop_scale = 1.0 / (1.0 - p->dropout_p);
-        m->seed = p->dropout_seed;
-        m->offset = (uint32_t)p->dropout_offset;
-    }
+    FT_TRY(check_dropout(func, ap, p, s->B, s->H, m));
     const char *variant = NULL;
     if (m->left >= 0 || (m->right >= 0 && !s->causal))
         variant = "sliding windows (window_left/window_right)";
@@ -598,5 +606,48 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     *dq = g[0], *dk = g[1], *dv = g[2];
     if (p->dsink)
         *p->dsink = ds;
+    return FT_OK;
+}
+
+ft_status ft_attention_dropout_mask(ft_tensor **out, int64_t B, int64_t H, int64_t Nq,
+                                    int64_t Nk, const ft_attn_params *p, ft_device device)
+{
+    static const char func[] = "ft_attention_dropout_mask";
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
+    *out = NULL;
+    if (!p)
+        return ft_fail(FT_ERR_ARGUMENT, func, 5, "params expected (ft_attn_params_init)");
+    const int64_t shape[4] = {B, H, Nq, Nk};
+    for (int i = 0; i < 4; i++)
+        if (shape[i] < 0)
+            return ft_fail(FT_ERR_ARGUMENT, func, i + 1, "sizes must be at least 0, got %lld",
+                           (long long)shape[i]);
+    if (Nq > INT32_MAX || Nk > INT32_MAX)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, Nq > INT32_MAX ? 3 : 4,
+                       "seqlens above %d are not supported", INT32_MAX);
+    if (device.type == FT_CUDA)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 6,
+                       "dropout masks on CUDA: not supported yet (the cpu makes them)");
+    ft_attn_mod mod;
+    memset(&mod, 0, sizeof mod);
+    FT_TRY(check_dropout(func, 5, p, B, H, &mod));
+    if (!mod.dropout)
+        return ft_fail(FT_ERR_ARGUMENT, func, 5, "dropout_p must be in (0, 1) for a mask, got %g",
+                       p->dropout_p);
+    ft_tensor *t = NULL;
+    FT_TRY(ft_empty_named(&t, 4, shape, FT_F32, device, func));
+    ft_status st = ft_check_walk(func, 1, ft_numel(t), "elements");
+    float *m = t->data;
+    for (int64_t b = 0; st == FT_OK && b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < Nq; i++)
+                for (int64_t j = 0; j < Nk; j++)
+                    *m++ = ft_mod_keep(&mod, b, H, h, i, j) ? (float)mod.drop_scale : 0.0f;
+    if (st != FT_OK) {
+        ft_tensor_free(t);
+        return st;
+    }
+    *out = t;
     return FT_OK;
 }

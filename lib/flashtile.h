@@ -351,6 +351,15 @@ FT_API ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
                                       const ft_tensor *v,
                                       const ft_attn_params *p);
 
+/* Dropout's mask as attention with these params applies it: a new f32
+ * tensor [B, H, Nq, Nk] holding 1 / (1 - dropout_p) where P_ij is kept and
+ * 0 where it is dropped (lib/attn_mod.h: the same bits on every device and
+ * every tiling). Reads dropout_p (> 0), dropout_seed, dropout_offset.
+ * Inputs: B=1, H=2, Nq=3, Nk=4, p=5, device=6. */
+FT_API ft_status ft_attention_dropout_mask(ft_tensor **out, int64_t B, int64_t H, int64_t Nq,
+                                           int64_t Nk, const ft_attn_params *p,
+                                           ft_device device);
+
 /* Backward from the forward's out and lse: new tensors *dq, *dk, *dv
  * (contiguous, shaped and typed like q, k, v; dk/dv summed over the heads
  * of a GQA group). Inputs: dout=1, q=2, k=3, v=4, out=5, lse=6, p=7. */

@@ -1853,6 +1853,30 @@ static int l_attention_backward(lua_State *L)
     return p.sink ? 4 : 3;
 }
 
+/* mask = ft.attention_dropout_mask(B, H, Nq, Nk, {dropout_p =, seed =,
+ * offset =, device =}) */
+static int l_attention_dropout_mask(lua_State *L)
+{
+    int64_t size[4];
+    for (int i = 0; i < 4; i++)
+        size[i] = (int64_t)luaL_checkinteger(L, i + 1);
+    static const opt_spec spec[] = {{"dropout_p", OPT_NUMBER}, {"seed", OPT_INT},
+                                    {"offset", OPT_INT}, {"device", OPT_DEVICE}};
+    opt_value v[4];
+    read_options(L, 5, spec, 4, v);
+    ft_attn_params p;
+    ft_attn_params_init(&p);
+    p.dropout_p = v[0].number;
+    p.dropout_seed = (uint64_t)v[1].integer;
+    if (v[2].present && (v[2].integer < 0 || v[2].integer >= (lua_Integer)1 << 31))
+        luaL_argerror(L, 5, "option 'offset' must be 0 to 2^31 - 1 (a counter of dropout calls)");
+    p.dropout_offset = (uint64_t)v[2].integer;
+    const ft_device dev = v[3].present ? v[3].device : (ft_device){FT_CPU, 0};
+    ft_tensor **out = push_slot(L);
+    CALL(L, 0, ft_attention_dropout_mask(out, size[0], size[1], size[2], size[3], &p, dev));
+    return 1;
+}
+
 /* ---- CUDA ---- */
 
 #define EVENT_MT "flashtile.Event"
@@ -2148,6 +2172,7 @@ static const luaL_Reg module_functions[] = {
     {"load_safetensors", l_load_safetensors},     {"memory_stats", l_memory_stats},
     {"reset_peak_memory", l_reset_peak_memory},       {"is_tensor", l_is_tensor},
     {"clock", l_clock},         {"attention", l_attention}, {"attention_backward", l_attention_backward},
+    {"attention_dropout_mask", l_attention_dropout_mask},
     {NULL, NULL}};
 
 FT_API int luaopen_flashtile_core(lua_State *L)
