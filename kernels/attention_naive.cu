@@ -73,6 +73,21 @@ static ft_status get_handle(int index, const char *func, cublasHandle_t *out)
     return st;
 }
 
+/* The variant of one call as the kernels see it: lib/attn_mod.h's
+ * description, where ALiBi's slopes and the sinks live on the device, and
+ * LSE's element strides (a varlen call's LSE is a strided view). */
+struct naive_mod {
+    ft_attn_mod m;
+    const void *slopes; /* [H] (slopes_sb = 0) or [B, H] */
+    int slopes_f64;
+    int64_t slopes_sb, slopes_sh;
+    const void *sink; /* [H] */
+    int sink_f64;
+    int64_t sink_sh;
+    int64_t batch0, H, Nq, Nk;
+    int64_t lse_sb, lse_sh, lse_si;
+};
+
 /* ---- kernels (in an anonymous namespace: other .cu files may use the
  * same names) ---- */
 
@@ -88,6 +103,17 @@ __device__ inline void store_lo(void *p, int64_t i, int dtype, float v)
         ((__half *)p)[i] = __float2half_rn(v);
     else
         ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+}
+
+/* Element i of an array of dtype (f64, f32, f16 or bf16) as a double. */
+__device__ inline double load_elem(const void *p, int64_t i, int dtype)
+{
+    switch (dtype) {
+    case FT_F64: return ((const double *)p)[i];
+    case FT_F32: return (double)((const float *)p)[i];
+    case FT_F16: return (double)__half2float(((const __half *)p)[i]);
+    default: return (double)__bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    }
 }
 
 /* The sum (or max) of v over the block, returned to every thread. shared
@@ -110,69 +136,161 @@ __device__ T block_reduce(T v, bool is_max, T *shared)
     return v;
 }
 
-/* One block per row r = (b * H + h) * Nq + i of S [B, H, Nq, Nk] (already
- * scaled): P = softmax over the keys row i sees, written over S, and into
- * P_lo (f16/bf16, lo_dtype) when not NULL; lse[r] when lse is not NULL.
- * With Nk = 0 (S unused) it only writes LSE = -inf. */
+/* A row r = (b * H + h) * Nq + i of the scores as (b, h, i). */
+struct row_index {
+    int64_t b, h, i;
+};
+
+__device__ inline row_index row_of(const naive_mod &nm, int64_t r)
+{
+    row_index x;
+    x.i = r % nm.Nq;
+    x.h = r / nm.Nq % nm.H;
+    x.b = r / (nm.Nq * nm.H);
+    return x;
+}
+
+__device__ inline double load_any(const void *p, int f64, int64_t i)
+{
+    return f64 ? ((const double *)p)[i] : (double)((const float *)p)[i];
+}
+
+/* Dropout's factor for P_ij: 1 / (1 - p) kept, 0 dropped, 1 without. */
+__device__ inline double keep_scale(const naive_mod &nm, row_index x, int64_t j)
+{
+    if (!nm.m.dropout)
+        return 1.0;
+    return ft_mod_keep(&nm.m, nm.batch0 + x.b, nm.H, x.h, x.i, j) ? nm.m.drop_scale : 0.0;
+}
+
+/* One block per row r of S [B, H, Nq, Nk], which holds x = scale q.k: the
+ * scores modified as lib/attn_mod.h says, softmax over the keys row i sees
+ * (and the sink), then
+ *   S    <- P, dropped (times dropout's factor) when drop_in_S
+ *   P_lo <- P dropped, rounded to f16/bf16 (lo_dtype), when not NULL
+ *   Pd   <- P dropped, when not NULL
+ *   SG   <- d score / d x (the softcap's derivative), when not NULL
+ *   lse  <- the row's LSE (of the undropped scores), when not NULL.
+ * With Nk = 0 (S unused) it only writes LSE: -inf, or the sink. */
 template <typename T>
 __global__ void __launch_bounds__(THREADS)
-softmax_rows(T *S, void *P_lo, int lo_dtype, T *lse, int64_t rows, int64_t Nq,
-             int64_t Nk, int causal)
+softmax_rows(T *S, void *P_lo, int lo_dtype, T *Pd, T *SG, T *lse, int drop_in_S,
+             int64_t rows, naive_mod nm)
 {
     __shared__ T shared[THREADS / 32];
+    const int64_t Nq = nm.Nq, Nk = nm.Nk;
+    const int modified = nm.m.softcap > 0 || nm.m.alibi;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const int64_t i = r % Nq;
-        int64_t end = Nk; /* keys 0 .. end-1 are visible */
-        if (causal) {
-            end = i + Nk - Nq + 1;
-            end = end < 0 ? 0 : end > Nk ? Nk : end;
-        }
+        const row_index x = row_of(nm, r);
+        const int64_t begin = ft_mod_key_begin(&nm.m, Nq, Nk, x.i);
+        const int64_t end = ft_mod_key_end(&nm.m, Nq, Nk, x.i);
+        const double slope = nm.m.alibi ? load_any(nm.slopes, nm.slopes_f64,
+                                                   (nm.batch0 + x.b) * nm.slopes_sb +
+                                                       x.h * nm.slopes_sh)
+                                        : 0.0;
+        const T sink = nm.m.sink ? (T)load_any(nm.sink, nm.sink_f64, x.h * nm.sink_sh)
+                                 : (T)-INFINITY;
         T *row = S + r * Nk;
         T m = (T)-INFINITY;
-        for (int64_t j = threadIdx.x; j < end; j += blockDim.x)
-            m = row[j] > m ? row[j] : m;
+        for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+            T v = row[j];
+            if (SG)
+                SG[r * Nk + j] = (T)ft_mod_score_grad(&nm.m, (double)v);
+            if (modified)
+                row[j] = v = (T)ft_mod_score(&nm.m, slope, Nq, Nk, x.i, j, (double)v);
+            m = v > m ? v : m;
+        }
         m = block_reduce(m, true, shared);
-        const bool empty = m == (T)-INFINITY; /* no visible key */
+        m = sink > m ? sink : m;
+        const bool empty = m == (T)-INFINITY; /* no visible key, no sink */
         T l = 0;
         if (!empty)
-            for (int64_t j = threadIdx.x; j < end; j += blockDim.x) {
+            for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
                 const T e = acc_exp(row[j] - m);
                 row[j] = e;
                 l += e;
             }
         l = block_reduce(l, false, shared);
+        if (nm.m.sink && !empty)
+            l += acc_exp(sink - m);
         for (int64_t j = threadIdx.x; j < Nk; j += blockDim.x) {
-            const T p = !empty && j < end ? row[j] / l : (T)0;
-            row[j] = p;
+            const bool seen = !empty && j >= begin && j < end;
+            const T p = seen ? row[j] / l : (T)0;
+            const T pd = seen && nm.m.dropout ? p * (T)keep_scale(nm, x, j) : p;
+            row[j] = drop_in_S ? pd : p;
             if (P_lo)
-                store_lo(P_lo, r * Nk + j, lo_dtype, (float)p);
+                store_lo(P_lo, r * Nk + j, lo_dtype, (float)pd);
+            if (Pd)
+                Pd[r * Nk + j] = pd;
+            if (SG && !seen)
+                SG[r * Nk + j] = 0;
         }
         if (lse && threadIdx.x == 0)
-            lse[r] = empty ? (T)-INFINITY : (T)((double)m + log((double)l));
+            lse[x.b * nm.lse_sb + x.h * nm.lse_sh + x.i * nm.lse_si] =
+                empty ? (T)-INFINITY : (T)((double)m + log((double)l));
     }
 }
 
-/* One block per row r of P and dP [B, H, Nq, Nk]: D = sum_j P dP, then
- * dS = P * (dP - D) over dP, and into dS_lo (f16/bf16) when not NULL. */
+/* One block per row r of P (undropped) and dP [B, H, Nq, Nk]: with z
+ * dropout's factor and g the score's derivative (SG, or 1),
+ * D = sum_j P z dP, then dS = P (z dP - D) g over dP, and into dS_lo
+ * (f16/bf16) when not NULL. */
 template <typename T>
 __global__ void __launch_bounds__(THREADS)
-ds_rows(const T *P, T *dP, void *dS_lo, int lo_dtype, int64_t rows, int64_t Nk)
+ds_rows(const T *P, T *dP, void *dS_lo, int lo_dtype, const T *SG, int64_t rows,
+        naive_mod nm)
 {
     __shared__ T shared[THREADS / 32];
+    const int64_t Nk = nm.Nk;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const row_index x = row_of(nm, r);
         const T *p = P + r * Nk;
         T *dp = dP + r * Nk;
         T D = 0;
-        for (int64_t j = threadIdx.x; j < Nk; j += blockDim.x)
+        for (int64_t j = threadIdx.x; j < Nk; j += blockDim.x) {
+            if (nm.m.dropout)
+                dp[j] *= (T)keep_scale(nm, x, j);
             D += p[j] * dp[j];
+        }
         D = block_reduce(D, false, shared);
         for (int64_t j = threadIdx.x; j < Nk; j += blockDim.x) {
-            const T ds = p[j] * (dp[j] - D);
+            T ds = p[j] * (dp[j] - D);
+            if (SG)
+                ds *= SG[r * Nk + j];
             dp[j] = ds;
             if (dS_lo)
                 store_lo(dS_lo, r * Nk + j, lo_dtype, (float)ds);
         }
     }
+}
+
+/* acc[h] -= sum over b, i of e^(sink_h - lse) (dout . out) for out, dout
+ * [B, Nq, H, d] with element strides o_*, g_*: one block per head, a
+ * fixed order of sums (deterministic). */
+__global__ void __launch_bounds__(THREADS)
+sink_grad_kernel(const void *out, const void *dout, int dtype, int64_t o_sb, int64_t o_si,
+                 int64_t o_sh, int64_t g_sb, int64_t g_si, int64_t g_sh, int64_t B,
+                 int64_t d, const float *lse32, const double *lse64, naive_mod nm,
+                 double *acc)
+{
+    __shared__ double shared[THREADS / 32];
+    const int64_t h = blockIdx.x;
+    const double sink = load_any(nm.sink, nm.sink_f64, h * nm.sink_sh);
+    double sum = 0;
+    for (int64_t t = threadIdx.x; t < B * nm.Nq; t += blockDim.x) {
+        const int64_t b = t / nm.Nq, i = t % nm.Nq;
+        const int64_t lo = b * nm.lse_sb + h * nm.lse_sh + i * nm.lse_si;
+        const double L = lse64 ? lse64[lo] : (double)lse32[lo];
+        double D = 0;
+        for (int64_t e = 0; e < d; e++)
+            D += load_elem(dout, b * g_sb + i * g_si + h * g_sh + e, dtype) *
+                 load_elem(out, b * o_sb + i * o_si + h * o_sh + e, dtype);
+        if (sink != -INFINITY)
+            sum += exp(sink - L) * D;
+    }
+    sum = block_reduce(sum, false, shared);
+    if (threadIdx.x == 0)
+        acc[h] -= sum;
 }
 
 /* dst[i] = src[i] rounded to f16/bf16, n elements. */
@@ -205,6 +323,18 @@ pack_rows(const char *src, char *dst, int esize, int64_t N, int64_t Hx, int64_t 
             ((uint32_t *)dst)[idx] = ((const uint32_t *)src)[off];
         else
             ((uint64_t *)dst)[idx] = ((const uint64_t *)src)[off];
+    }
+}
+
+/* mask [B, H, Nq, Nk] (f32, contiguous) = dropout's factor of every P_ij. */
+__global__ void __launch_bounds__(THREADS)
+dropout_mask_kernel(float *mask, ft_attn_mod m, int64_t H, int64_t Nq, int64_t Nk, int64_t n)
+{
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t j = idx % Nk, i = idx / Nk % Nq, h = idx / (Nk * Nq) % H;
+        const int64_t b = idx / (Nk * Nq * H);
+        mask[idx] = ft_mod_keep(&m, b, H, h, i, j) ? (float)m.drop_scale : 0.0f;
     }
 }
 
@@ -394,21 +524,49 @@ static ft_status gemm_heads(const naive_ctx *c, cublasOperation_t ta, cublasOper
 
 /* ---- the passes ---- */
 
+/* The variant for the kernels; lse (or NULL) gives LSE's strides. */
+static naive_mod make_mod(const ft_attn_shape *s, const ft_tensor *lse)
+{
+    naive_mod nm;
+    memset(&nm, 0, sizeof nm);
+    nm.m = s->mod;
+    if (s->alibi) {
+        nm.slopes = s->alibi->data;
+        nm.slopes_f64 = s->alibi->dtype == FT_F64;
+        nm.slopes_sb = s->alibi->ndim == 2 ? s->alibi->stride[0] : 0;
+        nm.slopes_sh = s->alibi->stride[s->alibi->ndim - 1];
+    }
+    if (s->sink) {
+        nm.sink = s->sink->data;
+        nm.sink_f64 = s->sink->dtype == FT_F64;
+        nm.sink_sh = s->sink->stride[0];
+    }
+    nm.batch0 = s->batch0, nm.H = s->H, nm.Nq = s->Nq, nm.Nk = s->Nk;
+    if (lse)
+        nm.lse_sb = lse->stride[0], nm.lse_sh = lse->stride[1], nm.lse_si = lse->stride[2];
+    return nm;
+}
+
 /* S = scale Q K^T into S (acc dtype): column-major S^T [Nk, Nq] = K [Nk, d]
- * Q^T [d, Nq]. Then P over S (and P_lo), LSE when lse is not NULL. */
+ * Q^T [d, Nq]. Then softmax_rows over it (see there for P_lo, Pd, SG,
+ * drop_in_S); LSE into lse when not NULL. */
 static ft_status scores_and_softmax(naive_ctx *c, const operand *Q, const operand *K, void *S,
-                                    void *P_lo, void *lse)
+                                    void *P_lo, void *Pd, void *SG, ft_tensor *lse,
+                                    int drop_in_S)
 {
     const ft_attn_shape *s = c->s;
     const operand Sop = scores_operand(c, S, c->acc);
     FT_TRY(gemm_heads(c, CUBLAS_OP_T, CUBLAS_OP_N, s->Nk, s->Nq, s->d, s->scale, K, Q, &Sop));
     const int64_t rows = s->B * s->H * s->Nq;
+    const naive_mod nm = make_mod(s, lse);
     if (c->acc == FT_F64)
         softmax_rows<double><<<blocks_for(rows), THREADS>>>(
-            (double *)S, NULL, 0, (double *)lse, rows, s->Nq, s->Nk, s->causal);
+            (double *)S, NULL, 0, (double *)Pd, (double *)SG, lse ? (double *)lse->data : NULL,
+            drop_in_S, rows, nm);
     else
         softmax_rows<float><<<blocks_for(rows), THREADS>>>(
-            (float *)S, P_lo, (int)c->dtype, (float *)lse, rows, s->Nq, s->Nk, s->causal);
+            (float *)S, P_lo, (int)c->dtype, (float *)Pd, (float *)SG,
+            lse ? (float *)lse->data : NULL, drop_in_S, rows, nm);
     FT_CUDA_CHECK_LAUNCH(c->func);
     return FT_OK;
 }
@@ -430,7 +588,7 @@ static ft_status forward_work(naive_ctx *c, const ft_tensor *q, const ft_tensor 
     if (c->lo)
         FT_TRY(scratch_alloc(c, &P_lo, scores, c->dtype));
 
-    FT_TRY(scores_and_softmax(c, &Q, &K, S, P_lo, lse->data));
+    FT_TRY(scores_and_softmax(c, &Q, &K, S, P_lo, NULL, NULL, lse, 1));
 
     /* O = P V: column-major O^T [d, Nq] = V^T [d, Nk] P^T [Nk, Nq]. */
     const operand P = c->lo ? scores_operand(c, P_lo, c->dtype) : scores_operand(c, S, c->acc);
@@ -453,9 +611,13 @@ static ft_status backward_work(naive_ctx *c, const ft_tensor *dout, const ft_ten
     FT_TRY(input_operand(c, k, 1, &K));
     FT_TRY(input_operand(c, v, 1, &V));
     FT_TRY(input_operand(c, dout, 0, &dO));
-    void *S = NULL, *dP = NULL, *lo = NULL, *dK32 = NULL, *dV32 = NULL;
+    void *S = NULL, *dP = NULL, *lo = NULL, *dK32 = NULL, *dV32 = NULL, *Pd = NULL, *SG = NULL;
     FT_TRY(scratch_alloc(c, &S, scores, c->acc));
     FT_TRY(scratch_alloc(c, &dP, scores, c->acc));
+    if (s->mod.dropout && !c->lo) /* P dropped, for dV (lo holds it otherwise) */
+        FT_TRY(scratch_alloc(c, &Pd, scores, c->acc));
+    if (s->mod.softcap > 0) /* the softcap's derivative */
+        FT_TRY(scratch_alloc(c, &SG, scores, c->acc));
     const int64_t kv_numel = ft_numel(dk);
     if (c->lo) { /* P, then dS, in dtype; dK and dV summed in f32 */
         FT_TRY(scratch_alloc(c, &lo, scores, c->dtype));
@@ -463,14 +625,15 @@ static ft_status backward_work(naive_ctx *c, const ft_tensor *dout, const ft_ten
         FT_TRY(scratch_alloc(c, &dV32, kv_numel, FT_F32));
     }
 
-    FT_TRY(scores_and_softmax(c, &Q, &K, S, lo, NULL));
+    FT_TRY(scores_and_softmax(c, &Q, &K, S, lo, Pd, SG, NULL, 0));
 
     /* dP = dO V^T: column-major dP^T [Nk, Nq] = V [Nk, d] dO^T [d, Nq]. */
     const operand dPop = scores_operand(c, dP, c->acc);
     FT_TRY(gemm_heads(c, CUBLAS_OP_T, CUBLAS_OP_N, s->Nk, s->Nq, s->d, 1.0, &V, &dO, &dPop));
 
-    /* dV = sum_g P^T dO: column-major dV^T [d, Nk] = dO^T [d, Nq] P [Nq, Nk]. */
-    const operand P = c->lo ? scores_operand(c, lo, c->dtype) : scores_operand(c, S, c->acc);
+    /* dV = sum_g P^T dO (P dropped): column-major dV^T [d, Nk] = dO^T [d, Nq] P [Nq, Nk]. */
+    const operand P = c->lo ? scores_operand(c, lo, c->dtype)
+                            : scores_operand(c, Pd ? Pd : S, c->acc);
     const operand dVop = c->lo ? contiguous_operand(dV32, FT_F32, s->Nk, s->Hk, s->d, 1)
                                : contiguous_operand(dv->data, c->dtype, s->Nk, s->Hk, s->d, 1);
     FT_TRY(gemm_heads(c, CUBLAS_OP_N, CUBLAS_OP_T, s->d, s->Nk, s->Nq, 1.0, &dO, &P, &dVop));
@@ -478,12 +641,14 @@ static ft_status backward_work(naive_ctx *c, const ft_tensor *dout, const ft_ten
     /* dS = P * (dP - D) over dP, and over P's dtype copy in lo (which the
      * dV product above has read: same stream). */
     const int64_t rows = s->B * s->H * s->Nq;
+    const naive_mod nm = make_mod(s, NULL);
     if (c->acc == FT_F64)
         ds_rows<double><<<blocks_for(rows), THREADS>>>((const double *)S, (double *)dP, NULL,
-                                                       0, rows, s->Nk);
+                                                       0, (const double *)SG, rows, nm);
     else
         ds_rows<float><<<blocks_for(rows), THREADS>>>((const float *)S, (float *)dP, lo,
-                                                      (int)c->dtype, rows, s->Nk);
+                                                      (int)c->dtype, (const float *)SG, rows,
+                                                      nm);
     FT_CUDA_CHECK_LAUNCH(c->func);
     const operand dS = c->lo ? scores_operand(c, lo, c->dtype) : dPop;
 
@@ -543,12 +708,13 @@ ft_status ft_attention_forward_naive_cuda(const ft_attn_shape *s, const ft_tenso
     if (s->Nk == 0) { /* no keys: zero rows, LSE = log of an empty sum */
         FT_TRY(zero_tensor(out, func));
         const int64_t rows = s->B * s->H * s->Nq;
+        const naive_mod nm = make_mod(s, lse);
         if (c.acc == FT_F64)
             softmax_rows<double><<<blocks_for(rows), THREADS>>>(
-                NULL, NULL, 0, (double *)lse->data, rows, s->Nq, 0, s->causal);
+                NULL, NULL, 0, NULL, NULL, (double *)lse->data, 1, rows, nm);
         else
             softmax_rows<float><<<blocks_for(rows), THREADS>>>(
-                NULL, NULL, 0, (float *)lse->data, rows, s->Nq, 0, s->causal);
+                NULL, NULL, 0, NULL, NULL, (float *)lse->data, 1, rows, nm);
         FT_CUDA_CHECK_LAUNCH(func);
         return FT_OK;
     }
@@ -576,4 +742,34 @@ ft_status ft_attention_backward_naive_cuda(const ft_attn_shape *s, const ft_tens
     ft_status st = backward_work(&c, dout, q, k, v, dq, dk, dv);
     release_scratch(&c);
     return st;
+}
+
+ft_status ft_attention_sink_grad_cuda(const ft_attn_shape *s, const ft_tensor *dout,
+                                      const ft_tensor *out, const ft_tensor *lse, double *acc)
+{
+    static const char func[] = "ft_attention_backward";
+    FT_TRY(ft_cuda_use_device(out->device.index, func));
+    if (s->H == 0)
+        return FT_OK;
+    const naive_mod nm = make_mod(s, lse);
+    sink_grad_kernel<<<(unsigned)s->H, THREADS>>>(
+        out->data, dout->data, (int)out->dtype, out->stride[0], out->stride[1], out->stride[2],
+        dout->stride[0], dout->stride[1], dout->stride[2], s->B, s->d,
+        lse->dtype == FT_F32 ? (const float *)lse->data : NULL,
+        lse->dtype == FT_F64 ? (const double *)lse->data : NULL, nm, acc);
+    FT_CUDA_CHECK_LAUNCH(func);
+    return FT_OK;
+}
+
+ft_status ft_attention_dropout_mask_cuda(ft_tensor *mask, const ft_attn_mod *m)
+{
+    static const char func[] = "ft_attention_dropout_mask";
+    FT_TRY(ft_cuda_use_device(mask->device.index, func));
+    const int64_t n = ft_numel(mask);
+    if (n == 0)
+        return FT_OK;
+    dropout_mask_kernel<<<blocks_for_elems(n), THREADS>>>(
+        (float *)mask->data, *m, mask->shape[1], mask->shape[2], mask->shape[3], n);
+    FT_CUDA_CHECK_LAUNCH(func);
+    return FT_OK;
 }

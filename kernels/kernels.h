@@ -77,6 +77,13 @@ ft_status ft_attention_backward_naive_cuda(const ft_attn_shape *s, const ft_tens
                                            const ft_tensor *lse, ft_tensor *dq,
                                            ft_tensor *dk, ft_tensor *dv);
 
+/* acc[h] (device, f64) -= the sink's gradient from one call's dout, out
+ * and lse (any strides; s->sink on the device). */
+ft_status ft_attention_sink_grad_cuda(const ft_attn_shape *s, const ft_tensor *dout,
+                                      const ft_tensor *out, const ft_tensor *lse, double *acc);
+/* mask (f32 [B, H, Nq, Nk], contiguous) = dropout's factor of each P_ij. */
+ft_status ft_attention_dropout_mask_cuda(ft_tensor *mask, const ft_attn_mod *m);
+
 /* ---- flash_fwd.cu / flash_bwd.cu: the tiled kernels on tensor cores ---- */
 
 ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s, const ft_tensor *q,

@@ -183,9 +183,12 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         variant = "dropout";
     else if (s->cu_q)
         variant = "variable-length batches (cu_seqlens)";
-    if (variant && q->device.type == FT_CUDA)
+    /* On CUDA the naive path runs every variant; "auto" takes it for them. */
+    if (variant && q->device.type == FT_CUDA && p->impl == FT_ATTN_FLASH)
         return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
-                       "%s on CUDA tensors: not supported yet (the cpu runs them)", variant);
+                       "%s: the flash kernels do not run them yet (impl = 'naive' or 'auto' "
+                       "does, on CUDA)", variant);
+    s->variant = variant != NULL;
     return FT_OK;
 }
 
@@ -377,10 +380,11 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
 }
 
 #ifdef FT_HAVE_CUDA
-/* On CUDA, "auto" is flash but for f64, which only the naive path takes. */
+/* On CUDA, "auto" is flash but for f64 and the variants, which only the
+ * naive path takes so far. */
 static int use_naive_cuda(ft_attn_impl impl, const ft_attn_shape *s)
 {
-    return impl == FT_ATTN_NAIVE || (impl == FT_ATTN_AUTO && s->dtype == FT_F64);
+    return impl == FT_ATTN_NAIVE || (impl == FT_ATTN_AUTO && (s->dtype == FT_F64 || s->variant));
 }
 #endif
 
@@ -539,10 +543,39 @@ static ft_status check_backward_inputs(const char *func, const ft_attn_shape *s,
     return FT_OK;
 }
 
+#ifdef FT_HAVE_CUDA
+/* sink_grad on CUDA: summed in f64 on the device, then converted. */
+static ft_status sink_grad_cuda(const char *func, const ft_attn_shape *s, const ft_tensor *dout,
+                                const ft_tensor *out, const ft_tensor *lse, ft_tensor **dsink)
+{
+    ft_tensor *acc = NULL;
+    ft_status st = ft_empty_named(&acc, 1, &s->H, FT_F64, out->device, func);
+    if (st == FT_OK)
+        st = ft_fill(acc, 0.0);
+    if (st == FT_OK && !s->cu_q)
+        st = ft_attention_sink_grad_cuda(s, dout, out, lse, acc->data);
+    for (int64_t b = 0; st == FT_OK && s->cu_q && b < s->B; b++) {
+        const ft_attn_shape one = seq_shape(s, b);
+        const int64_t iq = s->cu_q[b];
+        ft_tensor db = seq_rows(dout, iq, one.Nq), ob = seq_rows(out, iq, one.Nq),
+                  lb = seq_lse(lse, iq, one.Nq);
+        st = ft_attention_sink_grad_cuda(&one, &db, &ob, &lb, acc->data);
+    }
+    if (st == FT_OK)
+        st = ft_to(dsink, acc, s->sink->dtype, s->sink->device);
+    ft_tensor_free(acc);
+    return st;
+}
+#endif
+
 /* The sink's gradient into a new tensor like s->sink. */
 static ft_status sink_grad(const char *func, const ft_attn_shape *s, const ft_tensor *dout,
                            const ft_tensor *out, const ft_tensor *lse, ft_tensor **dsink)
 {
+#ifdef FT_HAVE_CUDA
+    if (out->device.type == FT_CUDA)
+        return sink_grad_cuda(func, s, dout, out, lse, dsink);
+#endif
     double *acc = calloc((size_t)s->H, sizeof *acc);
     if (!acc)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the sink's gradient");
@@ -626,9 +659,10 @@ ft_status ft_attention_dropout_mask(ft_tensor **out, int64_t B, int64_t H, int64
     if (Nq > INT32_MAX || Nk > INT32_MAX)
         return ft_fail(FT_ERR_UNSUPPORTED, func, Nq > INT32_MAX ? 3 : 4,
                        "seqlens above %d are not supported", INT32_MAX);
+#ifndef FT_HAVE_CUDA
     if (device.type == FT_CUDA)
-        return ft_fail(FT_ERR_UNSUPPORTED, func, 6,
-                       "dropout masks on CUDA: not supported yet (the cpu makes them)");
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 6, "this flashtile has no CUDA backend");
+#endif
     ft_attn_mod mod;
     memset(&mod, 0, sizeof mod);
     FT_TRY(check_dropout(func, 5, p, B, H, &mod));
@@ -637,6 +671,17 @@ ft_status ft_attention_dropout_mask(ft_tensor **out, int64_t B, int64_t H, int64
                        p->dropout_p);
     ft_tensor *t = NULL;
     FT_TRY(ft_empty_named(&t, 4, shape, FT_F32, device, func));
+#ifdef FT_HAVE_CUDA
+    if (device.type == FT_CUDA) {
+        ft_status cst = ft_attention_dropout_mask_cuda(t, &mod);
+        if (cst != FT_OK) {
+            ft_tensor_free(t);
+            return cst;
+        }
+        *out = t;
+        return FT_OK;
+    }
+#endif
     ft_status st = ft_check_walk(func, 1, ft_numel(t), "elements");
     float *m = t->data;
     for (int64_t b = 0; st == FT_OK && b < B; b++)

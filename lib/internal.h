@@ -293,6 +293,7 @@ typedef struct ft_attn_shape {
     const ft_tensor *sink;       /* [H], or NULL */
     int64_t batch0;
     const int64_t *cu_q, *cu_k;  /* varlen: B + 1 offsets each (host copies) */
+    int variant;                 /* any variant on (CUDA runs them naive) */
 } ft_attn_shape;
 
 /* acc[h] -= sum over b, i of e^(sink_h - lse) (dout . out): the sink's

@@ -3,9 +3,11 @@
 -- synccheck and initcheck, and once more with FT_NO_WGMMA=1 for the
 -- mma.sync kernels): flash forward and backward for f16, bf16 (head dims 32
 -- to 256, causal or not, GQA, odd lengths, Nq != Nk) and f32, the naive
--- cuBLAS path, and the tensor ops they use. Checks each result against the
--- naive path loosely (the specs check accuracy); prints one line, and one
--- per configuration on stderr when FT_SANITIZE_VERBOSE is set.
+-- cuBLAS path with every attention variant at once (f32, bf16, f64), the
+-- dropout mask kernel, and the tensor ops they use. Checks each flash
+-- result against the naive path loosely (the specs check accuracy); prints
+-- one line, and one per configuration on stderr when FT_SANITIZE_VERBOSE
+-- is set.
 --
 --   lua scripts/sanitize-attention.lua
 local ok, ft = pcall(require, "flashtile")
@@ -52,6 +54,20 @@ for _, dtype in ipairs { "f16", "bf16" } do
   end
 end
 run("f16", 40, 65, 65, 2, 2, true)    -- a padded head dim
+-- the variants (the naive path runs them on CUDA), every one at once
+local slopes = ft.tensor({ 0.5, 0.25, 0.125, 0.0625 }, { dtype = "f32", device = "cuda" })
+local sink = ft.tensor({ 0.5, -1, 2, 0 }, { dtype = "f32", device = "cuda" })
+for _, dtype in ipairs { "f32", "bf16", "f64" } do
+  local q = input({ 2, 50, 4, 32 }, dtype)
+  local k, v = input({ 2, 70, 2, 32 }, dtype), input({ 2, 70, 2, 32 }, dtype)
+  local opts = { causal = true, window_left = 20, softcap = 3, alibi_slopes = slopes, sink = sink,
+                 dropout_p = 0.1, seed = 5 }
+  local out, lse = ft.attention(q, k, v, opts)
+  local dq, dk, dv, dsink = ft.attention_backward(input(out.shape, dtype), q, k, v, out, lse, opts)
+  assert(dq.dtype == dtype and dsink.dtype == "f32")
+  ft.attention_dropout_mask(2, 4, 50, 70, { dropout_p = 0.1, seed = 5, device = "cuda" })
+  calls = calls + 1
+end
 run("f32", 64, 70, 90, 2, 2, true)    -- the f32 path
 run("f32", 24, 33, 33, 2, 1, false)
 ft.cuda.synchronize()

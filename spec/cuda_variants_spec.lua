@@ -1,0 +1,142 @@
+-- Attention variants on CUDA (tag #gpu): windows, softcap, ALiBi, sinks,
+-- dropout and varlen, alone and combined, forward and backward, against the
+-- CPU's f64 tiled path (itself checked against a plain-Lua reference and
+-- finite differences in variants_spec.lua), on fresh random inputs. So far
+-- the naive path (cuBLAS and the row kernels of attention_naive.cu) runs
+-- them on CUDA; impl = "auto" takes it, "flash" says it cannot. Dropout's
+-- mask is the same bits on both devices. Pending, with the reason, where
+-- there is no GPU.
+local h = require "helper"
+local ft = h.ft
+
+local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
+
+local FIELDS = { "out", "lse", "dq", "dk", "dv", "dsink" }
+
+local function copy(t, extra)
+  local r = {}
+  for k, v in pairs(t or {}) do r[k] = v end
+  for k, v in pairs(extra or {}) do r[k] = v end
+  return r
+end
+
+local function run(q, k, v, dout, opts)
+  local out, lse = ft.attention(q, k, v, opts)
+  local dq, dk, dv, dsink = ft.attention_backward(dout, q, k, v, out, lse, opts)
+  return { out = out, lse = lse, dq = dq, dk = dk, dv = dv, dsink = dsink }
+end
+
+local function randn(shape)
+  return ft.randn(shape, { dtype = "f64", seed = h.next_seed() })
+end
+
+--- opts with its tensors (slopes, sink, cu_seqlens) moved to the GPU and
+-- the float ones converted to dtype's statistics type.
+local function on_gpu(opts, dtype)
+  local r = {}
+  for key, val in pairs(opts) do
+    if ft.is_tensor(val) then
+      if val.dtype == "f64" and dtype ~= "f64" then val = val:float() end
+      val = val:cuda()
+    end
+    r[key] = val
+  end
+  return r
+end
+
+local function cpu64(x) return x:cpu():double() end
+
+describe("attention variants on CUDA #gpu", function()
+  local slopes = ft.tensor({ { 0.3, 0.2, 0.1, 0.05 }, { 0.7, 0.01, 0.4, 0.0 } }, { dtype = "f64" })
+  local sink = ft.tensor({ 0.5, -1.0, 2.0, 0.0 }, { dtype = "f64" })
+  local cases = {
+    { "window", { window_left = 5, window_right = 2 } },
+    { "window + causal + GQA", { causal = true, window_left = 7 } },
+    { "softcap", { softcap = 1.5 } },
+    { "ALiBi + causal", { alibi_slopes = slopes, causal = true } },
+    { "ALiBi per head", { alibi_slopes = slopes:select(1, 2):contiguous() } },
+    { "sink", { sink = sink } },
+    { "dropout", { dropout_p = 0.2, seed = 42, offset = 3 } },
+    { "everything at once", { causal = true, window_left = 9, softcap = 2.0, alibi_slopes = slopes,
+                              sink = sink, dropout_p = 0.15, seed = 7 } },
+  }
+  local c = { B = 2, Nq = 37, Nk = 45, H = 4, Hk = 2, d = 24 }
+
+  for _, case in ipairs(cases) do
+    gpu_it(case[1] .. ": f64 on CUDA equals the cpu to 1e-10", function()
+      local q, k, v = randn { c.B, c.Nq, c.H, c.d }, randn { c.B, c.Nk, c.Hk, c.d },
+          randn { c.B, c.Nk, c.Hk, c.d }
+      local dout = randn { c.B, c.Nq, c.H, c.d }
+      local want = run(q, k, v, dout, copy(case[2], { impl = "tiled" }))
+      local got = run(q:cuda(), k:cuda(), v:cuda(), dout:cuda(), on_gpu(case[2], "f64"))
+      for _, f in ipairs(FIELDS) do
+        if want[f] then
+          local diff = ft.max_abs_diff(cpu64(got[f]), want[f])
+          assert.is_true(diff < 1e-10, ("%s: %g"):format(f, diff))
+        end
+      end
+      assert.are.equal(want.dsink == nil, got.dsink == nil)
+    end)
+
+    gpu_it(case[1] .. ": f32, f16 and bf16 on CUDA follow the f64 cpu", function()
+      local q, k, v = randn { c.B, c.Nq, c.H, c.d }, randn { c.B, c.Nk, c.Hk, c.d },
+          randn { c.B, c.Nk, c.Hk, c.d }
+      local dout = randn { c.B, c.Nq, c.H, c.d }
+      local want = run(q, k, v, dout, copy(case[2], { impl = "tiled" }))
+      -- relative to the largest value of each result: f32 computes in f32;
+      -- f16 and bf16 inputs round P and dS like the naive method in them
+      local TOL = { f32 = 1e-5, f16 = 1e-2, bf16 = 6e-2 }
+      for _, dtype in ipairs { "f32", "f16", "bf16" } do
+        local function g(t) return t:to(dtype):cuda() end
+        local got = run(g(q), g(k), g(v), g(dout), on_gpu(case[2], dtype))
+        for _, f in ipairs(FIELDS) do
+          if want[f] then
+            local scale = ft.max_abs_diff(want[f], want[f] * 0) + 1
+            local diff = ft.max_abs_diff(cpu64(got[f]), want[f])
+            assert.is_true(diff <= TOL[dtype] * scale,
+              ("%s %s: %g (scale %g)"):format(dtype, f, diff, scale))
+          end
+        end
+      end
+    end)
+  end
+
+  gpu_it("varlen on CUDA equals the cpu, with empty and length-1 sequences", function()
+    local lens = { { 5, 7 }, { 0, 3 }, { 4, 0 }, { 1, 1 }, { 30, 20 }, { 3, 9 } }
+    local tq, tk, offq, offk = 0, 0, { 0 }, { 0 }
+    for b, l in ipairs(lens) do
+      tq, tk = tq + l[1], tk + l[2]
+      offq[b + 1], offk[b + 1] = tq, tk
+    end
+    local q, k, v, dout = randn { tq, 4, 16 }, randn { tk, 2, 16 }, randn { tk, 2, 16 }, randn { tq, 4, 16 }
+    local opts = { causal = true, window_left = 4, softcap = 3.0, sink = sink,
+                   alibi_slopes = slopes:select(1, 1):contiguous(), dropout_p = 0.1, seed = 9,
+                   cu_seqlens_q = ft.tensor(offq, { dtype = "i32" }),
+                   cu_seqlens_k = ft.tensor(offk, { dtype = "i32" }) }
+    local want = run(q, k, v, dout, copy(opts, { impl = "tiled" }))
+    local got = run(q:cuda(), k:cuda(), v:cuda(), dout:cuda(), on_gpu(opts, "f64"))
+    for _, f in ipairs(FIELDS) do
+      local diff = ft.max_abs_diff(cpu64(got[f]), want[f])
+      assert.is_true(diff < 1e-10, ("%s: %g"):format(f, diff))
+    end
+  end)
+
+  gpu_it("dropout's mask is the same bits on CUDA as on the cpu", function()
+    for _, o in ipairs { { dropout_p = 0.1, seed = 1 }, { dropout_p = 0.5, seed = 2 ^ 40 + 3, offset = 17 },
+                          { dropout_p = 0.9, seed = 5, offset = 2 ^ 31 - 1 } } do
+      local cpu = ft.attention_dropout_mask(3, 5, 67, 129, o)
+      local gpu = ft.attention_dropout_mask(3, 5, 67, 129, copy(o, { device = "cuda" }))
+      assert.are.equal("cuda:0", gpu.device)
+      assert.are.equal(0, ft.max_abs_diff(cpu, gpu:cpu()))
+    end
+  end)
+
+  gpu_it("a variant with impl = 'flash' is a clear error, and auto runs it", function()
+    local q = randn({ 1, 8, 2, 16 }):float():cuda()
+    local ok, e = pcall(ft.attention, q, q, q, { impl = "flash", softcap = 5 })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(e):find("softcap: the flash kernels do not run them yet", 1, true), e)
+    local out = ft.attention(q, q, q, { softcap = 5 })
+    assert.are.equal("cuda:0", out.device)
+  end)
+end)
