@@ -111,6 +111,11 @@ describe("nn gradients (finite differences, f64)", function()
     { name = "MultiheadAttention with bias", o = { dim = 6, heads = 3, bias = true } },
     { name = "MultiheadAttention GQA causal (4 heads, 2 kv heads)", o = { dim = 8, heads = 4, kv_heads = 2, causal = true } },
     { name = "MultiheadAttention MQA with bias", o = { dim = 8, heads = 4, kv_heads = 1, bias = true } },
+    { name = "MultiheadAttention with a window, softcap, ALiBi and sinks",
+      o = { dim = 8, heads = 4, kv_heads = 2, causal = true, window_left = 2, softcap = 1.5,
+            alibi = true, sink = true } },
+    { name = "MultiheadAttention with a two-sided window and 3 heads of ALiBi",
+      o = { dim = 6, heads = 3, window_left = 1, window_right = 1, alibi = true } },
   } do
     it(case.name .. ": input and every projection", function()
       local o = opts64(case.o)
@@ -118,6 +123,39 @@ describe("nn gradients (finite differences, f64)", function()
       check_module(m, h.randn({ 2, 5, o.dim }))
     end)
   end
+
+  it("MultiheadAttention with dropout: a fresh mask each training forward, its backward the same", function()
+    local o = opts64 { dim = 8, heads = 2, dropout = 0.3, sink = true }
+    local m = nn.MultiheadAttention(o)
+    local x = h.randn({ 2, 5, 8 })
+    local a, b = m:forward(x):clone(), m:forward(x):clone()
+    assert.is_true(ft.max_abs_diff(a, b) > 0)
+    m:evaluate()
+    local c, d = m:forward(x):clone(), m:forward(x):clone()
+    assert.are.equal(0, ft.max_abs_diff(c, d))
+    m:train()
+    -- with the offset pinned, forward and backward see one mask: gradcheck holds
+    local function pinned() m.dropout_offset = 11 end
+    local params = m:parameters()
+    local inputs = { x }
+    for _, p in ipairs(params) do inputs[#inputs + 1] = p end
+    local ok, report = gradcheck.check(function(x_) pinned(); return m:forward(x_) end,
+      function(dy, x_)
+        m:zero_grad(); pinned(); m:forward(x_)
+        local out = { m:backward(x_, dy):clone() }
+        local _, grads = m:parameters()
+        for _, g in ipairs(grads) do out[#out + 1] = g:clone() end
+        return h.unpack(out)
+      end, inputs, { fast = true })
+    assert.is_true(ok, report.message)
+  end)
+
+  it("alibi_slopes: the ALiBi paper's slopes", function()
+    local s8 = nn.alibi_slopes(8)
+    for i = 1, 8 do assert.are.equal(2 ^ -i, s8[i]) end
+    -- 6 heads: the 4-head slopes, then every other one of the 8-head slopes
+    assert.are.same({ 2 ^ -2, 2 ^ -4, 2 ^ -6, 2 ^ -8, 2 ^ -1, 2 ^ -3 }, nn.alibi_slopes(6))
+  end)
 
   it("RMSNorm: input and weight", function()
     local m = randomize(nn.RMSNorm(6, opts64()))

@@ -816,10 +816,35 @@ end
 
 -- ---- attention ----------------------------------------------------------------------
 
+--- ALiBi's slopes for n heads (Press, Smith, Lewis: "Train short, test
+-- long", 2022): for a power of two, 2^(-8 i / n), i = 1..n; otherwise those
+-- of the power of two below, then every other slope of twice that.
+function nn.alibi_slopes(n)
+  if not is_integer(n) or n < 1 then
+    error("nn.alibi_slopes: n must be a positive integer, got " .. tostring(n), 2)
+  end
+  local function pow2(m)
+    local r = {}
+    for i = 1, m do r[i] = 2 ^ (-8 * i / m) end
+    return r
+  end
+  local p = 1
+  while p * 2 <= n do p = p * 2 end
+  local r = pow2(p)
+  local extra = pow2(2 * p)
+  for i = 1, n - p do r[p + i] = extra[2 * i - 1] end
+  return r
+end
+
 --- nn.MultiheadAttention{dim =, heads =, kv_heads = heads, causal = false,
--- bias = false, seed =, dtype =, device =} on x [batch, seqlen, dim]:
--- projections to q [B, N, heads, d] and k, v [B, N, kv_heads, d]
--- (d = dim / heads), ft.attention, and an output projection.
+-- bias = false, seed =, dtype =, device =, and the variants: window_left =,
+-- window_right = (-1: unbounded), softcap = (0: off), alibi = false (true:
+-- the ALiBi paper's slopes for the heads), sink = false (true: a learned
+-- sink logit per head, a parameter starting at 0), dropout = 0 (attention
+-- dropout while training: every forward draws a fresh mask, its backward
+-- the same one)} on x [batch, seqlen, dim]: projections to q [B, N, heads,
+-- d] and k, v [B, N, kv_heads, d] (d = dim / heads), ft.attention, and an
+-- output projection.
 --
 -- With kv_heads == heads one Linear(dim, 3 dim) makes q, k and v together,
 -- viewed [B, N, 3, H, d] and selected along dim 3 (no copies); with fewer
@@ -836,9 +861,28 @@ function MultiheadAttention:__init(opts)
     error(ctx .. ": expected a table {dim =, heads =, ...}, got " .. type(opts), 3)
   end
   local o = check_opts(ctx, opts, { dim = false, heads = false, kv_heads = false, causal = false,
-                                    bias = false, seed = false, dtype = false, device = false })
+                                    bias = false, seed = false, dtype = false, device = false,
+                                    window_left = -1, window_right = -1, softcap = 0,
+                                    alibi = false, sink = false, dropout = 0 })
   check_count(ctx, "dim", o.dim)
   check_count(ctx, "heads", o.heads)
+  for _, name in ipairs { "window_left", "window_right" } do
+    if not is_integer(o[name]) or o[name] < -1 then
+      error(("%s: option '%s' must be an integer, -1 (unbounded) or more, got %s"):format(
+        ctx, name, tostring(o[name])), 3)
+    end
+  end
+  if type(o.softcap) ~= "number" or not (o.softcap >= 0) or o.softcap == math.huge then
+    error(("%s: option 'softcap' must be 0 (off) or a positive number, got %s"):format(
+      ctx, tostring(o.softcap)), 3)
+  end
+  if type(o.dropout) ~= "number" or not (o.dropout >= 0 and o.dropout < 1) then
+    error(("%s: option 'dropout' must be a number in [0, 1), got %s"):format(
+      ctx, tostring(o.dropout)), 3)
+  end
+  o.alibi, o.sink = o.alibi or false, o.sink or false
+  check_boolean(ctx, "alibi", o.alibi)
+  check_boolean(ctx, "sink", o.sink)
   o.kv_heads = o.kv_heads or o.heads
   check_count(ctx, "kv_heads", o.kv_heads)
   o.causal = o.causal or false
@@ -853,7 +897,16 @@ function MultiheadAttention:__init(opts)
   end
   self.dim, self.heads, self.kv_heads = o.dim, o.heads, o.kv_heads
   self.head_dim, self.causal = math.floor(o.dim / o.heads), o.causal
+  self.window_left, self.window_right, self.softcap = o.window_left, o.window_right, o.softcap
+  self.dropout = o.dropout
+  if o.alibi then self.alibi_slopes = nn.alibi_slopes(o.heads) end
   local seed = o.seed or next_seed()
+  self.dropout_seed, self.dropout_offset = derive(seed, 4), 0
+  if o.sink then
+    self.sink = ft.zeros({ o.heads }, tensor_opts(o))
+    self.grad_sink = ft.zeros({ o.heads }, tensor_opts(o))
+    self:register("sink", "grad_sink")
+  end
   local function lin(k, n_in, n_out)
     return Linear(n_in, n_out, { bias = o.bias, seed = derive(seed, k), dtype = o.dtype, device = o.device })
   end
@@ -873,6 +926,13 @@ function MultiheadAttention:header()
   local parts = { "dim " .. self.dim, "heads " .. self.heads }
   if self.kv_heads ~= self.heads then parts[#parts + 1] = "kv_heads " .. self.kv_heads end
   if self.causal then parts[#parts + 1] = "causal" end
+  if self.window_left >= 0 or self.window_right >= 0 then
+    parts[#parts + 1] = ("window %d, %d"):format(self.window_left, self.window_right)
+  end
+  if self.softcap > 0 then parts[#parts + 1] = "softcap " .. self.softcap end
+  if self.alibi_slopes then parts[#parts + 1] = "alibi" end
+  if self.sink then parts[#parts + 1] = "sink" end
+  if self.dropout > 0 then parts[#parts + 1] = "dropout " .. self.dropout end
   return "(" .. table.concat(parts, ", ") .. ")"
 end
 
@@ -893,9 +953,22 @@ function MultiheadAttention:project(x)
 end
 
 --- ft.attention's options ("auto" picks the kernels for the device and
--- dtype: tiled on the CPU, flash on CUDA, naive for f64 on CUDA).
+-- dtype: tiled on the CPU, flash on CUDA, naive for f64 and the variants
+-- on CUDA so far). The forward draws dropout's next offset; the backward
+-- reuses the forward's options.
 function MultiheadAttention:attention_options(x)
-  return { causal = self.causal }
+  local stats = x.dtype == "f64" and "f64" or "f32" -- slopes and sinks: f32 or f64
+  local o = { causal = self.causal, window_left = self.window_left,
+              window_right = self.window_right, softcap = self.softcap }
+  if self.alibi_slopes then
+    o.alibi_slopes = ft.tensor(self.alibi_slopes, { dtype = stats, device = x.device })
+  end
+  if self.sink then o.sink = self.sink.dtype == stats and self.sink or self.sink:to(stats) end
+  if self.dropout > 0 and self.training then
+    o.dropout_p, o.seed, o.offset = self.dropout, self.dropout_seed, self.dropout_offset
+    self.dropout_offset = (self.dropout_offset + 1) % 2 ^ 31
+  end
+  return o
 end
 
 function MultiheadAttention:forward(x)
@@ -905,8 +978,9 @@ function MultiheadAttention:forward(x)
       shape_string(x.shape), self.dim), 2)
   end
   local q, k, v = self:project(x)
-  local out, lse = ft.attention(q, k, v, self:attention_options(x))  -- [B, N, H, d], [B, H, N]
-  self.q, self.k, self.v, self.attn, self.lse = q, k, v, out, lse
+  local opts = self:attention_options(x)
+  local out, lse = ft.attention(q, k, v, opts)  -- [B, N, H, d], [B, H, N]
+  self.q, self.k, self.v, self.attn, self.lse, self.opts = q, k, v, out, lse, opts
   self.output = self.out_proj:forward(out:reshape(x:size(1), x:size(2), self.dim))
   return self.output
 end
@@ -922,8 +996,9 @@ end
 function MultiheadAttention:backward(x, grad_output)
   local B, N, H, Hk, d = x:size(1), x:size(2), self.heads, self.kv_heads, self.head_dim
   local dattn = self.out_proj:backward(self.attn:reshape(B, N, self.dim), grad_output)
-  local dq, dk, dv = ft.attention_backward(dattn:reshape(B, N, H, d), self.q, self.k, self.v,
-                                           self.attn, self.lse, self:attention_options(x))
+  local dq, dk, dv, dsink = ft.attention_backward(dattn:reshape(B, N, H, d), self.q, self.k,
+                                                  self.v, self.attn, self.lse, self.opts)
+  if dsink then self.grad_sink:copy(self.grad_sink + dsink:to(self.grad_sink.dtype)) end
   if self.qkv then
     self.grad_input = self.qkv:backward(x, pack({ dq, dk, dv }, B, N, H, d, x))
   else
@@ -937,7 +1012,8 @@ end
 
 --- nn.TransformerBlock{dim =, heads =, kv_heads = heads, causal = false,
 -- hidden = 4 dim, norm = "rms" | "layer", eps =, bias = false (attention
--- projections), seed =, dtype =, device =}: pre-norm,
+-- projections), seed =, dtype =, device =, and MultiheadAttention's
+-- variants: window_left, window_right, softcap, alibi, sink, dropout}: pre-norm,
 --   x = x + attn(norm1(x));  x = x + mlp(norm2(x)),  mlp = Linear-GELU-Linear.
 -- A Sequential of two Residuals: parameters in that order (norm1, attn,
 -- norm2, the two MLP Linears).
@@ -950,7 +1026,9 @@ function TransformerBlock:__init(opts)
   end
   local o = check_opts(ctx, opts, { dim = false, heads = false, kv_heads = false, causal = false,
                                     hidden = false, norm = "rms", eps = false, bias = false,
-                                    seed = false, dtype = false, device = false })
+                                    seed = false, dtype = false, device = false,
+                                    window_left = false, window_right = false, softcap = false,
+                                    alibi = false, sink = false, dropout = false })
   check_count(ctx, "dim", o.dim)
   o.hidden = o.hidden or 4 * o.dim
   check_count(ctx, "hidden", o.hidden)
@@ -965,7 +1043,10 @@ function TransformerBlock:__init(opts)
   end
   local attn = MultiheadAttention { dim = o.dim, heads = o.heads, kv_heads = o.kv_heads,
                                     causal = o.causal, bias = o.bias, seed = derive(seed, 1),
-                                    dtype = t.dtype, device = t.device }
+                                    dtype = t.dtype, device = t.device,
+                                    window_left = o.window_left, window_right = o.window_right,
+                                    softcap = o.softcap, alibi = o.alibi, sink = o.sink,
+                                    dropout = o.dropout }
   local mlp = Sequential(
     norm(),
     Linear(o.dim, o.hidden, { seed = derive(seed, 2), dtype = t.dtype, device = t.device }),
