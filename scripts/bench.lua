@@ -28,6 +28,9 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
   --hdim LIST        head dims (default 64,128 | 64)
   --seqlen LIST      sequence lengths (default 1024,4096,16384 | 256,1024)
   --causal LIST      false, true (default false,true)
+  --variant LIST     none, window:W (window_left = W), alibi (the paper's
+                     slopes), softcap:C, sink, dropout:P (default none);
+                     TFLOP/s count the visible scores only
   --pass LIST        fwd, bwd (default fwd,bwd)
   --tokens N         batch = tokens / seqlen (default 16384 | 2048)
   --width N          heads = width / head dim (default 2048 | 256)
@@ -65,10 +68,12 @@ end
 local GPU_DEFAULTS = {
   impl = "flash", dtype = "f16,bf16", hdim = "64,128", seqlen = "1024,4096,16384",
   causal = "false,true", pass = "fwd,bwd", tokens = "16384", width = "2048", warmup = "5", reps = "20",
+  variant = "none",
 }
 local CPU_DEFAULTS = {
   impl = "tiled,naive", dtype = "f32", hdim = "64", seqlen = "256,1024",
   causal = "false,true", pass = "fwd,bwd", tokens = "2048", width = "256", warmup = "1", reps = "5",
+  variant = "none",
 }
 local VALUED = { device = true, reference = true, csv = true, plot = true }
 for k in pairs(GPU_DEFAULTS) do VALUED[k] = true end
@@ -152,6 +157,24 @@ local dtypes = list("dtype", "a dtype (f16, bf16, f32)", one_of("f16", "bf16", "
 local hdims = list("hdim", "a positive integer", positive_int)
 local seqlens = list("seqlen", "a positive integer", positive_int)
 local causals = list("causal", "true or false", bool)
+--- A variant: {name =, value =} from "none", "window:W", "alibi",
+-- "softcap:C", "sink" or "dropout:P".
+local function variant_of(x)
+  local name, value = x:match("^(%a+):(.+)$")
+  name = name or x
+  local n = value and tonumber(value)
+  if name == "none" or name == "alibi" or name == "sink" then
+    if value == nil then return { name = name, label = name } end
+  elseif name == "window" then
+    if is_int(n) and n >= 0 then return { name = name, value = n, label = x } end
+  elseif name == "softcap" then
+    if n and n > 0 then return { name = name, value = n, label = x } end
+  elseif name == "dropout" then
+    if n and n > 0 and n < 1 then return { name = name, value = n, label = x } end
+  end
+end
+local variants = list("variant", "a variant (none, window:W, alibi, softcap:C, sink, dropout:P)",
+  variant_of)
 local passes = list("pass", "fwd or bwd", one_of("fwd", "bwd"))
 local tokens = list("tokens", "a positive integer", positive_int)[1]
 local width = list("width", "a positive integer", positive_int)[1]
@@ -240,6 +263,40 @@ end
 
 -- ---- one configuration ----------------------------------------------------------
 
+--- ft.attention's options for a variant on H heads (slopes and sinks on
+-- the device).
+local function variant_opts(impl, causal, var, H)
+  local o = { impl = impl, causal = causal }
+  if var.name == "window" then
+    o.window_left = var.value
+  elseif var.name == "softcap" then
+    o.softcap = var.value
+  elseif var.name == "dropout" then
+    o.dropout_p, o.seed, o.offset = var.value, 1, 0
+  elseif var.name == "alibi" then
+    local slopes = {}
+    for i = 1, H do slopes[i] = 2 ^ (-8 * i / H) end
+    o.alibi_slopes = ft.tensor(slopes, { dtype = "f32", device = device })
+  elseif var.name == "sink" then
+    o.sink = ft.zeros({ H }, { dtype = "f32", device = device })
+  end
+  return o
+end
+
+--- The (query, key) pairs of an N x N attention that a query sees: N^2,
+-- about half with causal, fewer under a window (bottom-right aligned).
+local function visible_pairs(N, causal, var)
+  local left = var.name == "window" and var.value or -1
+  if left < 0 then return causal and N * (N + 1) / 2 or N * N end
+  local n = 0
+  for i = 0, N - 1 do
+    local first = math.max(0, i - left)
+    local last = causal and i or N - 1
+    n = n + (last - first + 1)
+  end
+  return n
+end
+
 local function sync() if on_gpu then ft.cuda.synchronize() end end
 
 --- Peak bytes allocated during fn beyond what was in use before.
@@ -260,14 +317,14 @@ local FLOOR = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }
 -- a wider dtype (f32 for f16 and bf16, f64 for f32) is at most twice that
 -- of the naive path in the same precision. Returns nil when fine, else a
 -- message.
-local function check(impl, dtype, q, k, v, dout, causal, pass)
+local function check(impl, dtype, q, k, v, dout, causal, pass, var)
   local H, Hk = q:size(3), k:size(3)
   local hq = math.min(H, 2 * math.floor(H / Hk))
   local hk = math.max(1, math.floor(hq / math.floor(H / Hk)))
   local qs, ks, vs, ds = q:narrow(1, 1, 1):narrow(3, 1, hq), k:narrow(1, 1, 1):narrow(3, 1, hk),
     v:narrow(1, 1, 1):narrow(3, 1, hk), dout:narrow(1, 1, 1):narrow(3, 1, hq)
   local function run(which, dt)
-    local o = { impl = which, causal = causal }
+    local o = variant_opts(which, causal, var, hq)
     local a, b, c = qs:to(dt), ks:to(dt), vs:to(dt)
     local out, lse = ft.attention(a, b, c, o)
     if pass == "fwd" then return { out } end
@@ -291,7 +348,7 @@ local function shape_of(d, N)
   return math.max(1, math.floor(tokens / N)), math.max(1, math.floor(width / d))
 end
 
-local function measure(impl, dtype, d, N, causal, pass)
+local function measure(impl, dtype, d, N, causal, pass, var)
   local B, H = shape_of(d, N)
   local seed = 1
   local function input(shape)
@@ -299,10 +356,11 @@ local function measure(impl, dtype, d, N, causal, pass)
     return ft.randn(shape, { dtype = dtype, seed = seed, device = device })
   end
   local q, k, v, dout = input { B, N, H, d }, input { B, N, H, d }, input { B, N, H, d }, input { B, N, H, d }
-  local o = { impl = impl, causal = causal }
-  local row = { impl = impl, dtype = dtype, B = B, H = H, N = N, d = d, causal = causal, pass = pass }
+  local o = variant_opts(impl, causal, var, H)
+  local row = { impl = impl, dtype = dtype, B = B, H = H, N = N, d = d, causal = causal, pass = pass,
+                variant = var.label }
   if opts.check and impl ~= "naive" then
-    local bad = check(impl, dtype, q, k, v, dout, causal, pass)
+    local bad = check(impl, dtype, q, k, v, dout, causal, pass, var)
     if bad then row.error = bad return row end
   end
   local out, lse = ft.attention(q, k, v, o)
@@ -315,9 +373,13 @@ local function measure(impl, dtype, d, N, causal, pass)
   row.peak = peak_extra(fn)
   local r = bench.run(fn, timing)
   row.ms = r.median
-  row.tflops = bench.tflops(bench.attention_flops(B, H, N, N, d, causal, pass), r.median)
-  local rf, proxy = ref_tflops("flash", dtype, N, d, causal, pass)
-  local rc = ref_tflops("cudnn", dtype, N, d, causal, pass)
+  local flops = bench.attention_flops(B, H, N, N, d, false, pass) * visible_pairs(N, causal, var) / (N * N)
+  row.tflops = bench.tflops(flops, r.median)
+  local rf, proxy, rc
+  if var.name == "none" then
+    rf, proxy = ref_tflops("flash", dtype, N, d, causal, pass)
+    rc = ref_tflops("cudnn", dtype, N, d, causal, pass)
+  end
   row.ref_flash = rf and row.tflops / rf or nil
   row.ref_cudnn = rc and row.tflops / rc or nil
   row.proxy = proxy
@@ -334,30 +396,31 @@ end
 
 local device_name = on_gpu and ft.cuda.device_name(tonumber(device:match("^cuda:(%d+)$") or "0")) or "cpu"
 local rows = {}
-local total = #impls * #dtypes * #hdims * #seqlens * #causals * #passes
+local total = #impls * #dtypes * #hdims * #seqlens * #causals * #passes * #variants
 io.stderr:write(("flashtile bench on %s (%s): %d configurations\n"):format(device, device_name, total))
 -- An untimed pass over the first configuration: the GPU leaves its idle
 -- clocks and the memory pool fills before the first row is timed (without
 -- it the first row read up to 20% low on the H200).
 if on_gpu then
   io.stderr:write("warming up\n")
-  pcall(measure, impls[1], dtypes[1], hdims[1], seqlens[1], causals[1], passes[1])
+  pcall(measure, impls[1], dtypes[1], hdims[1], seqlens[1], causals[1], passes[1], variants[1])
 end
+for _, var in ipairs(variants) do
 for _, impl in ipairs(impls) do
   for _, dtype in ipairs(dtypes) do
     for _, d in ipairs(hdims) do
       for _, causal in ipairs(causals) do
         for _, pass in ipairs(passes) do
           for _, N in ipairs(seqlens) do
-            local ok_row, row = pcall(measure, impl, dtype, d, N, causal, pass)
+            local ok_row, row = pcall(measure, impl, dtype, d, N, causal, pass, var)
             if not ok_row then
               local B, H = shape_of(d, N)
               row = { impl = impl, dtype = dtype, d = d, N = N, causal = causal, pass = pass,
-                      B = B, H = H, error = tostring(row) }
+                      B = B, H = H, variant = var.label, error = tostring(row) }
             end
             rows[#rows + 1] = row
-            io.stderr:write(("[%d/%d] %s %s d=%d N=%d causal=%s %s: %s\n"):format(#rows, total, impl,
-              dtype, d, N, tostring(causal), pass,
+            io.stderr:write(("[%d/%d] %s %s %s d=%d N=%d causal=%s %s: %s\n"):format(#rows, total,
+              var.label, impl, dtype, d, N, tostring(causal), pass,
               row.error and ("FAILED " .. row.error) or ("%.3f ms, %s TFLOP/s"):format(row.ms, fmt_tflops(row.tflops, 1))))
           end
         end
@@ -365,23 +428,24 @@ for _, impl in ipairs(impls) do
     end
   end
 end
+end
 
 -- ---- table, CSV, plot -----------------------------------------------------------
 
 local function fmt_ratio(x, proxy) return x and ("%.2fx%s"):format(x, proxy and "*" or "") or "-" end
 print(("\n%s, %s, %s"):format(device_name, os.date("!%Y-%m-%d"),
   opts.reference and ("ratios against " .. opts.reference) or "no reference file"))
-print("| impl | dtype | B | H | N | d | causal | pass | ms | TFLOP/s | peak MiB | vs flash | vs cudnn |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| variant | impl | dtype | B | H | N | d | causal | pass | ms | TFLOP/s | peak MiB | vs flash | vs cudnn |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 local any_proxy = false
 for _, r in ipairs(rows) do
   if r.error then
-    print(("| %s | %s | %d | %d | %d | %d | %s | %s | FAILED: %s | | | | |"):format(r.impl, r.dtype,
+    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | FAILED: %s | | | | |"):format(r.variant, r.impl, r.dtype,
       r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.error))
   else
     any_proxy = any_proxy or (r.proxy and (r.ref_flash or r.ref_cudnn) ~= nil)
-    print(("| %s | %s | %d | %d | %d | %d | %s | %s | %.3f | %s | %.1f | %s | %s |"):format(r.impl,
-      r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.ms,
+    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | %.3f | %s | %.1f | %s | %s |"):format(
+      r.variant, r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.ms,
       fmt_tflops(r.tflops, 1), r.peak / 2^20,
       fmt_ratio(r.ref_flash, r.proxy), fmt_ratio(r.ref_cudnn, r.proxy)))
   end
@@ -391,9 +455,9 @@ if any_proxy then
 end
 
 local csv = assert(io.open(opts.csv, "w"))
-csv:write("impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error\n")
+csv:write("variant,impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error\n")
 for _, r in ipairs(rows) do
-  csv:write(table.concat({ r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass,
+  csv:write(table.concat({ r.variant, r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass,
     r.ms and ("%.4f"):format(r.ms) or "", r.tflops and fmt_tflops(r.tflops, 2) or "",
     r.peak and ("%d"):format(r.peak) or "", r.ref_flash and ("%.3f"):format(r.ref_flash) or "",
     r.ref_cudnn and ("%.3f"):format(r.ref_cudnn) or "",
@@ -406,10 +470,11 @@ csv:close()
 local series, order = {}, {}
 for _, r in ipairs(rows) do
   if r.tflops then
-    local key = ("%s %s d=%d%s %s"):format(r.impl, r.dtype, r.d, r.causal and " causal" or "", r.pass)
+    local key = ("%s%s %s d=%d%s %s"):format(r.variant == "none" and "" or r.variant .. " ",
+      r.impl, r.dtype, r.d, r.causal and " causal" or "", r.pass)
     if not series[key] then series[key] = { pts = {}, ref = {} } order[#order + 1] = key end
     table.insert(series[key].pts, { r.N, r.tflops })
-    local rf = ref_tflops("flash", r.dtype, r.N, r.d, r.causal, r.pass)
+    local rf = r.variant == "none" and ref_tflops("flash", r.dtype, r.N, r.d, r.causal, r.pass)
     if rf then table.insert(series[key].ref, { r.N, rf }) end
   end
 end
