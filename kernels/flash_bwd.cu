@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dkdv_simt_kern
     for (int h = hk * G; h < (hk + 1) * G; h++) {
         const float *lse = p.lse + ((int64_t)b * p.H + h) * p.Nq;
         const float *D = p.D + ((int64_t)b * p.H + h) * p.Nq;
-        for (int i = flash_query_start(p, j); i < p.Nq; i++) {
+        const int iend = flash_query_end(p, j);
+        for (int i = flash_query_begin(p, j); i < iend; i++) {
             load_row(q, p.q, b, i, h, p, lane);
             load_row(dO, p.dout, b, i, h, p, lane);
             const float pij = prob(row_dot(q, k), lse[i], p);
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
     const float lse = p.lse[((int64_t)b * p.H + h) * p.Nq + i];
     const float D = p.D[((int64_t)b * p.H + h) * p.Nq + i];
     const int jend = flash_key_end(p, i);
-    for (int j = 0; j < jend; j++) {
+    for (int j = flash_key_begin(p, i); j < jend; j++) {
         load_row(k, p.k, b, j, hk, p, lane);
         load_row(v, p.v, b, j, hk, p, lane);
         const float pij = prob(row_dot(q, k), lse, p);
@@ -168,11 +169,13 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     const int j0 = blockIdx.x * BC, hk = blockIdx.y, b = blockIdx.z;
     const int G = p.H / p.Hk, nk = min(BC, p.Nk - j0);
     const int key[2] = {j0 + kw * 16 + g, j0 + kw * 16 + g + 8};
-    const int shift = p.Nk - p.Nq;
+    const QueryRange seen_by[2] = {flash_queries(p, key[0]), flash_queries(p, key[1])};
 
-    /* the (query head, query block) tiles this key block meets, in order */
-    const int i_begin = flash_query_start(p, j0) / BWD_BR * BWD_BR;
-    const int nqb = i_begin < p.Nq ? (p.Nq - i_begin + BWD_BR - 1) / BWD_BR : 0;
+    /* the (query head, query block) tiles this key block meets, in order:
+     * the query blocks over [i_begin, i_end) */
+    const int i_begin = flash_query_begin(p, j0) / BWD_BR * BWD_BR;
+    const int i_end = flash_query_end(p, j0 + nk - 1);
+    const int nqb = i_begin < i_end ? (i_end - i_begin + BWD_BR - 1) / BWD_BR : 0;
     const int tiles = G * nqb;
 
     /* Starts the copy of tile t into buffer buf: Q and dO by cp.async, the
@@ -250,8 +253,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int qc = n * 8 + t4 * 2 + (e % 2), qi = i0 + qc;
-                    const int kj = key[e / 2];
-                    const bool ok = qc < nq && kj < p.Nk && (!p.causal || kj <= qi + shift);
+                    const bool ok = qc < nq && !seen_by[e / 2].hides(qi);
                     const float pt = ok ? exp2f(st[n][e] * p.scale_log2 - sL[qc]) : 0.f;
                     st[n][e] = pt;
                     dpt[n][e] = pt * (dpt[n][e] - sD[qc]);
@@ -319,14 +321,17 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     const int i0 = blockIdx.x * BWD_BR, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk), nq = min(BWD_BR, p.Nq - i0);
     const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
-    const int shift = p.Nk - p.Nq;
+    const KeyRange keys[2] = {flash_keys(p, row[0]), flash_keys(p, row[1])};
 
+    /* the key blocks some row of this block sees: [jbegin, jend) */
+    const int jbegin = flash_key_begin(p, i0) / BC * BC;
     const int jend = flash_key_end(p, i0 + nq - 1);
     load_tile<T, BWD_BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
     load_tile<T, BWD_BR, D, LD, THREADS>(sdO, p.dout, b, h, i0, nq, p.d);
-    if (jend > 0) {
-        load_tile<T, BC, D, LD, THREADS>(sK0, p.k, b, hk, 0, min(BC, p.Nk), p.d);
-        load_tile<T, BC, D, LD, THREADS>(sK0 + BC * LD, p.v, b, hk, 0, min(BC, p.Nk), p.d);
+    if (jend > jbegin) {
+        const int nk0 = min(BC, p.Nk - jbegin);
+        load_tile<T, BC, D, LD, THREADS>(sK0, p.k, b, hk, jbegin, nk0, p.d);
+        load_tile<T, BC, D, LD, THREADS>(sK0 + BC * LD, p.v, b, hk, jbegin, nk0, p.d);
     }
     cp_async_commit();
     float L[2], Dr[2];
@@ -342,7 +347,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     for (int n = 0; n < NT_D; n++)
         dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
 
-    for (int j0 = 0, buf = 0; j0 < jend; j0 += BC, buf ^= 1) {
+    for (int j0 = jbegin, buf = 0; j0 < jend; j0 += BC, buf ^= 1) {
         cp_async_wait_all(); /* block j landed ... */
         __syncthreads();     /* ... for all, and block j-1's buffer is free */
         if (j0 + BC < jend) { /* block j+1 loads while block j is multiplied */
@@ -384,7 +389,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int r = e / 2, col = j0 + n * 8 + t4 * 2 + (e % 2);
-                const bool ok = col < p.Nk && (!p.causal || col <= row[r] + shift);
+                const bool ok = !keys[r].hides(col);
                 const float pr = ok ? exp2f(s[n][e] * p.scale_log2 - L[r]) : 0.f;
                 dp[n][e] = pr * (dp[n][e] - Dr[r]); /* dS */
             }

@@ -78,7 +78,7 @@ __device__ __forceinline__ void mask_acc(float *acc, int row0, int col0, F maske
 
 /* The blocks of BM queries that a CTA of keys walks (dK/dV), for each
  * query head of its GQA group in turn: those from the first query that sees
- * the CTA's first key to the end. Q, dO, LSE (log2 units) and D of block t
+ * the CTA's first key to the last query that sees its last key. Q, dO, LSE (log2 units) and D of block t
  * are copied into stage t % ST of `base`; two cursors step through the
  * blocks without divisions, one for the copies, one for the arithmetic. */
 template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
@@ -86,18 +86,21 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
     static constexpr size_t BYTES = (size_t)ST * (2 * Q_BYTES + 2 * BM * sizeof(float));
     unsigned char *sQ, *sdO;
     float *sL, *sD;
-    int ib0, total;
+    int ib0, iend, total; /* blocks from query ib0 * BM to iend, per head */
     int lh, li0; /* the next block to copy */
     int ci0;     /* the next block the arithmetic takes */
-    __device__ __forceinline__ QueryStream(const FlashParams &p, unsigned char *base, int j0, int hk)
+    __device__ __forceinline__ QueryStream(const FlashParams &p, unsigned char *base, int j0,
+                                           int j1, int hk)
     {
         sQ = base;
         sdO = sQ + ST * Q_BYTES;
         sL = reinterpret_cast<float *>(sdO + ST * Q_BYTES);
         sD = sL + ST * BM;
         const int G = p.H / p.Hk;
-        ib0 = flash_query_start(p, j0) / BM;
-        const int per_head = (p.Nq + BM - 1) / BM - ib0;
+        /* the queries that see some key of [j0, j1) */
+        ib0 = flash_query_begin(p, j0) / BM;
+        iend = flash_query_end(p, min(j1, p.Nk) - 1);
+        const int per_head = (iend + BM - 1) / BM - ib0;
         total = per_head > 0 ? G * per_head : 0;
         lh = hk * G;
         li0 = ci0 = ib0 * BM;
@@ -107,7 +110,7 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
     {
         const int h = lh, i0 = li0, st = t % ST;
         li0 += BM;
-        if (li0 >= p.Nq) {
+        if (li0 >= iend) {
             li0 = ib0 * BM;
             lh++;
         }
@@ -125,7 +128,7 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
     __device__ __forceinline__ int next_i0(const FlashParams &p)
     {
         const int i0 = ci0;
-        ci0 = ci0 + BM < p.Nq ? ci0 + BM : ib0 * BM;
+        ci0 = ci0 + BM < iend ? ci0 + BM : ib0 * BM;
         return i0;
     }
     __device__ __forceinline__ uint32_t q(int t) const { return smem_addr(sQ + (t % ST) * Q_BYTES); }
@@ -153,15 +156,15 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
 }
 
 /* dQ's dS = P (dP - D), in place of dp, for this thread's rows (row0 + g,
- * + 8) and N accumulator entries from key col0, P = exp2(S scale log2e -
- * LSE); in a block at an edge (its keys end at block_end), keys past the
- * end or above the causal diagonal are zeroed. */
+ * + 8, which see `keys`) and N accumulator entries from key col0, P =
+ * exp2(S scale log2e - LSE); in a block at an edge (keys [block_begin,
+ * block_end) past the end or hidden from some row), hidden keys are zeroed. */
 template <int N>
 __device__ __forceinline__ void dq_dscores(const FlashParams &p, float *dp, const float *s,
-                                           const float *lse, const float *Dr, int row0,
-                                           int col0, int block_end)
+                                           const float *lse, const float *Dr,
+                                           const KeyRange *keys, int row0, int col0,
+                                           int block_begin, int block_end)
 {
-    const int shift = p.Nk - p.Nq;
 #pragma unroll
     for (int n = 0; n < N / 4; n++)
 #pragma unroll
@@ -171,25 +174,28 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, float *dp, cons
                 const int idx = 4 * n + 2 * r + e;
                 dp[idx] = ex2(fmaf(s[idx], p.scale_log2, -lse[r])) * (dp[idx] - Dr[r]);
             }
-    if (block_end > p.Nk || (p.causal && block_end - 1 > row0 + shift))
+    if (flash_block_masked(p, row0, row0 + 16, block_begin, block_end)) {
+        const int row_g = row0 + (threadIdx.x % FT_WARP) / 4;
         mask_acc<N>(dp, row0, col0, [&](int row, int col) {
-            return col >= p.Nk || (p.causal && col > row + shift);
+            return keys[row == row_g ? 0 : 1].hides(col);
         });
+    }
 }
 
 /* The start of a dQ kernel: copies this CTA's BR rows of Q and dO and the
- * first K, V block (one commit group). */
+ * first K, V block (keys from key0, into the stages at sK and sV; one
+ * commit group). */
 template <typename T, int BR, int BC, int D, int THREADS>
 __device__ __forceinline__ void dq_prologue(const FlashParams &p, int b, int h, int i0,
                                             unsigned char *sQ, unsigned char *sdO,
                                             const TileLoader<T, BC, D, THREADS> &kload,
                                             const TileLoader<T, BC, D, THREADS> &vload,
-                                            unsigned char *sK, unsigned char *sV)
+                                            unsigned char *sK, unsigned char *sV, int key0)
 {
     TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
     TileLoader<T, BR, D, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO, i0);
-    kload.load(sK, 0);
-    vload.load(sV, 0);
+    kload.load(sK, key0);
+    vload.load(sV, key0);
     cp_async_commit();
 }
 
@@ -208,9 +214,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
-    const int shift = p.Nk - p.Nq;
     const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
-    QueryStream<T, BM, D, THREADS, ST> qs(p, sV + KV_BYTES, j0, hk);
+    const int g = lane / 4;
+    const QueryRange seen_by[2] = {flash_queries(p, wkey0 + g), flash_queries(p, wkey0 + g + 8)};
+    QueryStream<T, BM, D, THREADS, ST> qs(p, sV + KV_BYTES, j0, j0 + BN, hk);
     const int total = qs.total;
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -247,7 +254,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         pin_all<BM / 2>(s);
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t);
-        const bool edge = i0 + BM > p.Nq || (p.causal && wkey0 + 15 > i0 + shift);
+        const bool edge = i0 + BM > p.Nq || flash_block_masked(p, i0, i0 + BM, wkey0, wkey0 + 16);
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
             const int col = n * 8 + t4 * 2;
@@ -264,7 +271,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         }
         if (edge)
             mask_acc<BM / 2>(s, wkey0, i0, [&](int key, int qi) {
-                return qi >= p.Nq || (p.causal && key > qi + shift);
+                return seen_by[key == wkey0 + g ? 0 : 1].hides(qi);
             });
         pack_frags<T, BM>(pf, s);
     };
@@ -355,14 +362,16 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
     const QueryBlock qblk = query_block<BR, BC>(p);
-    const int i0 = qblk.i0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
+    const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
+    const int g = (tid % FT_WARP) / 4;
+    const KeyRange keys[2] = {flash_keys(p, wrow0 + g), flash_keys(p, wrow0 + g + 8)};
     float dq[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; i++)
         dq[i] = 0.f;
-    if (nkb == 0) { /* no row sees a key: dQ = 0 */
+    if (nkb == kb0) { /* no row sees a key: dQ = 0 */
         store_acc<T, D>(p.dq, b, h, wrow0, p.Nq, p.d, dq, 1.f);
         return;
     }
@@ -370,7 +379,9 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     row_stats(p, b, h, wrow0, lse, Dr);
 
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload, sK, sV);
+    dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload,
+                                       sK + (kb0 % ST) * KV_BYTES, sV + (kb0 % ST) * KV_BYTES,
+                                       kb0 * BC);
 
     float s[BC / 2], dp[BC / 2];
     uint32_t df[BC / 16][4];
@@ -397,19 +408,19 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     auto elementwise = [&](int j) {
         pin_all<BC / 2>(s);
         pin_all<BC / 2>(dp);
-        dq_dscores<BC / 2>(p, dp, s, lse, Dr, wrow0, j * BC, (j + 1) * BC);
+        dq_dscores<BC / 2>(p, dp, s, lse, Dr, keys, wrow0, j * BC, j * BC, (j + 1) * BC);
     };
 
     const Turns<TURNS> turns(wg);
-    top(0);
+    top(kb0);
     wgmma_fence();
     turns.wait();
-    issue_scores(0);
+    issue_scores(kb0);
     turns.pass();
     wgmma_wait<0>();
-    elementwise(0);
+    elementwise(kb0);
     pack_frags<T, BC>(df, dp);
-    for (int j = 1; j < nkb; j++) {
+    for (int j = kb0 + 1; j < nkb; j++) {
         top(j);
         wgmma_fence();
         turns.wait();
@@ -516,9 +527,10 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
-    const int shift = p.Nk - p.Nq;
     const int wkey0 = j0 + wwarp * 16; /* this warp's first key */
-    Stream qs(p, sdS + P_BYTES, j0, hk);
+    const int g = lane / 4;
+    const QueryRange seen_by[2] = {flash_queries(p, wkey0 + g), flash_queries(p, wkey0 + g + 8)};
+    Stream qs(p, sdS + P_BYTES, j0, j0 + BN, hk);
     const int total = qs.total;
     /* warpgroup 0 accumulates dV, warpgroup 1 dK, both DK columns wide */
     float grad[DK / 2];
@@ -560,7 +572,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         }
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t), *Dq = qs.D(t);
-        const bool edge = i0 + BM > p.Nq || (p.causal && wkey0 + 15 > i0 + shift);
+        const bool edge = i0 + BM > p.Nq || flash_block_masked(p, i0, i0 + BM, wkey0, wkey0 + 16);
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -576,7 +588,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
             }
         if (edge) {
             auto masked = [&](int key, int qi) {
-                return qi >= p.Nq || (p.causal && key > qi + shift);
+                return seen_by[key == wkey0 + g ? 0 : 1].hides(qi);
             };
             mask_acc<16>(s, wkey0, i0 + wg * 32, masked);
             mask_acc<16>(dp, wkey0, i0 + wg * 32, masked);
@@ -614,16 +626,18 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
     const QueryBlock qblk = query_block<BR, BC>(p);
-    const int i0 = qblk.i0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
+    const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
     const int wrow0 = i0 + wwarp * 16;
+    const int g = (tid % FT_WARP) / 4;
+    const KeyRange keys[2] = {flash_keys(p, wrow0 + g), flash_keys(p, wrow0 + g + 8)};
     /* each warpgroup's share of dQ over its 32 keys of every block, DK
      * columns wide; the two shares are added at the end */
     float dq[DK / 2];
 #pragma unroll
     for (int i = 0; i < DK / 2; i++)
         dq[i] = 0.f;
-    if (nkb == 0) {
+    if (nkb == kb0) {
         if (wg == 0)
             store_acc<T, DK>(p.dq, b, h, wrow0, p.Nq, p.d, dq, 1.f);
         return;
@@ -631,10 +645,12 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     float lse[2], Dr[2];
     row_stats(p, b, h, wrow0, lse, Dr);
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
-    dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload, sK, sV);
+    dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload,
+                                       sK + (kb0 % ST) * KV_BYTES, sV + (kb0 % ST) * KV_BYTES,
+                                       kb0 * BC);
 
     float x[32], s[16], dp[16];
-    for (int j = 0; j < nkb; j++) {
+    for (int j = kb0; j < nkb; j++) {
         stages_ready();
         if (j + 1 < nkb) {
             kload.load(sK + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
@@ -657,7 +673,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        dq_dscores<16>(p, dp, s, lse, Dr, wrow0, j * BC + wg * 32, (j + 1) * BC);
+        dq_dscores<16>(p, dp, s, lse, Dr, keys, wrow0, j * BC + wg * 32, j * BC, (j + 1) * BC);
         /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
         uint32_t df[2][4];
         pack_frags<T, 32>(df, dp);

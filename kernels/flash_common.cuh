@@ -1,7 +1,8 @@
 /*
  * flash_common.cuh - what flash_fwd.cu and flash_bwd.cu share: the kernel
  * parameters (pointers, strides in elements, sizes, scale), element loads
- * by a run-time dtype, warp reductions and the causal rule.
+ * by a run-time dtype, warp reductions, and which keys a query sees (causal
+ * and sliding windows: lib/attn_mod.h's rules, on the kernels' ints).
  *
  *   q, dq, out, dout [B, Nq, H, d]   k, v, dk, dv [B, Nk, Hk, d]
  *   lse, D [B, H, Nq] contiguous f32
@@ -33,6 +34,7 @@ struct FlashParams {
     int B, H, Hk, Nq, Nk, d;
     int dtype;        /* ft_dtype of every tensor above but lse and D */
     int causal;
+    ft_attn_mod mod;  /* which keys each query sees: lib/attn_mod.h */
     float scale;      /* softmax scale */
     float scale_log2; /* scale * log2(e): exp(x * scale) = exp2(x * scale_log2) */
 };
@@ -80,22 +82,64 @@ __device__ __forceinline__ float warp_sum(float x)
     return x;
 }
 
-/* One past the last key query `row` sees (bottom-right causal). */
-__device__ __forceinline__ int flash_key_end(const FlashParams &p, int row)
+/* The keys query `row` sees are [flash_key_begin, flash_key_end); the
+ * queries that see key `j` are [flash_query_begin, flash_query_end). Each
+ * bound moves right (or stays) as row or j grows. */
+__device__ __forceinline__ int flash_key_begin(const FlashParams &p, int row)
 {
-    if (!p.causal)
-        return p.Nk;
-    int e = row + p.Nk - p.Nq + 1;
-    return e < 0 ? 0 : (e > p.Nk ? p.Nk : e);
+    return (int)ft_mod_key_begin(&p.mod, p.Nq, p.Nk, row);
 }
 
-/* The first query that sees key `j`. */
-__device__ __forceinline__ int flash_query_start(const FlashParams &p, int j)
+__device__ __forceinline__ int flash_key_end(const FlashParams &p, int row)
 {
-    if (!p.causal)
-        return 0;
-    int s = j - (p.Nk - p.Nq);
-    return s < 0 ? 0 : (s > p.Nq ? p.Nq : s);
+    return (int)ft_mod_key_end(&p.mod, p.Nq, p.Nk, row);
+}
+
+__device__ __forceinline__ int flash_query_begin(const FlashParams &p, int j)
+{
+    return (int)ft_mod_query_begin(&p.mod, p.Nq, p.Nk, j);
+}
+
+__device__ __forceinline__ int flash_query_end(const FlashParams &p, int j)
+{
+    return (int)ft_mod_query_end(&p.mod, p.Nq, p.Nk, j);
+}
+
+/* Whether the block of queries [r0, r1) and keys [j0, j1) needs a mask:
+ * some pair is hidden, or some key is past the end. */
+__device__ __forceinline__ bool flash_block_masked(const FlashParams &p, int r0, int r1, int j0,
+                                                   int j1)
+{
+    return j1 > p.Nk || ft_mod_block(&p.mod, p.Nq, p.Nk, r0, r1, j0, j1) != FT_BLOCK_FULL;
+}
+
+/* The keys one query row sees, for masking element by element. */
+struct KeyRange {
+    int begin, end;
+    __device__ __forceinline__ bool hides(int col) const { return col < begin || col >= end; }
+};
+
+__device__ __forceinline__ KeyRange flash_keys(const FlashParams &p, int row)
+{
+    KeyRange k;
+    k.begin = flash_key_begin(p, row);
+    k.end = flash_key_end(p, row);
+    return k;
+}
+
+/* The queries that see one key, likewise (the dK/dV kernels); none for a
+ * key past the end. */
+struct QueryRange {
+    int begin, end;
+    __device__ __forceinline__ bool hides(int qi) const { return qi < begin || qi >= end; }
+};
+
+__device__ __forceinline__ QueryRange flash_queries(const FlashParams &p, int j)
+{
+    QueryRange q;
+    q.begin = flash_query_begin(p, j);
+    q.end = j < p.Nk ? flash_query_end(p, j) : 0; /* a key past the end: none */
+    return q;
 }
 
 /* flash_fwd.cu: the parameters of a call, and whether every tensor's rows

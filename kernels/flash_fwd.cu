@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
     }
     float m = -INFINITY, l = 0.f; /* m in log2 units */
     const int jend = flash_key_end(p, row);
-    for (int j = 0; j < jend; j++) {
+    for (int j = flash_key_begin(p, row); j < jend; j++) {
         const int64_t ko = row_offset(p.k, b, j, hk), vo = row_offset(p.v, b, j, hk);
         float part = 0.f;
 #pragma unroll
@@ -94,17 +94,18 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
     const int i0 = blockIdx.x * BR, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
     const int nq = min(BR, p.Nq - i0);
-    const int shift = p.Nk - p.Nq; /* causal: key j visible to query i when j <= i + shift */
+    /* the key blocks some row of this block sees: [jbegin, jend) */
+    const int jbegin = flash_key_begin(p, i0) / BC * BC;
     const int jend = flash_key_end(p, i0 + nq - 1);
     const int wrow0 = i0 + warp * 16 * MT; /* this warp's first row */
 
     /* prologue: Q and K_0 in one group, V_0 in the next */
     load_tile<T, BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
-    if (jend > 0)
-        load_tile<T, BC, D, LD, THREADS>(sK, p.k, b, hk, 0, min(BC, p.Nk), p.d);
+    if (jend > jbegin)
+        load_tile<T, BC, D, LD, THREADS>(sK, p.k, b, hk, jbegin, min(BC, p.Nk - jbegin), p.d);
     cp_async_commit();
-    if (jend > 0)
-        load_tile<T, BC, D, LD, THREADS>(sV, p.v, b, hk, 0, min(BC, p.Nk), p.d);
+    if (jend > jbegin)
+        load_tile<T, BC, D, LD, THREADS>(sV, p.v, b, hk, jbegin, min(BC, p.Nk - jbegin), p.d);
     cp_async_commit();
 
     float o[MT][NT_O][4];
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
         l[mt][0] = l[mt][1] = 0.f;
     }
 
-    for (int j0 = 0, buf = 0; j0 < jend; j0 += BC, buf ^= 1) {
+    for (int j0 = jbegin, buf = 0; j0 < jend; j0 += BC, buf ^= 1) {
         const bool more = j0 + BC < jend;
         const int nk_next = more ? min(BC, p.Nk - j0 - BC) : 0;
         cp_async_wait<1>(); /* K_j (and Q) landed; V_j may be in flight */
@@ -156,12 +157,13 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
         }
 
         /* scale into log2 units, mask where needed, online softmax */
-        const bool edge = j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift);
+        const bool edge = flash_block_masked(p, wrow0, wrow0 + 16 * MT, j0, j0 + BC);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const int row = wrow0 + mt * 16 + g + 8 * r;
+                const KeyRange keys = edge ? flash_keys(p, row) : KeyRange{0, 0};
                 float mx = -INFINITY;
 #pragma unroll
                 for (int n = 0; n < NT_S; n++)
@@ -169,11 +171,8 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
                     for (int e = 0; e < 2; e++) {
                         float &v = s[mt][n][2 * r + e];
                         v *= p.scale_log2;
-                        if (edge) {
-                            const int col = j0 + n * 8 + t4 * 2 + e;
-                            if (col >= p.Nk || (p.causal && col > row + shift))
-                                v = -INFINITY;
-                        }
+                        if (edge && keys.hides(j0 + n * 8 + t4 * 2 + e))
+                            v = -INFINITY;
                         mx = fmaxf(mx, v);
                     }
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -258,6 +257,7 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
     p.Nq = (int)s->Nq, p.Nk = (int)s->Nk, p.d = (int)s->d;
     p.dtype = q->dtype;
     p.causal = s->causal;
+    p.mod = s->mod;
     p.scale = (float)s->scale;
     p.scale_log2 = (float)(s->scale * 1.4426950408889634);
     return p;

@@ -36,10 +36,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     const int wwarp = (tid / FT_WARP) % 4; /* warp in the warpgroup */
     const int g = lane / 4, t4 = lane % 4;
     const QueryBlock qblk = query_block<BR, BC>(p);
-    const int i0 = qblk.i0, nq = qblk.nq, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
+    const int i0 = qblk.i0, nq = qblk.nq, kb0 = qblk.kb0, nkb = qblk.nkb;
+    const int h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
-    const int shift = p.Nk - p.Nq; /* key j visible to query i when j <= i + shift */
-    if (nkb == 0) { /* no row sees a key: O = 0, LSE = -inf */
+    if (nkb == kb0) { /* no row sees a key: O = 0, LSE = -inf */
         for (int idx = tid; idx < nq * p.d; idx += THREADS)
             store_elem(p.out.data, row_offset(p.out, b, i0 + idx / p.d, h) + idx % p.d, p.dtype, 0.f);
         for (int idx = tid; idx < nq; idx += THREADS)
@@ -47,13 +47,14 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         return;
     }
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
+    const KeyRange keys[2] = {flash_keys(p, wrow0 + g), flash_keys(p, wrow0 + g + 8)};
     const float sl2 = p.scale_log2;
 
     /* the copies fill D columns (zeros past d): the products read no more */
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d),
         vload(p.v, b, hk, p.Nk, p.d, ONES ? DK : -1);
     TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
-    kload.load(sK, 0);
+    kload.load(sK + (kb0 & 1) * KV_BYTES, kb0 * BC);
     cp_async_commit();
     if (ONES && tid < 2 * BC) { /* both V stages; made visible by top(0) */
         const uint32_t one = MmaType<T>::pack(1.f, 1.f);
@@ -93,13 +94,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     auto softmax = [&](int j) {
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
-        if (j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > wrow0 + shift)) {
+        if (flash_block_masked(p, wrow0, wrow0 + 16, j0, j0 + BC)) {
 #pragma unroll
-            for (int i = 0; i < BC / 2; i++) {
-                const int col = j0 + (i / 4) * 8 + t4 * 2 + i % 2, row = wrow0 + g + 8 * ((i / 2) % 2);
-                if (col >= p.Nk || (p.causal && col > row + shift))
+            for (int i = 0; i < BC / 2; i++)
+                if (keys[(i / 2) % 2].hides(j0 + (i / 4) * 8 + t4 * 2 + i % 2))
                     s[i] = -INFINITY;
-            }
         }
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -158,15 +157,15 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
      * Both warpgroups run every block (at most one wholly masked block for
      * the first under the causal mask): wgmma on a path the compiler cannot
      * prove uniform is serialised. */
-    top(0);
+    top(kb0);
     wgmma_fence();
     turns.wait();
-    issue_s(0);
+    issue_s(kb0);
     turns.pass();
     wgmma_wait<0>();
-    softmax(0);
+    softmax(kb0);
     rescale_pack();
-    for (int j = 1; j < nkb; j++) {
+    for (int j = kb0 + 1; j < nkb; j++) {
         top(j);
         wgmma_fence();
         turns.wait();

@@ -273,10 +273,10 @@ template <bool ON> struct Turns {
 
 /* The query block of a CTA that walks the keys (the forward, dQ): BR rows
  * from i0 (under the causal mask the longest rows first, so that the short
- * ones fill the tail), nq of them inside the sequence, and the nkb blocks
- * of BC keys that any of them sees. */
+ * ones fill the tail), nq of them inside the sequence, and the blocks of BC
+ * keys that any of them sees: kb0 .. nkb - 1 (none when nkb == kb0). */
 struct QueryBlock {
-    int i0, nq, nkb;
+    int i0, nq, kb0, nkb;
 };
 template <int BR, int BC> __device__ __forceinline__ QueryBlock query_block(const FlashParams &p)
 {
@@ -285,7 +285,8 @@ template <int BR, int BC> __device__ __forceinline__ QueryBlock query_block(cons
     QueryBlock q;
     q.i0 = qb * BR;
     q.nq = min(BR, p.Nq - q.i0);
-    q.nkb = (flash_key_end(p, q.i0 + q.nq - 1) + BC - 1) / BC;
+    q.kb0 = flash_key_begin(p, q.i0) / BC;
+    q.nkb = max(q.kb0, (flash_key_end(p, q.i0 + q.nq - 1) + BC - 1) / BC);
     return q;
 }
 

@@ -18,7 +18,8 @@ local function err(x, ref) return ft.max_abs_diff(x:cpu():double(), ref) end
 --- Runs forward and backward with impl on the GPU in dtype, from the f64
 -- CPU inputs; returns out, lse, dq, dk, dv on the CPU in f64.
 local function run_gpu(impl, dtype, q, k, v, dout, opts)
-  local o = { impl = impl, causal = opts.causal }
+  local o = { impl = impl, causal = opts.causal, window_left = opts.window_left,
+              window_right = opts.window_right }
   local qg, kg, vg = q:to(dtype):cuda(), k:to(dtype):cuda(), v:to(dtype):cuda()
   local out, lse = ft.attention(qg, kg, vg, o)
   local dq, dk, dv = ft.attention_backward(dout:to(dtype):cuda(), qg, kg, vg, out, lse, o)
@@ -26,7 +27,8 @@ local function run_gpu(impl, dtype, q, k, v, dout, opts)
 end
 
 local function reference(q, k, v, dout, opts)
-  local o = { impl = "tiled", causal = opts.causal }
+  local o = { impl = "tiled", causal = opts.causal, window_left = opts.window_left,
+              window_right = opts.window_right }
   local out, lse = ft.attention(q, k, v, o)
   local dq, dk, dv = ft.attention_backward(dout, q, k, v, out, lse, o)
   return { out = out, dq = dq, dk = dk, dv = dv }, lse
@@ -40,9 +42,14 @@ local function inputs(B, Nq, Nk, H, Hk, d)
   return q, k, v, dout
 end
 
+--- causal: a boolean, or the options table (causal, window_left, window_right).
 local function check_against_naive(dtype, B, Nq, Nk, H, Hk, d, causal)
   local q, k, v, dout = inputs(B, Nq, Nk, H, Hk, d)
-  local opts = { causal = causal }
+  local opts = type(causal) == "table" and causal or { causal = causal }
+  if type(causal) == "table" then
+    causal = ("%s window %s, %s"):format(tostring(opts.causal), tostring(opts.window_left),
+      tostring(opts.window_right))
+  end
   local ref, ref_lse = reference(q, k, v, dout, opts)
   local f = h.pack(run_gpu("flash", dtype, q, k, v, dout, opts))
   local n = h.pack(run_gpu("naive", dtype, q, k, v, dout, opts))
@@ -84,6 +91,31 @@ describe("attention on CUDA #gpu", function()
         for _, d in ipairs { 32, 64, 128, 192, 256 } do
           check_against_naive(dtype, 1, 600, 700, 4, 2, d, true)
           check_against_naive(dtype, 1, 700, 600, 2, 2, d, false)
+        end
+      end
+    end)
+    local windows = {
+      { window_left = 20, window_right = 5 },
+      { causal = true, window_left = 30 },
+      { window_left = 0, window_right = 0 },
+      { window_right = 10 },
+    }
+    for _, dtype in ipairs { "f16", "bf16", "f32" } do
+      for _, d in ipairs { 32, 64, 96, 128, 192, 256 } do
+        gpu_it(("%s d=%d sliding windows (two-sided, causal, the diagonal alone, one-sided)"):format(
+          dtype, d), function()
+          for _, w in ipairs(windows) do
+            check_against_naive(dtype, 2, 77, 93, 4, 2, d, w)
+            check_against_naive(dtype, 1, 130, 120, 2, 1, d, w)
+          end
+        end)
+      end
+    end
+    gpu_it("long sequences under a window: blocks skipped on both sides, every stage reused", function()
+      for _, dtype in ipairs { "f16", "bf16" } do
+        for _, d in ipairs { 64, 128, 256 } do
+          check_against_naive(dtype, 1, 700, 600, 4, 2, d, { causal = true, window_left = 150 })
+          check_against_naive(dtype, 1, 600, 700, 2, 2, d, { window_left = 90, window_right = 200 })
         end
       end
     end)
