@@ -169,7 +169,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     const int j0 = blockIdx.x * BC, hk = blockIdx.y, b = blockIdx.z;
     const int G = p.H / p.Hk, nk = min(BC, p.Nk - j0);
     const int key[2] = {j0 + kw * 16 + g, j0 + kw * 16 + g + 8};
-    const QueryRange seen_by[2] = {flash_queries(p, key[0]), flash_queries(p, key[1])};
+    const FullKeys full = flash_full_queries(p, j0 + kw * 16, j0 + kw * 16 + 16);
 
     /* the (query head, query block) tiles this key block meets, in order:
      * the query blocks over [i_begin, i_end) */
@@ -247,13 +247,19 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                     MmaType<T>::mma(dpt[2 * nn + 1], av, bo[2], bo[3]);
                 }
             }
-            /* P^T from the LSE (masked entries 0), dS^T = P^T (dP^T - D) */
+            /* P^T from the LSE (masked entries 0), dS^T = P^T (dP^T - D);
+             * the queries each key sees are worked out at an edge only */
+            QueryRange q0 = {0, p.Nq}, q1 = {0, p.Nq};
+            if (full.masks(i0, i0 + BWD_BR)) {
+                q0 = flash_queries(p, key[0]);
+                q1 = flash_queries(p, key[1]);
+            }
 #pragma unroll
             for (int n = 0; n < NT_Q; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int qc = n * 8 + t4 * 2 + (e % 2), qi = i0 + qc;
-                    const bool ok = qc < nq && !seen_by[e / 2].hides(qi);
+                    const bool ok = !(e / 2 ? q1 : q0).hides(qi); /* qi < Nq among them */
                     const float pt = ok ? exp2f(st[n][e] * p.scale_log2 - sL[qc]) : 0.f;
                     st[n][e] = pt;
                     dpt[n][e] = pt * (dpt[n][e] - sD[qc]);
@@ -321,7 +327,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     const int i0 = blockIdx.x * BWD_BR, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk), nq = min(BWD_BR, p.Nq - i0);
     const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
-    const KeyRange keys[2] = {flash_keys(p, row[0]), flash_keys(p, row[1])};
+    const FullKeys full = flash_full_keys(p, i0 + warp * 16, i0 + warp * 16 + 16);
 
     /* the key blocks some row of this block sees: [jbegin, jend) */
     const int jbegin = flash_key_begin(p, i0) / BC * BC;
@@ -384,12 +390,19 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
                 MmaType<T>::mma(dp[2 * nn + 1], ao, bv[2], bv[3]);
             }
         }
+        /* the keys each row sees, worked out at an edge only (rows past the
+         * end have L = +inf: P = 0) */
+        KeyRange k0 = {0, p.Nk}, k1 = {0, p.Nk};
+        if (full.masks(j0, j0 + BC)) {
+            k0 = flash_keys(p, row[0]);
+            k1 = flash_keys(p, row[1]);
+        }
 #pragma unroll
         for (int n = 0; n < NT_S; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int r = e / 2, col = j0 + n * 8 + t4 * 2 + (e % 2);
-                const bool ok = !keys[r].hides(col);
+                const bool ok = !(r ? k1 : k0).hides(col);
                 const float pr = ok ? exp2f(s[n][e] * p.scale_log2 - L[r]) : 0.f;
                 dp[n][e] = pr * (dp[n][e] - Dr[r]); /* dS */
             }

@@ -62,17 +62,17 @@ __device__ __forceinline__ void pack_frags(uint32_t (*f)[4], const float *acc)
     }
 }
 
-/* Zeroes the entries (row, col) of an accumulator (this warp's rows
- * row0 + g, + 8; columns col0 + 8 n + 2 t + e) where masked(row, col). Only
- * blocks at an edge (the end of the sequence, the causal diagonal) call it,
- * outside the hot loop. */
+/* Zeroes the entries of an accumulator (this warp's rows row0 + g + 8 r,
+ * r = 0, 1; columns col0 + 8 n + 2 t + e) where masked(r, col); r is a
+ * constant once unrolled. Only blocks at an edge (the end of the sequence,
+ * a mask's boundary) call it, outside the hot loop. */
 template <int N, typename F>
-__device__ __forceinline__ void mask_acc(float *acc, int row0, int col0, F masked)
+__device__ __forceinline__ void mask_acc(float *acc, int col0, F masked)
 {
-    const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+    const int t4 = (threadIdx.x % FT_WARP) % 4;
 #pragma unroll
     for (int i = 0; i < N; i++)
-        if (masked(row0 + g + 8 * ((i / 2) % 2), col0 + (i / 4) * 8 + t4 * 2 + i % 2))
+        if (masked((i / 2) % 2, col0 + (i / 4) * 8 + t4 * 2 + i % 2))
             acc[i] = 0.f;
 }
 
@@ -156,14 +156,14 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
 }
 
 /* dQ's dS = P (dP - D), in place of dp, for this thread's rows (row0 + g,
- * + 8, which see `keys`) and N accumulator entries from key col0, P =
- * exp2(S scale log2e - LSE); in a block at an edge (keys [block_begin,
- * block_end) past the end or hidden from some row), hidden keys are zeroed. */
+ * + 8) and N accumulator entries from key col0, P = exp2(S scale log2e -
+ * LSE); in a block at an edge (keys [block_begin, block_end) not all in
+ * `full`, the keys every row sees), hidden keys are zeroed. */
 template <int N>
 __device__ __forceinline__ void dq_dscores(const FlashParams &p, float *dp, const float *s,
-                                           const float *lse, const float *Dr,
-                                           const KeyRange *keys, int row0, int col0,
-                                           int block_begin, int block_end)
+                                           const float *lse, const float *Dr, int row0,
+                                           int col0, const FullKeys &full, int block_begin,
+                                           int block_end)
 {
 #pragma unroll
     for (int n = 0; n < N / 4; n++)
@@ -174,11 +174,10 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, float *dp, cons
                 const int idx = 4 * n + 2 * r + e;
                 dp[idx] = ex2(fmaf(s[idx], p.scale_log2, -lse[r])) * (dp[idx] - Dr[r]);
             }
-    if (flash_block_masked(p, row0, row0 + 16, block_begin, block_end)) {
-        const int row_g = row0 + (threadIdx.x % FT_WARP) / 4;
-        mask_acc<N>(dp, row0, col0, [&](int row, int col) {
-            return keys[row == row_g ? 0 : 1].hides(col);
-        });
+    if (full.masks(block_begin, block_end)) {
+        const int row = row0 + (threadIdx.x % FT_WARP) / 4;
+        const KeyRange k0 = flash_keys(p, row), k1 = flash_keys(p, row + 8);
+        mask_acc<N>(dp, col0, [&](int r, int col) { return r ? k1.hides(col) : k0.hides(col); });
     }
 }
 
@@ -215,8 +214,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
-    const int g = lane / 4;
-    const QueryRange seen_by[2] = {flash_queries(p, wkey0 + g), flash_queries(p, wkey0 + g + 8)};
+    const FullKeys full = flash_full_queries(p, wkey0, wkey0 + 16);
     QueryStream<T, BM, D, THREADS, ST> qs(p, sV + KV_BYTES, j0, j0 + BN, hk);
     const int total = qs.total;
     float dk[D / 2], dv[D / 2];
@@ -254,7 +252,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         pin_all<BM / 2>(s);
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t);
-        const bool edge = i0 + BM > p.Nq || flash_block_masked(p, i0, i0 + BM, wkey0, wkey0 + 16);
+        const bool edge = full.masks(i0, i0 + BM);
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
             const int col = n * 8 + t4 * 2;
@@ -269,10 +267,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
                 }
             }
         }
-        if (edge)
-            mask_acc<BM / 2>(s, wkey0, i0, [&](int key, int qi) {
-                return seen_by[key == wkey0 + g ? 0 : 1].hides(qi);
-            });
+        if (edge) {
+            const int key = wkey0 + lane / 4;
+            const QueryRange q0 = flash_queries(p, key), q1 = flash_queries(p, key + 8);
+            mask_acc<BM / 2>(s, i0, [&](int r, int qi) { return r ? q1.hides(qi) : q0.hides(qi); });
+        }
         pack_frags<T, BM>(pf, s);
     };
     /* dS^T = P^T (dP^T - D) into the A fragments of dK += dS^T Q */
@@ -365,8 +364,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
-    const int g = (tid % FT_WARP) / 4;
-    const KeyRange keys[2] = {flash_keys(p, wrow0 + g), flash_keys(p, wrow0 + g + 8)};
+    const FullKeys full = flash_full_keys(p, wrow0, wrow0 + 16);
     float dq[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; i++)
@@ -408,7 +406,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     auto elementwise = [&](int j) {
         pin_all<BC / 2>(s);
         pin_all<BC / 2>(dp);
-        dq_dscores<BC / 2>(p, dp, s, lse, Dr, keys, wrow0, j * BC, j * BC, (j + 1) * BC);
+        dq_dscores<BC / 2>(p, dp, s, lse, Dr, wrow0, j * BC, full, j * BC, (j + 1) * BC);
     };
 
     const Turns<TURNS> turns(wg);
@@ -528,8 +526,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     const int wkey0 = j0 + wwarp * 16; /* this warp's first key */
-    const int g = lane / 4;
-    const QueryRange seen_by[2] = {flash_queries(p, wkey0 + g), flash_queries(p, wkey0 + g + 8)};
+    const FullKeys full = flash_full_queries(p, wkey0, wkey0 + 16);
     Stream qs(p, sdS + P_BYTES, j0, j0 + BN, hk);
     const int total = qs.total;
     /* warpgroup 0 accumulates dV, warpgroup 1 dK, both DK columns wide */
@@ -572,7 +569,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         }
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t), *Dq = qs.D(t);
-        const bool edge = i0 + BM > p.Nq || flash_block_masked(p, i0, i0 + BM, wkey0, wkey0 + 16);
+        const bool edge = full.masks(i0, i0 + BM);
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -587,11 +584,11 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
                 }
             }
         if (edge) {
-            auto masked = [&](int key, int qi) {
-                return seen_by[key == wkey0 + g ? 0 : 1].hides(qi);
-            };
-            mask_acc<16>(s, wkey0, i0 + wg * 32, masked);
-            mask_acc<16>(dp, wkey0, i0 + wg * 32, masked);
+            const int key = wkey0 + lane / 4;
+            const QueryRange q0 = flash_queries(p, key), q1 = flash_queries(p, key + 8);
+            auto masked = [&](int r, int qi) { return r ? q1.hides(qi) : q0.hides(qi); };
+            mask_acc<16>(s, i0 + wg * 32, masked);
+            mask_acc<16>(dp, i0 + wg * 32, masked);
         }
         __syncthreads(); /* both warpgroups have read the swap */
         store_tile32<T>(sP, s, wg * 32);
@@ -629,8 +626,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
     const int wrow0 = i0 + wwarp * 16;
-    const int g = (tid % FT_WARP) / 4;
-    const KeyRange keys[2] = {flash_keys(p, wrow0 + g), flash_keys(p, wrow0 + g + 8)};
+    const FullKeys full = flash_full_keys(p, wrow0, wrow0 + 16);
     /* each warpgroup's share of dQ over its 32 keys of every block, DK
      * columns wide; the two shares are added at the end */
     float dq[DK / 2];
@@ -673,7 +669,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        dq_dscores<16>(p, dp, s, lse, Dr, keys, wrow0, j * BC + wg * 32, j * BC, (j + 1) * BC);
+        dq_dscores<16>(p, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC, (j + 1) * BC);
         /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
         uint32_t df[2][4];
         pack_frags<T, 32>(df, dp);

@@ -105,12 +105,34 @@ __device__ __forceinline__ int flash_query_end(const FlashParams &p, int j)
     return (int)ft_mod_query_end(&p.mod, p.Nq, p.Nk, j);
 }
 
-/* Whether the block of queries [r0, r1) and keys [j0, j1) needs a mask:
- * some pair is hidden, or some key is past the end. */
-__device__ __forceinline__ bool flash_block_masked(const FlashParams &p, int r0, int r1, int j0,
-                                                   int j1)
+/* The keys [lo, hi) that every query of a group of rows sees. A block of
+ * keys [j0, j1) needs a mask (some pair hidden, or a key past the end)
+ * unless it lies inside: two compares a block, the bounds worked out once
+ * per group of rows (lib/attn_mod.h's ft_mod_block, specialised). */
+struct FullKeys {
+    int lo, hi;
+    __device__ __forceinline__ bool masks(int j0, int j1) const { return j0 < lo || j1 > hi; }
+};
+
+/* For the queries [r0, r1): the visible intervals move right with the row,
+ * so the last row's first key and the first row's end bound them all. */
+__device__ __forceinline__ FullKeys flash_full_keys(const FlashParams &p, int r0, int r1)
 {
-    return j1 > p.Nk || ft_mod_block(&p.mod, p.Nq, p.Nk, r0, r1, j0, j1) != FT_BLOCK_FULL;
+    FullKeys f;
+    f.lo = flash_key_begin(p, r1 - 1);
+    f.hi = flash_key_end(p, r0);
+    return f;
+}
+
+/* The same from the keys' side (dK/dV): the queries [lo, hi) that see every
+ * key of [k0, k1); a block of queries [i0, i1) needs a mask unless it lies
+ * inside (also when a key or a query is past the end). */
+__device__ __forceinline__ FullKeys flash_full_queries(const FlashParams &p, int k0, int k1)
+{
+    FullKeys f;
+    f.lo = flash_query_begin(p, k1 - 1);
+    f.hi = k1 > p.Nk ? -1 : flash_query_end(p, k0);
+    return f;
 }
 
 /* The keys one query row sees, for masking element by element. */

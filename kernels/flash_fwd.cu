@@ -98,6 +98,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
     const int jbegin = flash_key_begin(p, i0) / BC * BC;
     const int jend = flash_key_end(p, i0 + nq - 1);
     const int wrow0 = i0 + warp * 16 * MT; /* this warp's first row */
+    const FullKeys full = flash_full_keys(p, wrow0, wrow0 + 16 * MT);
 
     /* prologue: Q and K_0 in one group, V_0 in the next */
     load_tile<T, BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
         }
 
         /* scale into log2 units, mask where needed, online softmax */
-        const bool edge = flash_block_masked(p, wrow0, wrow0 + 16 * MT, j0, j0 + BC);
+        const bool edge = full.masks(j0, j0 + BC);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll

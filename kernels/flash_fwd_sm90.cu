@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         return;
     }
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
-    const KeyRange keys[2] = {flash_keys(p, wrow0 + g), flash_keys(p, wrow0 + g + 8)};
+    const FullKeys full = flash_full_keys(p, wrow0, wrow0 + 16);
     const float sl2 = p.scale_log2;
 
     /* the copies fill D columns (zeros past d): the products read no more */
@@ -94,11 +94,14 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     auto softmax = [&](int j) {
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
-        if (flash_block_masked(p, wrow0, wrow0 + 16, j0, j0 + BC)) {
+        if (full.masks(j0, j0 + BC)) {
+            const KeyRange k0 = flash_keys(p, wrow0 + g), k1 = flash_keys(p, wrow0 + g + 8);
 #pragma unroll
-            for (int i = 0; i < BC / 2; i++)
-                if (keys[(i / 2) % 2].hides(j0 + (i / 4) * 8 + t4 * 2 + i % 2))
+            for (int i = 0; i < BC / 2; i++) {
+                const int col = j0 + (i / 4) * 8 + t4 * 2 + i % 2;
+                if ((i / 2) % 2 ? k1.hides(col) : k0.hides(col))
                     s[i] = -INFINITY;
+            }
         }
 #pragma unroll
         for (int r = 0; r < 2; r++) {
