@@ -14,9 +14,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <pthread.h>
 
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -26,52 +24,10 @@
 #endif
 
 #include "kernels.h"
+#include "cublas_util.h"
 
 #define THREADS 256            /* every kernel's block: 8 warps */
 #define MAX_BLOCKS (1 << 20)   /* grid-stride loops beyond this */
-#define MAX_DEVICES 64
-
-/* ---- errors and the cuBLAS handles ---- */
-
-static ft_status cublas_fail(cublasStatus_t st, const char *func, const char *what,
-                             const char *file, int line)
-{
-    const char *base = strrchr(file, '/');
-    cudaGetLastError(); /* a CUDA error under a cuBLAS one is reported here */
-    return ft_fail(st == CUBLAS_STATUS_ALLOC_FAILED ? FT_ERR_NOMEM : FT_ERR_DEVICE, func, 0,
-                   "%s failed: %s (%s, %s:%d)", what, cublasGetStatusString(st),
-                   cublasGetStatusName(st), base ? base + 1 : file, line);
-}
-
-static pthread_mutex_t handle_lock = PTHREAD_MUTEX_INITIALIZER;
-static cublasHandle_t handles[MAX_DEVICES];
-
-/* The handle of device index, which must be the current device (a cuBLAS
- * handle belongs to the device current at its creation). */
-static ft_status get_handle(int index, const char *func, cublasHandle_t *out)
-{
-    if (index < 0 || index >= MAX_DEVICES)
-        return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
-                       "cuda:%d: naive attention handles devices 0 to %d", index,
-                       MAX_DEVICES - 1);
-    ft_status st = FT_OK;
-    pthread_mutex_lock(&handle_lock);
-    if (!handles[index]) {
-        cublasHandle_t h = NULL;
-        cublasStatus_t e = cublasCreate(&h);
-        if (e != CUBLAS_STATUS_SUCCESS) {
-            st = cublas_fail(e, func, "cublasCreate", __FILE__, __LINE__);
-        } else if ((e = cublasSetStream(h, 0)) != CUBLAS_STATUS_SUCCESS) {
-            st = cublas_fail(e, func, "cublasSetStream", __FILE__, __LINE__);
-            cublasDestroy(h);
-        } else {
-            handles[index] = h;
-        }
-    }
-    *out = handles[index];
-    pthread_mutex_unlock(&handle_lock);
-    return st;
-}
 
 /* The variant of one call as the kernels see it: lib/attn_mod.h's
  * description, where ALiBi's slopes and the sinks live on the device, and
@@ -513,7 +469,8 @@ static ft_status gemm_heads(const naive_ctx *c, cublasOperation_t ta, cublasOper
                 ptr[2], C->type, (int)C->ld, stride[2], (int)s->Hk,
                 f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
             if (e != CUBLAS_STATUS_SUCCESS)
-                return cublas_fail(e, c->func, "cublasGemmStridedBatchedEx", __FILE__, __LINE__);
+                return ft_cublas_fail(e, c->func, "cublasGemmStridedBatchedEx", __FILE__,
+                                      __LINE__);
         }
     const int64_t heads = C->kv ? s->Hk : s->H;
     if (s->B > 0 && heads > 0 && m > 0 && n > 0)
@@ -578,7 +535,7 @@ static ft_status forward_work(naive_ctx *c, const ft_tensor *q, const ft_tensor 
     int64_t scores;
     FT_TRY(check_limits(c));
     FT_TRY(score_count(c, &scores));
-    FT_TRY(get_handle(c->device.index, c->func, &c->handle));
+    FT_TRY(ft_cublas_handle(c->device.index, c->func, &c->handle));
     operand Q, K, V;
     FT_TRY(input_operand(c, q, 0, &Q));
     FT_TRY(input_operand(c, k, 1, &K));
@@ -605,7 +562,7 @@ static ft_status backward_work(naive_ctx *c, const ft_tensor *dout, const ft_ten
     int64_t scores;
     FT_TRY(check_limits(c));
     FT_TRY(score_count(c, &scores));
-    FT_TRY(get_handle(c->device.index, c->func, &c->handle));
+    FT_TRY(ft_cublas_handle(c->device.index, c->func, &c->handle));
     operand Q, K, V, dO;
     FT_TRY(input_operand(c, q, 0, &Q));
     FT_TRY(input_operand(c, k, 1, &K));

@@ -9,31 +9,34 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <string.h>
 
 /* kernels.h brings internal.h in with C linkage: include it first. */
 #include "kernels.h"
 
-#include <cublas_v2.h>
+#include "cublas_util.h"
 #include <nvtx3/nvToolsExtMemCudaRt.h>
 
 #define F "ft_matmul"
-#define MAX_HANDLES 64 /* CUDA devices with a cached handle */
 
 static pthread_mutex_t handle_lock = PTHREAD_MUTEX_INITIALIZER;
-static cublasHandle_t handles[MAX_HANDLES];
+static cublasHandle_t handles[FT_CUBLAS_MAX_DEVICES];
 
-static ft_status cublas_fail(cublasStatus_t s, const char *expr, int line)
+ft_status ft_cublas_fail(cublasStatus_t st, const char *func, const char *what,
+                         const char *file, int line)
 {
-    return ft_fail(s == CUBLAS_STATUS_ALLOC_FAILED ? FT_ERR_NOMEM : FT_ERR_DEVICE,
-                   F, 0, "%s failed: %s (%s, matmul.cu:%d)", expr,
-                   cublasGetStatusString(s), cublasGetStatusName(s), line);
+    const char *base = strrchr(file, '/');
+    cudaGetLastError(); /* a CUDA error under a cuBLAS one is reported here */
+    return ft_fail(st == CUBLAS_STATUS_ALLOC_FAILED ? FT_ERR_NOMEM : FT_ERR_DEVICE, func, 0,
+                   "%s failed: %s (%s, %s:%d)", what, cublasGetStatusString(st),
+                   cublasGetStatusName(st), base ? base + 1 : file, line);
 }
 
 #define CUBLAS_TRY(expr)                                 \
     do {                                                 \
         cublasStatus_t cublas_s_ = (expr);               \
         if (cublas_s_ != CUBLAS_STATUS_SUCCESS)          \
-            return cublas_fail(cublas_s_, #expr, __LINE__); \
+            return ft_cublas_fail(cublas_s_, F, #expr, __FILE__, __LINE__); \
     } while (0)
 
 static nvtxDomainHandle_t nvtx_domain;
@@ -62,36 +65,29 @@ void ft_cuda_mark_written(const void *p, size_t bytes)
     nvtxMemCudaMarkInitialized(nvtx_domain, 0, 0, &batch);
 }
 
-/* The handle of device index (the current device), created on first use. */
-static ft_status get_handle(int index, cublasHandle_t *out)
+ft_status ft_cublas_handle(int index, const char *func, cublasHandle_t *out)
 {
-    if (index < 0 || index >= MAX_HANDLES)
-        return ft_fail(FT_ERR_UNSUPPORTED, F, 1,
-                       "CUDA device %d: cuBLAS handles are kept for devices "
-                       "0..%d only", index, MAX_HANDLES - 1);
+    if (index < 0 || index >= FT_CUBLAS_MAX_DEVICES)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
+                       "CUDA device %d: cuBLAS handles are kept for devices 0..%d only", index,
+                       FT_CUBLAS_MAX_DEVICES - 1);
+    ft_status st = FT_OK;
     pthread_mutex_lock(&handle_lock);
-    cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
-    const char *expr = NULL;
-    if (handles[index] == NULL) {
+    if (!handles[index]) {
         cublasHandle_t h = NULL;
-        s = cublasCreate(&h);
-        expr = "cublasCreate(&handle)";
-        if (s == CUBLAS_STATUS_SUCCESS) {
-            s = cublasSetStream(h, 0);
-            expr = "cublasSetStream(handle, 0)";
-            if (s == CUBLAS_STATUS_SUCCESS)
-                handles[index] = h;
-            else
-                cublasDestroy(h);
+        cublasStatus_t e = cublasCreate(&h);
+        if (e != CUBLAS_STATUS_SUCCESS) {
+            st = ft_cublas_fail(e, func, "cublasCreate", __FILE__, __LINE__);
+        } else if ((e = cublasSetStream(h, 0)) != CUBLAS_STATUS_SUCCESS) {
+            st = ft_cublas_fail(e, func, "cublasSetStream", __FILE__, __LINE__);
+            cublasDestroy(h);
+        } else {
+            handles[index] = h;
         }
     }
     *out = handles[index];
     pthread_mutex_unlock(&handle_lock);
-    if (s != CUBLAS_STATUS_SUCCESS) {
-        cudaGetLastError(); /* a failed create may leave a runtime error */
-        return cublas_fail(s, expr, __LINE__);
-    }
-    return FT_OK;
+    return st;
 }
 
 /* One operand as cuBLAS reads it: a [batch?, rows, cols] row-major view
@@ -182,7 +178,7 @@ ft_status ft_cuda_matmul(ft_tensor *out, const ft_tensor *a, const ft_tensor *b)
     if (a->shape[a->ndim - 1] == 0) /* an empty sum: cuBLAS is not asked */
         return ft_cuda_fill(out, 0.0);
     cublasHandle_t h;
-    FT_TRY(get_handle(a->device.index, &h));
+    FT_TRY(ft_cublas_handle(a->device.index, F, &h));
     /* Operands cuBLAS cannot read as they are become contiguous copies. */
     ft_tensor *ca = NULL, *cb = NULL;
     mm_operand A, B;

@@ -170,7 +170,8 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         m->sink = 1;
     }
     FT_TRY(check_dropout(func, ap, p, s->B, s->H, m));
-    /* The variants the flash kernels do not run yet (they take windows). */
+    /* The variants the flash kernels do not run yet (they take windows, and
+     * varlen one sequence at a time). */
     const char *variant = NULL;
     if (m->softcap > 0)
         variant = "softcap";
@@ -180,8 +181,6 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         variant = "sinks";
     else if (m->dropout)
         variant = "dropout";
-    else if (s->cu_q)
-        variant = "variable-length batches (cu_seqlens)";
     /* On CUDA the naive path runs every variant; "auto" takes it for them. */
     if (variant && q->device.type == FT_CUDA && p->impl == FT_ATTN_FLASH)
         return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
@@ -372,6 +371,10 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
         return ft_fail(FT_ERR_ARGUMENT, func, ap,
                        "block sizes must be 1 to %d (0: default), got block_q %lld, block_k %lld",
                        MAX_BLOCK, (long long)p->block_q, (long long)p->block_k);
+    if (cuda && (p->block_q || p->block_k))
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "block_q and block_k set the cpu's tiles; the CUDA kernels choose "
+                       "their own (leave them unset)");
     s->block_q = p->block_q ? p->block_q : DEFAULT_BLOCK_Q;
     s->block_k = p->block_k ? p->block_k : DEFAULT_BLOCK_K;
 
@@ -488,7 +491,18 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
         ft_tensor qb = seq_rows(q, iq, one.Nq), kb = seq_rows(k, ik, one.Nk),
                   vb = seq_rows(v, ik, one.Nk), ob = seq_rows(o, iq, one.Nq),
                   lb = seq_lse(l, iq, one.Nq);
-        st = run_forward(p->impl, &one, &qb, &kb, &vb, &ob, &lb);
+        if (q->device.type == FT_CUDA) {
+            /* the CUDA kernels write LSE contiguous: into its rows after */
+            ft_tensor *lc = NULL;
+            st = ft_empty_named(&lc, 3, lb.shape, lb.dtype, lb.device, func);
+            if (st == FT_OK)
+                st = run_forward(p->impl, &one, &qb, &kb, &vb, &ob, lc);
+            if (st == FT_OK)
+                st = ft_copy(&lb, lc);
+            ft_tensor_free(lc);
+        } else {
+            st = run_forward(p->impl, &one, &qb, &kb, &vb, &ob, &lb);
+        }
     }
     shape_free(&s);
     if (st != FT_OK) {
@@ -624,7 +638,15 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
                   db = seq_rows(dout, iq, one.Nq), lb = seq_lse(lse, iq, one.Nq),
                   gq = seq_rows(g[0], iq, one.Nq), gk = seq_rows(g[1], ik, one.Nk),
                   gv = seq_rows(g[2], ik, one.Nk);
-        st = run_backward(p->impl, &one, &db, &qb, &kb, &vb, &ob, &lb, &gq, &gk, &gv);
+        if (q->device.type == FT_CUDA) { /* the CUDA kernels read LSE contiguous */
+            ft_tensor *lc = NULL;
+            st = ft_contiguous(&lc, &lb);
+            if (st == FT_OK)
+                st = run_backward(p->impl, &one, &db, &qb, &kb, &vb, &ob, lc, &gq, &gk, &gv);
+            ft_tensor_free(lc);
+        } else {
+            st = run_backward(p->impl, &one, &db, &qb, &kb, &vb, &ob, &lb, &gq, &gk, &gv);
+        }
     }
     if (st == FT_OK && s.sink && p->dsink)
         st = sink_grad(func, &s, dout, out, lse, &ds);

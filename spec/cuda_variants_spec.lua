@@ -121,6 +121,39 @@ describe("attention variants on CUDA #gpu", function()
     end
   end)
 
+  gpu_it("varlen on the flash kernels (one sequence at a time), f16 and bf16, with a window", function()
+    local lens = { { 70, 90 }, { 0, 5 }, { 9, 0 }, { 1, 1 }, { 200, 130 }, { 33, 64 } }
+    local tq, tk, offq, offk = 0, 0, { 0 }, { 0 }
+    for b, l in ipairs(lens) do
+      tq, tk = tq + l[1], tk + l[2]
+      offq[b + 1], offk[b + 1] = tq, tk
+    end
+    local q, k, v, dout = randn { tq, 4, 64 }, randn { tk, 2, 64 }, randn { tk, 2, 64 }, randn { tq, 4, 64 }
+    local opts = { causal = true, window_left = 40,
+                   cu_seqlens_q = ft.tensor(offq, { dtype = "i32" }),
+                   cu_seqlens_k = ft.tensor(offk, { dtype = "i32" }) }
+    local want = run(q, k, v, dout, copy(opts, { impl = "tiled" }))
+    for _, dtype in ipairs { "f16", "bf16" } do
+      local function g(t) return t:to(dtype):cuda() end
+      local gopts = on_gpu(opts, dtype)
+      local flash = run(g(q), g(k), g(v), g(dout), copy(gopts, { impl = "flash" }))
+      local naive = run(g(q), g(k), g(v), g(dout), copy(gopts, { impl = "naive" }))
+      for _, f in ipairs { "out", "lse", "dq", "dk", "dv" } do
+        local ef = ft.max_abs_diff(cpu64(flash[f]), want[f])
+        local en = ft.max_abs_diff(cpu64(naive[f]), want[f])
+        assert.is_true(ef == ef and ef <= 2 * en + 4 * 2 ^ -7,
+          ("%s %s: flash error %g, naive %g"):format(dtype, f, ef, en))
+      end
+    end
+  end)
+
+  gpu_it("block_q and block_k are the cpu's: on CUDA a clear error", function()
+    local q = randn({ 1, 8, 2, 16 }):half():cuda()
+    local ok, e = pcall(ft.attention, q, q, q, { block_q = 32 })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(e):find("block_q and block_k set the cpu's tiles", 1, true), e)
+  end)
+
   gpu_it("dropout's mask is the same bits on CUDA as on the cpu", function()
     for _, o in ipairs { { dropout_p = 0.1, seed = 1 }, { dropout_p = 0.5, seed = 2 ^ 40 + 3, offset = 17 },
                           { dropout_p = 0.9, seed = 5, offset = 2 ^ 31 - 1 } } do
