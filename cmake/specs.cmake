@@ -72,13 +72,15 @@ endforeach()
 # same spec again with FT_NO_WGMMA=1 keeps the mma.sync kernels (what other
 # GPUs run) checked there too.
 if(FT_CUDA_ENABLED)
-  add_test(NAME cuda_attention_spec_mma
-    COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
-            --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/cuda_attention_spec.lua
-    WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
   set(FT_MMA_ENV ${FT_SPEC_ENV})
   list(APPEND FT_MMA_ENV "FT_NO_WGMMA=1")
-  set_tests_properties(cuda_attention_spec_mma PROPERTIES ENVIRONMENT "${FT_MMA_ENV}")
+  foreach(name cuda_attention_spec cuda_variants_spec)
+    add_test(NAME ${name}_mma
+      COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
+              --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/${name}.lua
+      WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
+    set_tests_properties(${name}_mma PROPERTIES ENVIRONMENT "${FT_MMA_ENV}")
+  endforeach()
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

@@ -4,7 +4,7 @@
  * materialised in device memory (O(B * H * Nq * Nk), counted by the pool's
  * statistics) and every product done by cuBLAS. f64, f32, f16, bf16.
  * Limits: seqlens, heads x head_dim and row strides up to INT_MAX (cuBLAS's
- * int); one cuBLAS handle per device, kept for the process.
+ * int); the cuBLAS handle of each device from cublas_util.h.
  * Check: the CUDA specs compare impl "naive" on cuda against the CPU naive
  * path (f64 to ~1e-12; f16/bf16 within their rounding), with causal, GQA,
  * Nq != Nk, strided and expanded q/k/v, and Nq or Nk = 0. Run them with

@@ -35,6 +35,7 @@ struct FlashParams {
     int dtype;        /* ft_dtype of every tensor above but lse and D */
     int causal;
     ft_attn_mod mod;  /* which keys each query sees: lib/attn_mod.h */
+    const float *sink; /* [H] contiguous: each row's softmax starts from it; or null */
     float scale;      /* softmax scale */
     float scale_log2; /* scale * log2(e): exp(x * scale) = exp2(x * scale_log2) */
 };
@@ -103,6 +104,21 @@ __device__ __forceinline__ int flash_query_begin(const FlashParams &p, int j)
 __device__ __forceinline__ int flash_query_end(const FlashParams &p, int j)
 {
     return (int)ft_mod_query_end(&p.mod, p.Nq, p.Nk, j);
+}
+
+/* Where a row's online softmax starts, in log2 units of the scaled scores:
+ * the running max at the sink logit and the sum at e^0 = 1 (the sink's
+ * term, with no value row); without a sink, -inf and 0. The sum is held
+ * in shares by a quad of lanes in the tensor-core kernels: `share` says
+ * whether this lane's share takes the 1. */
+__device__ __forceinline__ float flash_sink_log2(const FlashParams &p, int h)
+{
+    return p.sink ? p.sink[h] * FT_LOG2E : -INFINITY;
+}
+
+__device__ __forceinline__ float flash_sink_sum(float sink_log2, bool share)
+{
+    return share && sink_log2 != -INFINITY ? 1.f : 0.f;
 }
 
 /* The keys [lo, hi) that every query of a group of rows sees. A block of

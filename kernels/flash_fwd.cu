@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
         q[t] = c < p.d ? load_elem(p.q.data, qo + c, p.dtype) : 0.f;
         o[t] = 0.f;
     }
-    float m = -INFINITY, l = 0.f; /* m in log2 units */
+    float m = flash_sink_log2(p, h), l = flash_sink_sum(m, true); /* m in log2 units */
     const int jend = flash_key_end(p, row);
     for (int j = flash_key_begin(p, row); j < jend; j++) {
         const int64_t ko = row_offset(p.k, b, j, hk), vo = row_offset(p.v, b, j, hk);
@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
 #pragma unroll
         for (int n = 0; n < NT_O; n++)
             o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
-        m[mt][0] = m[mt][1] = -INFINITY;
-        l[mt][0] = l[mt][1] = 0.f;
+        m[mt][0] = m[mt][1] = flash_sink_log2(p, h);
+        l[mt][0] = l[mt][1] = flash_sink_sum(m[mt][0], t4 == 0);
     }
 
     for (int j0 = jbegin, buf = 0; j0 < jend; j0 += BC, buf ^= 1) {
@@ -259,6 +259,8 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
     p.dtype = q->dtype;
     p.causal = s->causal;
     p.mod = s->mod;
+    /* lib/attention.c sends a sink here only as f32, contiguous */
+    p.sink = s->sink ? (const float *)s->sink->data : nullptr;
     p.scale = (float)s->scale;
     p.scale_log2 = (float)(s->scale * 1.4426950408889634);
     return p;

@@ -39,11 +39,12 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     const int i0 = qblk.i0, nq = qblk.nq, kb0 = qblk.kb0, nkb = qblk.nkb;
     const int h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
-    if (nkb == kb0) { /* no row sees a key: O = 0, LSE = -inf */
+    const float sink2 = flash_sink_log2(p, h);
+    if (nkb == kb0) { /* no row sees a key: O = 0, LSE = -inf (or the sink) */
         for (int idx = tid; idx < nq * p.d; idx += THREADS)
             store_elem(p.out.data, row_offset(p.out, b, i0 + idx / p.d, h) + idx % p.d, p.dtype, 0.f);
         for (int idx = tid; idx < nq; idx += THREADS)
-            p.lse[((int64_t)b * p.H + h) * p.Nq + i0 + idx] = -INFINITY;
+            p.lse[((int64_t)b * p.H + h) * p.Nq + i0 + idx] = sink2 / FT_LOG2E;
         return;
     }
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
@@ -64,10 +65,17 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 
     float o[DO / 2], s[BC / 2];
     uint32_t pa[BC / 16][4];
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; /* rows g, g+8; raw units */
+    /* rows g, g+8; raw units (times sl2: log2 units); a sink starts them */
+    const float m0 = sink2 == -INFINITY ? -INFINITY : sink2 / sl2;
+    const float l0 = flash_sink_sum(sink2, t4 == 0);
+    float m[2] = {m0, m0}, l[2] = {ONES ? 0.f : l0, ONES ? 0.f : l0};
 #pragma unroll
     for (int i = 0; i < DO / 2; i++)
         o[i] = 0.f;
+    if (ONES) { /* the sum sits in O's column DK, lane t4 = 0 */
+        o[4 * (DK / 8)] = l0;
+        o[4 * (DK / 8) + 2] = l0;
+    }
 
     const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128;
     /* The top of iteration j: K_j and V_{j-1} have landed; K_{j+1} and V_j

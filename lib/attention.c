@@ -177,8 +177,8 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         variant = "softcap";
     else if (m->alibi)
         variant = "ALiBi slopes";
-    else if (m->sink)
-        variant = "sinks";
+    else if (m->sink && (p->sink->dtype != FT_F32 || (s->H > 1 && p->sink->stride[0] != 1)))
+        variant = "sinks in f64 or strided";
     else if (m->dropout)
         variant = "dropout";
     /* On CUDA the naive path runs every variant; "auto" takes it for them. */
