@@ -46,11 +46,6 @@ static size_t thread_index(void)
 }
 
 /* Which keys a query sees: lib/attn_mod.h (causal, windows). */
-static int visible(const ft_attn_shape *s, int64_t i, int64_t j)
-{
-    return ft_mod_visible(&s->mod, s->Nq, s->Nk, i, j);
-}
-
 static int64_t key_begin(const ft_attn_shape *s, int64_t i)
 {
     return ft_mod_key_begin(&s->mod, s->Nq, s->Nk, i);

@@ -102,10 +102,12 @@ static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, 
     const int modified = m->softcap > 0 || m->alibi;
     const double slope = ft_attn_slope(s, b, h);
     FN(mm_abt)(S, Q, Kt, nr, nc, s->d);
-    for (int64_t r = 0; r < nr; r++)
+    for (int64_t r = 0; r < nr; r++) {
+        /* row i0 + r sees the keys [kb, ke): columns [cb, ce) here */
+        const int64_t cb = key_begin(s, i0 + r) - j0, ce = key_end(s, i0 + r) - j0;
         for (int64_t c = 0; c < nc; c++) {
             ACC *x = S + r * nc + c;
-            if (!visible(s, i0 + r, j0 + c)) {
+            if (c < cb || c >= ce) {
                 *x = (ACC)-INFINITY;
                 if (G)
                     G[r * nc + c] = 0;
@@ -117,6 +119,7 @@ static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, 
             if (modified)
                 *x = (ACC)ft_mod_score(m, slope, s->Nq, s->Nk, i0 + r, j0 + c, (double)*x);
         }
+    }
 }
 
 /* ---- naive: S and P of a whole (b, h) materialised ---- */

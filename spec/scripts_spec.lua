@@ -193,9 +193,25 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       assert.is_truthy(out:find("| naive | f32 | 1 | 2 | 64 | 16 | true | bwd |", 1, true), out)
       local rows = lines_of(read_all(csv))
       assert.are.equal(1 + 8, #rows)
-      assert.are.equal("impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error", rows[1])
+      assert.are.equal("variant,impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error", rows[1])
       assert.is_truthy(read_all(svg):find("^<svg"))
       rmdir(clone)
+      rmdir(work)
+    end)
+
+    it("times the variants, each checked first, TFLOP/s over the visible scores", function()
+      local work = tmpdir()
+      local out, status = lua(ROOT .. "/scripts/bench.lua",
+        "--device cpu --dtype f32 --hdim 8 --seqlen 64 --causal true --pass fwd,bwd --impl tiled"
+        .. " --variant none,window:8,alibi,softcap:5,sink,dropout:0.2 --tokens 64 --width 16"
+        .. " --warmup 0 --reps 1", { dir = work, env = "FT_BUILD_DIR=" .. quote(BUILD) })
+      assert.are.equal(0, status, out)
+      assert.is_nil(out:find("FAILED", 1, true), out)
+      for _, v in ipairs { "none", "window:8", "alibi", "softcap:5", "sink", "dropout:0.2" } do
+        assert.is_truthy(out:find("| " .. v .. " | tiled | f32 | 1 | 2 | 64 | 8 | true | bwd |", 1, true), out)
+      end
+      local _, bad = lua(ROOT .. "/scripts/bench.lua", "--device cpu --variant window:-3", { dir = work })
+      assert.are.equal(2, bad)
       rmdir(work)
     end)
 
