@@ -170,6 +170,19 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         m->sink = 1;
     }
     FT_TRY(check_dropout(func, ap, p, s->B, s->H, m));
+    s->mods = NULL, s->mod_tensors = NULL, s->mod_fault = NULL;
+    s->mod_scratch = NULL, s->mod_scratch_per_thread = 0;
+    if (p->mods) {
+        if (q->device.type == FT_CUDA)
+            return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                           "mods on CUDA tensors: not supported yet (the cpu runs them)");
+        if (p->mod_ntensors > 0 && !p->mod_tensors)
+            return ft_fail(FT_ERR_ARGUMENT, func, ap, "mod_tensors is NULL");
+        FT_TRY(ft_attn_mods_check_tensors(p->mods, func, ap, p->mod_ntensors, p->mod_tensors,
+                                          q->device));
+        s->mods = p->mods;
+        s->mod_tensors = p->mod_tensors;
+    }
     /* The variants the flash kernels do not run yet (they take windows, and
      * varlen one sequence at a time). */
     const char *variant = NULL;
@@ -419,6 +432,15 @@ static ft_status run_backward(ft_attn_impl impl, const ft_attn_shape *s,
     return ft_attention_backward_cpu(impl, s, dout, q, k, v, out, lse, dq, dk, dv);
 }
 
+/* A mod read one of its tensors out of range (the nearest element was
+ * read instead): the call fails. */
+static ft_status mod_fault(const char *func)
+{
+    return ft_fail(FT_ERR_ARGUMENT, func, 0,
+                   "mods: a read of a captured tensor was out of range (indices are 1-based "
+                   "and must lie within the tensor's shape)");
+}
+
 static void shape_free(ft_attn_shape *s)
 {
     free((void *)s->cu_q);
@@ -474,7 +496,9 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
     *lse = NULL;
     ft_attn_shape s;
     ft_tensor *o = NULL, *l = NULL;
+    int fault = 0;
     ft_status st = check_qkv(func, 1, 4, q, k, v, p, &s);
+    s.mod_fault = &fault;
     if (st == FT_OK)
         st = ft_empty_named(&o, q->ndim, q->shape, q->dtype, q->device, func);
     if (st == FT_OK) {
@@ -505,6 +529,8 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
         }
     }
     shape_free(&s);
+    if (st == FT_OK && fault)
+        st = mod_fault(func);
     if (st != FT_OK) {
         ft_tensor_free(o);
         ft_tensor_free(l);
@@ -621,7 +647,9 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     if (p && p->dsink)
         *p->dsink = NULL;
     ft_attn_shape s;
+    int fault = 0;
     ft_status st = check_qkv(func, 2, 7, q, k, v, p, &s);
+    s.mod_fault = &fault;
     if (st == FT_OK)
         st = check_backward_inputs(func, &s, dout, q, out, lse);
     ft_tensor *g[3] = {NULL, NULL, NULL}, *ds = NULL;
@@ -651,6 +679,8 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     if (st == FT_OK && s.sink && p->dsink)
         st = sink_grad(func, &s, dout, out, lse, &ds);
     shape_free(&s);
+    if (st == FT_OK && fault)
+        st = mod_fault(func);
     if (st != FT_OK) {
         for (int i = 0; i < 3; i++)
             ft_tensor_free(g[i]);

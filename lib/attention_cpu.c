@@ -17,6 +17,7 @@
 #include "internal.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -185,6 +186,27 @@ void ft_attention_sink_grad_cpu(const ft_attn_shape *s, const ft_tensor *dout,
     }
 }
 
+/* A copy of s with the mods interpreter's scratch (rows of `width`
+ * scores) for nthreads threads; *s unchanged without mods. Freed by
+ * mods_scratch_free. */
+static ft_status mods_scratch_new(ft_attn_shape *copy, const ft_attn_shape *s, int nthreads,
+                                  int64_t width, const char *func)
+{
+    *copy = *s;
+    copy->mod_scratch = NULL;
+    copy->mod_scratch_per_thread = 0;
+    if (!s->mods)
+        return FT_OK;
+    if (width < 1)
+        width = 1;
+    const size_t per = ft_attn_mods_scratch(s->mods, width) + 4 * (size_t)width;
+    copy->mod_scratch = malloc(per * (size_t)nthreads * sizeof(double));
+    if (!copy->mod_scratch)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the mods' scratch");
+    copy->mod_scratch_per_thread = per;
+    return FT_OK;
+}
+
 ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
                                    const ft_tensor *q, const ft_tensor *k,
                                    const ft_tensor *v, ft_tensor *out, ft_tensor *lse)
@@ -203,12 +225,16 @@ ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
     ft_storage *scratch;
     FT_TRY(scratch_new(&scratch, per, nthreads, 0, f64 ? sizeof(double) : sizeof(float),
                        "ft_attention_forward"));
-    if (f64)
-        forward_f64(impl, s, q, k, v, out, lse, scratch->data, (size_t)per, nthreads);
-    else
-        forward_f32(impl, s, q, k, v, out, lse, scratch->data, (size_t)per, nthreads);
+    ft_attn_shape sm;
+    ft_status st = mods_scratch_new(&sm, s, nthreads, impl == FT_ATTN_NAIVE ? s->Nk : s->block_k,
+                                    "ft_attention_forward");
+    if (st == FT_OK && f64)
+        forward_f64(impl, &sm, q, k, v, out, lse, scratch->data, (size_t)per, nthreads);
+    else if (st == FT_OK)
+        forward_f32(impl, &sm, q, k, v, out, lse, scratch->data, (size_t)per, nthreads);
+    free(sm.mod_scratch);
     ft_storage_release(scratch);
-    return FT_OK;
+    return st;
 }
 
 ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
@@ -236,15 +262,19 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
     FT_TRY(scratch_new(&scratch, per, nthreads, nD, f64 ? sizeof(double) : sizeof(float),
                        "ft_attention_backward"));
     size_t threads_part = (size_t)per * (size_t)nthreads;
-    if (f64) {
+    ft_attn_shape sm;
+    ft_status st = mods_scratch_new(&sm, s, nthreads, impl == FT_ATTN_NAIVE ? s->Nk : s->block_k,
+                                    "ft_attention_backward");
+    if (st == FT_OK && f64) {
         double *base = scratch->data;
-        backward_f64(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per, nthreads,
-                     base + threads_part);
-    } else {
+        backward_f64(impl, &sm, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per,
+                     nthreads, base + threads_part);
+    } else if (st == FT_OK) {
         float *base = scratch->data;
-        backward_f32(impl, s, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per, nthreads,
-                     base + threads_part);
+        backward_f32(impl, &sm, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per,
+                     nthreads, base + threads_part);
     }
+    free(sm.mod_scratch);
     ft_storage_release(scratch);
-    return FT_OK;
+    return st;
 }

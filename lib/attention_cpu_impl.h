@@ -89,6 +89,44 @@ static void FN(mm_abt)(ACC *C, const ACC *A, const ACC *Bt, int64_t nr, int64_t 
     }
 }
 
+/* The Lua-written modifications (lib/mods.c's interpreter, a row at a
+ * time) on scores S [nr, nc] that the built-in variants have made: a
+ * masked pair becomes -inf, a kept one f(s), and G (when not NULL) is
+ * multiplied by f's derivative. Scratch: this thread's part of
+ * s->mod_scratch, 2 nodes + 4 rows of nc doubles. */
+static void FN(apply_mods)(ACC *S, ACC *G, int64_t nr, int64_t nc, int64_t i0, int64_t j0,
+                           const ft_attn_shape *s, int64_t b, int64_t h)
+{
+    double *base = s->mod_scratch + thread_index() * s->mod_scratch_per_thread;
+    double *in = base, *score = in + nc, *dscore = score + nc;
+    int *keep = (int *)(dscore + nc);
+    double *work = dscore + 2 * nc;
+    const int has_score = ft_attn_mods_has_score(s->mods);
+    for (int64_t r = 0; r < nr; r++) {
+        ACC *row = S + r * nc;
+        for (int64_t c = 0; c < nc; c++)
+            in[c] = (double)row[c];
+        ft_attn_mods_eval_row(s->mods, s->mod_tensors, s->batch0 + b, h, i0 + r, j0, nc,
+                              in, has_score ? score : NULL, G && has_score ? dscore : NULL,
+                              keep, work, s->mod_fault);
+        for (int64_t c = 0; c < nc; c++) {
+            if (row[c] == (ACC)-INFINITY) /* hidden by a built-in mask */
+                continue;
+            if (!keep[c]) {
+                row[c] = (ACC)-INFINITY;
+                if (G)
+                    G[r * nc + c] = 0;
+                continue;
+            }
+            if (has_score) {
+                row[c] = (ACC)score[c];
+                if (G)
+                    G[r * nc + c] *= (ACC)dscore[c];
+            }
+        }
+    }
+}
+
 /* The scores of query rows i0.. (Q) against key rows j0.. (Kt, transposed
  * [d, nc]) of batch b, head h: x = scale * Q[r] . K[c], modified as
  * lib/attn_mod.h says (softcap, ALiBi) for visible pairs, -inf for masked
@@ -120,6 +158,8 @@ static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, 
                 *x = (ACC)ft_mod_score(m, slope, s->Nq, s->Nk, i0 + r, j0 + c, (double)*x);
         }
     }
+    if (s->mods)
+        FN(apply_mods)(S, G, nr, nc, i0, j0, s, b, h);
 }
 
 /* ---- naive: S and P of a whole (b, h) materialised ---- */

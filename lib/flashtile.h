@@ -308,6 +308,54 @@ typedef enum ft_attn_impl {
     FT_ATTN_FLASH = 3  /* the CUDA kernels (a CUDA build) */
 } ft_attn_impl;
 
+/* Attention modifications (Lua: ft.attention_mods): a score function
+ * f(s, b, h, i, j) and a mask m(b, h, i, j) as a graph of nodes in
+ * evaluation order (each operand an earlier node). s is the scaled score
+ * (after the built-in variants); b, h, i, j are 1-based. Comparisons and
+ * logic give 1 or 0; FT_MOD_READ reads captured tensor `a` (0-based, of
+ * the tensors passed with each call) at the 1-based indices given by the
+ * nodes indices[b .. b + c - 1]. */
+typedef enum ft_mod_op {
+    FT_MOD_S, FT_MOD_B, FT_MOD_H, FT_MOD_I, FT_MOD_J, FT_MOD_CONST,
+    FT_MOD_ADD, FT_MOD_SUB, FT_MOD_MUL, FT_MOD_DIV, FT_MOD_MOD, FT_MOD_POW, FT_MOD_NEG,
+    FT_MOD_EQ, FT_MOD_NE, FT_MOD_LT, FT_MOD_LE, FT_MOD_GT, FT_MOD_GE,
+    FT_MOD_AND, FT_MOD_OR, FT_MOD_NOT, FT_MOD_WHERE,
+    FT_MOD_ABS, FT_MOD_EXP, FT_MOD_LOG, FT_MOD_SQRT, FT_MOD_TANH, FT_MOD_SIGMOID,
+    FT_MOD_MIN, FT_MOD_MAX, FT_MOD_FLOOR, FT_MOD_READ,
+    FT_MOD_OP_COUNT
+} ft_mod_op;
+
+#define FT_MOD_MAX_NODES 4096
+#define FT_MOD_MAX_TENSORS 64
+
+typedef struct ft_mod_node {
+    int32_t op;      /* ft_mod_op */
+    int32_t a, b, c; /* operand nodes; READ: tensor, first index, count */
+    double value;    /* FT_MOD_CONST */
+} ft_mod_node;
+
+typedef struct ft_attn_mods ft_attn_mods;
+
+/* Checks and copies a graph: score and mask are root nodes (-1: none, not
+ * both); the mask may not depend on s. Inputs: nodes=2, indices=4,
+ * ntensors=5, score=6, mask=7. */
+FT_API ft_status ft_attn_mods_new(ft_attn_mods **out, int nnodes, const ft_mod_node *nodes,
+                                  int nindices, const int32_t *indices, int ntensors,
+                                  int score, int mask);
+FT_API void ft_attn_mods_free(ft_attn_mods *m);
+/* How many tensors the graph reads (each call passes that many), and its
+ * node count. */
+FT_API int ft_attn_mods_tensors(const ft_attn_mods *m);
+FT_API int ft_attn_mods_nodes_count(const ft_attn_mods *m);
+/* The graph at one point (b, h, i, j 0-based here): the score, its
+ * derivative in s, the mask's verdict; *fault set by a read out of range.
+ * work: 2 * nodes doubles. For checking a trace. */
+FT_API void ft_attn_mods_eval_point(const ft_attn_mods *m, const ft_tensor *const *tensors,
+                                    int64_t b, int64_t h, int64_t i, int64_t j, double s,
+                                    double *score, double *dscore, int *keep, double *work,
+                                    int *fault);
+FT_API const char *ft_mod_op_name(int op);
+
 /* Every option of attention, forward and backward. Fill it with
  * ft_attn_params_init and change what you need; a later feature is a new
  * field here, never a new signature. */
@@ -338,6 +386,10 @@ typedef struct ft_attn_params {
     /* Backward with a sink: where the sink's gradient (a new tensor
      * shaped and typed like sink) goes; NULL: not returned. */
     ft_tensor **dsink;
+    /* Modifications (NULL: none) and the tensors they read, in order. */
+    const ft_attn_mods *mods;
+    int mod_ntensors;
+    const ft_tensor *const *mod_tensors;
 } ft_attn_params;
 
 FT_API void ft_attn_params_init(ft_attn_params *p);

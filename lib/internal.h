@@ -294,12 +294,36 @@ typedef struct ft_attn_shape {
     int64_t batch0;
     const int64_t *cu_q, *cu_k;  /* varlen: B + 1 offsets each (host copies) */
     int variant;                 /* any variant on (CUDA runs them naive) */
+    const ft_attn_mods *mods;    /* or NULL; with the tensors it reads */
+    const ft_tensor *const *mod_tensors;
+    int *mod_fault;              /* set when a mod read out of range */
+    double *mod_scratch;         /* the interpreter's, per thread (cpu) */
+    size_t mod_scratch_per_thread;
 } ft_attn_shape;
 
 /* acc[h] -= sum over b, i of e^(sink_h - lse) (dout . out): the sink's
  * gradient (a row's sink probability times D = rowsum(dout * out)). */
 void ft_attention_sink_grad_cpu(const ft_attn_shape *s, const ft_tensor *dout,
                                 const ft_tensor *out, const ft_tensor *lse, double *acc);
+/* mods.c: the counts of a graph, its check against the tensors of a call
+ * (count, dims, device), the scratch doubles a row of `width` needs, and
+ * the interpreter: for query i of (b, h) and keys j0 .. j0 + nc - 1
+ * (0-based; the graph sees them 1-based), from the scores s (NULL when the
+ * graph has no score), writes the modified scores, d score / ds and the
+ * mask's verdict (1 keep) into whichever of score, dscore, keep is not
+ * NULL. A read out of range sets *fault. */
+int ft_attn_mods_nodes(const ft_attn_mods *m);
+int ft_attn_mods_has_score(const ft_attn_mods *m);
+int ft_attn_mods_has_mask(const ft_attn_mods *m);
+ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, int arg,
+                                     int ntensors, const ft_tensor *const *tensors,
+                                     ft_device device);
+size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width);
+void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,
+                           int64_t h, int64_t i, int64_t j0, int64_t nc, const double *s,
+                           double *score, double *dscore, int *keep, double *scratch,
+                           int *fault);
+
 /* ALiBi's slope for batch batch0 + b, head h (0 without ALiBi). */
 double ft_attn_slope(const ft_attn_shape *s, int64_t b, int64_t h);
 /* The sink logit of head h (-inf without a sink). */

@@ -626,7 +626,13 @@ static ft_device check_device(lua_State *L, int idx)
  * pushed on the stack, so it stays alive for the call whatever Lua code
  * does to the table meanwhile. */
 typedef enum { OPT_BOOL, OPT_INT, OPT_NUMBER, OPT_DTYPE, OPT_DEVICE, OPT_IMPL,
-               OPT_TENSOR } opt_kind;
+               OPT_TENSOR, OPT_MODS } opt_kind;
+
+#define MODS_MT "flashtile.AttentionModsGraph"
+
+typedef struct ud_mods {
+    ft_attn_mods *m;
+} ud_mods;
 
 typedef struct opt_spec {
     const char *name;
@@ -642,11 +648,53 @@ typedef struct opt_value {
     ft_device device;
     ft_attn_impl impl;
     ft_tensor *tensor;
+    const ft_attn_mods *mods; /* OPT_MODS: the graph, and its tensors */
+    int mod_ntensors;
+    const ft_tensor **mod_tensors;
 } opt_value;
 
 static const char *const opt_kind_names[] = {"a boolean", "an integer", "a number",
                                              "a dtype name", "a device name",
-                                             "an implementation name", "a tensor"};
+                                             "an implementation name", "a tensor",
+                                             "ft.attention_mods{...}"};
+
+/* The mods option (a table made by ft.attention_mods: raw fields graph, the
+ * compiled graph, and tensors, the tensors it reads): the table, the
+ * graph and every tensor are pushed on the stack, so they stay for the
+ * call whatever Lua code does meanwhile; the pointers to the tensors live
+ * in a userdata pushed there too. */
+static void read_mods_option(lua_State *L, int idx, const char *name, opt_value *v)
+{
+    lua_pushstring(L, name);
+    lua_rawget(L, idx);
+    const int t = lua_gettop(L);
+    lua_pushliteral(L, "graph");
+    lua_rawget(L, t);
+    ud_mods *g = luaL_testudata(L, -1, MODS_MT);
+    if (!g || !g->m)
+        luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be made by ft.attention_mods",
+                                              name));
+    lua_pushliteral(L, "tensors");
+    lua_rawget(L, t);
+    const int tt = lua_gettop(L);
+    const int want = ft_attn_mods_tensors(g->m);
+    if (lua_type(L, tt) != LUA_TTABLE || (int)lua_rawlen(L, tt) != want)
+        luaL_argerror(L, idx, lua_pushfstring(L, "option '%s': its tensors must be a list of %d",
+                                              name, want));
+    const ft_tensor **ptrs = lua_newuserdata(L, sizeof *ptrs * (size_t)(want > 0 ? want : 1));
+    luaL_checkstack(L, want + 4, "too many tensors in mods");
+    for (int k = 0; k < want; k++) {
+        lua_rawgeti(L, tt, k + 1);
+        ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
+        if (!u || !u->t)
+            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s': tensor %d %s", name, k + 1,
+                                                  u ? "has been freed" : "is not a tensor"));
+        ptrs[k] = u->t; /* stays on the stack */
+    }
+    v->mods = g->m;
+    v->mod_ntensors = want;
+    v->mod_tensors = ptrs;
+}
 
 /* Reads the options at idx (none or nil: all absent) into out[i] for
  * spec[i] (n entries). Tensor options are left on the stack. */
@@ -708,6 +756,9 @@ static void read_options(lua_State *L, int idx, const opt_spec *spec, int n, opt
         case OPT_TENSOR:
             ok = luaL_testudata(L, -1, TENSOR_MT) != NULL;
             break;
+        case OPT_MODS:
+            ok = type == LUA_TTABLE;
+            break;
         }
         if (!ok) {
             const char *tname = luaL_typename(L, -1), *shown = "";
@@ -732,6 +783,9 @@ static void read_options(lua_State *L, int idx, const opt_spec *spec, int n, opt
                                                         : "must be a tensor"));
             out[i].tensor = u->t;
         }
+    for (int i = 0; i < n; i++)
+        if (out[i].present && spec[i].kind == OPT_MODS)
+            read_mods_option(L, idx, spec[i].name, &out[i]);
 }
 
 typedef struct options {
@@ -1788,7 +1842,8 @@ static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
         {"window_left", OPT_INT},    {"window_right", OPT_INT},    {"softcap", OPT_NUMBER},
         {"alibi_slopes", OPT_TENSOR}, {"dropout_p", OPT_NUMBER},   {"seed", OPT_INT},
         {"cu_seqlens_q", OPT_TENSOR}, {"cu_seqlens_k", OPT_TENSOR}, {"sink", OPT_TENSOR},
-        {"offset", OPT_INT},         {"max_seqlen_q", OPT_INT},    {"max_seqlen_k", OPT_INT}};
+        {"offset", OPT_INT},         {"max_seqlen_q", OPT_INT},    {"max_seqlen_k", OPT_INT},
+        {"mods", OPT_MODS}};
     enum { N = sizeof spec / sizeof spec[0] };
     opt_value v[N];
     read_options(L, idx, spec, N, v);
@@ -1821,6 +1876,113 @@ static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
     p->dropout_offset = (uint64_t)v[15].integer;
     p->max_seqlen_q = v[16].integer;
     p->max_seqlen_k = v[17].integer;
+    p->mods = v[18].mods;
+    p->mod_ntensors = v[18].mod_ntensors;
+    p->mod_tensors = v[18].mod_tensors;
+}
+
+/* graph = core.attention_mods_graph(nodes, indices, ntensors, score, mask):
+ * nodes a list of {op, a, b, c, value} (op a number of core.mod_ops; a, b,
+ * c 1-based node numbers, or for a read the 1-based tensor, first index,
+ * count), indices a list of 1-based node numbers, score and mask 1-based
+ * roots or 0 for none. */
+static int l_attention_mods_graph(lua_State *L)
+{
+    luaL_checktype(L, 1, LUA_TTABLE);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    const lua_Integer ntensors = luaL_checkinteger(L, 3);
+    const lua_Integer score = luaL_checkinteger(L, 4), mask = luaL_checkinteger(L, 5);
+    const size_t nn = lua_rawlen(L, 1), ni = lua_rawlen(L, 2);
+    if (nn < 1 || nn > FT_MOD_MAX_NODES || ni > FT_MOD_MAX_NODES)
+        return luaL_argerror(L, 1, "a graph has 1 to 4096 nodes and indices");
+    ft_mod_node *nodes = lua_newuserdata(L, nn * sizeof *nodes);
+    int32_t *idx = lua_newuserdata(L, (ni > 0 ? ni : 1) * sizeof *idx);
+    for (size_t n = 0; n < nn; n++) {
+        lua_rawgeti(L, 1, (lua_Integer)n + 1);
+        if (lua_type(L, -1) != LUA_TTABLE)
+            return luaL_argerror(L, 1, "each node must be a table {op, a, b, c, value}");
+        double f[5];
+        for (int k = 0; k < 5; k++) {
+            lua_rawgeti(L, -1, k + 1);
+            f[k] = lua_type(L, -1) == LUA_TNUMBER ? lua_tonumber(L, -1) : 0;
+            lua_pop(L, 1);
+        }
+        lua_pop(L, 1);
+        for (int k = 0; k < 4; k++)
+            if (!(f[k] >= -1e9 && f[k] <= 1e9))
+                return luaL_argerror(L, 1, "node fields out of range");
+        const int read = (int)f[0] == FT_MOD_READ;
+        nodes[n].op = (int32_t)f[0];
+        /* 1-based in Lua, 0-based here (a read's count stays a count) */
+        nodes[n].a = (int32_t)f[1] - 1;
+        nodes[n].b = (int32_t)f[2] - 1;
+        nodes[n].c = read ? (int32_t)f[3] : (int32_t)f[3] - 1;
+        nodes[n].value = f[4];
+    }
+    for (size_t k = 0; k < ni; k++) {
+        lua_rawgeti(L, 2, (lua_Integer)k + 1);
+        const double x = lua_type(L, -1) == LUA_TNUMBER ? lua_tonumber(L, -1) : 0;
+        lua_pop(L, 1);
+        idx[k] = x >= 1 && x <= 1e9 ? (int32_t)x - 1 : -1;
+    }
+    if (ntensors < 0 || ntensors > FT_MOD_MAX_TENSORS || score < 0 || score > (lua_Integer)nn ||
+        mask < 0 || mask > (lua_Integer)nn)
+        return luaL_argerror(L, 3, "bad tensor count or roots");
+    ud_mods *u = lua_newuserdata(L, sizeof *u);
+    u->m = NULL;
+    luaL_setmetatable(L, MODS_MT);
+    CALL(L, NO_ARG, ft_attn_mods_new(&u->m, (int)nn, nodes, (int)ni, idx, (int)ntensors,
+                                     (int)score - 1, (int)mask - 1));
+    return 1;
+}
+
+/* score, dscore, keep, fault = core.attention_mods_eval(graph, tensors, s,
+ * b, h, i, j): the graph at one point (b, h, i, j 1-based), for checking a
+ * trace against its Lua function; fault when a read was out of range. */
+static int l_attention_mods_eval(lua_State *L)
+{
+    ud_mods *g = luaL_checkudata(L, 1, MODS_MT);
+    if (!g->m)
+        return luaL_argerror(L, 1, "freed graph");
+    luaL_checktype(L, 2, LUA_TTABLE);
+    const double sv = luaL_checknumber(L, 3);
+    int64_t at[4];
+    for (int k = 0; k < 4; k++) {
+        const lua_Integer x = luaL_checkinteger(L, 4 + k);
+        if (x < 1 || x > ((lua_Integer)1 << 40))
+            return luaL_argerror(L, 4 + k, "an index from 1");
+        at[k] = (int64_t)x - 1;
+    }
+    const int n = ft_attn_mods_tensors(g->m);
+    if ((int)lua_rawlen(L, 2) != n)
+        return luaL_argerror(L, 2, "the graph's tensors expected");
+    const ft_tensor **ts = lua_newuserdata(L, sizeof *ts * (size_t)(n > 0 ? n : 1));
+    luaL_checkstack(L, n + 4, "too many tensors");
+    for (int k = 0; k < n; k++) {
+        lua_rawgeti(L, 2, k + 1);
+        ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
+        if (!u || !u->t || u->t->device.type != FT_CPU)
+            return luaL_argerror(L, 2, "cpu tensors expected");
+        ts[k] = u->t;
+    }
+    double *work = lua_newuserdata(L, sizeof(double) * (2 * (size_t)ft_attn_mods_nodes_count(g->m) + 1));
+    double score = 0, dscore = 0;
+    int keep = 1, fault = 0;
+    ft_attn_mods_eval_point(g->m, ts, at[0], at[1], at[2], at[3], sv, &score, &dscore, &keep,
+                            work, &fault);
+    lua_pushnumber(L, score);
+    lua_pushnumber(L, dscore);
+    lua_pushboolean(L, keep);
+    lua_pushboolean(L, fault);
+    return 4;
+}
+
+static int mods_gc(lua_State *L)
+{
+    ud_mods *u = luaL_checkudata(L, 1, MODS_MT);
+    ft_attn_mods_free(u->m);
+    u->m = NULL;
+    return 0;
 }
 
 /* out, lse = ft.attention(q, k, v [, opts]) */
@@ -2085,6 +2247,19 @@ static int t_index(lua_State *L)
             return 1;
         }
     }
+    if (lua_type(L, 2) == LUA_TTABLE && lua_getmetatable(L, 2)) {
+        /* a symbolic key (flashtile.mods traces t[expr]): its metatable's
+         * __ft_index makes the read; t_index holds no pointer meanwhile */
+        lua_pushliteral(L, "__ft_index");
+        lua_rawget(L, -2);
+        if (lua_isfunction(L, -1)) {
+            lua_pushvalue(L, 1);
+            lua_pushvalue(L, 2);
+            lua_call(L, 2, 1);
+            return 1;
+        }
+        lua_pop(L, 2);
+    }
     lua_pushvalue(L, 2);
     lua_rawget(L, lua_upvalueindex(1));
     return 1;
@@ -2173,6 +2348,8 @@ static const luaL_Reg module_functions[] = {
     {"reset_peak_memory", l_reset_peak_memory},       {"is_tensor", l_is_tensor},
     {"clock", l_clock},         {"attention", l_attention}, {"attention_backward", l_attention_backward},
     {"attention_dropout_mask", l_attention_dropout_mask},
+    {"attention_mods_graph", l_attention_mods_graph},
+    {"attention_mods_eval", l_attention_mods_eval},
     {NULL, NULL}};
 
 FT_API int luaopen_flashtile_core(lua_State *L)
@@ -2208,6 +2385,18 @@ FT_API int luaopen_flashtile_core(lua_State *L)
     lua_setfield(L, -2, "Tensor");
     lua_pushliteral(L, FT_VERSION);
     lua_setfield(L, -2, "version");
+
+    /* the mods graph's metatable, and the op codes for flashtile.mods */
+    new_class_metatable(L, MODS_MT);
+    lua_pushcfunction(L, mods_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_pop(L, 1);
+    lua_newtable(L);
+    for (int op = 0; op < FT_MOD_OP_COUNT; op++) {
+        lua_pushinteger(L, op);
+        lua_setfield(L, -2, ft_mod_op_name(op));
+    }
+    lua_setfield(L, -2, "mod_ops");
 
     /* ft.cuda, and the event metatable */
     new_class_metatable(L, EVENT_MT);

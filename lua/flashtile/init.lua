@@ -9,8 +9,11 @@
 local core = require "flashtile.core"
 
 local ft = {}
+-- (flashtile.mods alone uses the graph functions and op codes of the core)
+local internal = { Tensor_methods = true, attention_mods_graph = true, attention_mods_eval = true,
+                   mod_ops = true }
 for k, v in pairs(core) do
-  if k ~= "Tensor_methods" then ft[k] = v end
+  if not internal[k] then ft[k] = v end
 end
 
 local methods = core.Tensor_methods
@@ -138,6 +141,15 @@ Tensor.__tostring = function(t)
                          shape_string(t))
   end)
   return ok and s or "[flashtile.Tensor (freed)]"
+end
+
+-- ---- attention modifications written in Lua (flashtile.mods) --------------------
+
+do
+  local mods = require "flashtile.mods"
+  for _, name in ipairs { "attention_mods", "where", "all", "any", "negate", "min", "max" } do
+    ft[name] = mods[name]
+  end
 end
 
 return ft

@@ -1,0 +1,301 @@
+/*
+ * mods.c - attention modifications as expression graphs (ft_attn_mods):
+ * a score function f(s, b, h, i, j) and a mask m(b, h, i, j), traced from
+ * Lua (lua/flashtile/mods.lua) into a list of nodes in evaluation order,
+ * checked here once, and evaluated by a small interpreter a whole row of a
+ * tile at a time (the CPU paths in attention_cpu_impl.h), with the
+ * derivative of each node with respect to s carried along (forward-mode:
+ * value and d/ds per node), which the backward needs.
+ *
+ * Indices b, h, i, j are 1-based as in Lua; a read of a captured tensor
+ * takes 1-based indices too. A read out of range reads the nearest element
+ * and records a fault, which the call reports as an error.
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct ft_attn_mods {
+    int nnodes;
+    ft_mod_node *nodes;
+    int nindices;
+    int32_t *indices;
+    int ntensors;
+    int score, mask; /* roots, or -1 */
+};
+
+static const char *const op_names[FT_MOD_OP_COUNT] = {
+    "s", "b", "h", "i", "j", "const", "+", "-", "*", "/", "%", "^", "unary -",
+    "eq", "ne", "lt", "le", "gt", "ge", "all", "any", "negate", "where", "abs", "exp",
+    "log", "sqrt", "tanh", "sigmoid", "min", "max", "floor", "read"};
+
+const char *ft_mod_op_name(int op)
+{
+    return op >= 0 && op < FT_MOD_OP_COUNT ? op_names[op] : "?";
+}
+
+/* How many operand nodes an op takes (READ: its indices, in `indices`). */
+static int arity(int op)
+{
+    switch (op) {
+    case FT_MOD_S: case FT_MOD_B: case FT_MOD_H: case FT_MOD_I: case FT_MOD_J:
+    case FT_MOD_CONST: case FT_MOD_READ:
+        return 0;
+    case FT_MOD_NEG: case FT_MOD_NOT: case FT_MOD_ABS: case FT_MOD_EXP: case FT_MOD_LOG:
+    case FT_MOD_SQRT: case FT_MOD_TANH: case FT_MOD_SIGMOID: case FT_MOD_FLOOR:
+        return 1;
+    case FT_MOD_WHERE:
+        return 3;
+    default:
+        return 2;
+    }
+}
+
+ft_status ft_attn_mods_new(ft_attn_mods **out, int nnodes, const ft_mod_node *nodes,
+                           int nindices, const int32_t *indices, int ntensors, int score,
+                           int mask)
+{
+    static const char func[] = "ft_attn_mods_new";
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
+    *out = NULL;
+    if (nnodes < 1 || nnodes > FT_MOD_MAX_NODES || !nodes)
+        return ft_fail(FT_ERR_ARGUMENT, func, 2, "a graph has 1 to %d nodes, got %d",
+                       FT_MOD_MAX_NODES, nnodes);
+    if (nindices < 0 || nindices > FT_MOD_MAX_NODES || (nindices > 0 && !indices))
+        return ft_fail(FT_ERR_ARGUMENT, func, 4, "bad index list (%d entries)", nindices);
+    if (ntensors < 0 || ntensors > FT_MOD_MAX_TENSORS)
+        return ft_fail(FT_ERR_ARGUMENT, func, 6, "a graph reads 0 to %d tensors, got %d",
+                       FT_MOD_MAX_TENSORS, ntensors);
+    if (score < -1 || score >= nnodes || mask < -1 || mask >= nnodes || (score < 0 && mask < 0))
+        return ft_fail(FT_ERR_ARGUMENT, func, 7, "roots %d and %d are not nodes of the graph",
+                       score, mask);
+    for (int n = 0; n < nnodes; n++) {
+        const ft_mod_node *x = &nodes[n];
+        if (x->op < 0 || x->op >= FT_MOD_OP_COUNT)
+            return ft_fail(FT_ERR_ARGUMENT, func, 2, "node %d: unknown op %d", n, x->op);
+        const int32_t ops[3] = {x->a, x->b, x->c};
+        for (int k = 0; k < arity(x->op); k++)
+            if (ops[k] < 0 || ops[k] >= n)
+                return ft_fail(FT_ERR_ARGUMENT, func, 2,
+                               "node %d (%s): operand %d is node %d, not an earlier one", n,
+                               op_names[x->op], k + 1, ops[k]);
+        if (x->op == FT_MOD_CONST && !isfinite(x->value))
+            return ft_fail(FT_ERR_ARGUMENT, func, 2, "node %d: constant %g is not finite", n,
+                           x->value);
+        if (x->op == FT_MOD_READ) {
+            if (x->a < 0 || x->a >= ntensors)
+                return ft_fail(FT_ERR_ARGUMENT, func, 2, "node %d reads tensor %d of %d", n,
+                               x->a + 1, ntensors);
+            if (x->c < 1 || x->c > FT_MAX_DIMS || x->b < 0 || x->b > nindices - x->c)
+                return ft_fail(FT_ERR_ARGUMENT, func, 2, "node %d: bad indices (%d from %d)", n,
+                               x->c, x->b);
+            for (int k = 0; k < x->c; k++)
+                if (indices[x->b + k] < 0 || indices[x->b + k] >= n)
+                    return ft_fail(FT_ERR_ARGUMENT, func, 2,
+                                   "node %d (read): index %d is node %d, not an earlier one", n,
+                                   k + 1, indices[x->b + k]);
+        }
+    }
+    if (mask >= 0) { /* which nodes depend on s, in one pass (the graph is a DAG) */
+        unsigned char *dep = calloc((size_t)nnodes, 1);
+        if (!dep)
+            return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+        for (int n = 0; n < nnodes; n++) {
+            const ft_mod_node *x = &nodes[n];
+            int d = x->op == FT_MOD_S;
+            const int32_t ops[3] = {x->a, x->b, x->c};
+            for (int k = 0; k < arity(x->op); k++)
+                d |= dep[ops[k]];
+            for (int k = 0; x->op == FT_MOD_READ && k < x->c; k++)
+                d |= dep[indices[x->b + k]];
+            dep[n] = (unsigned char)d;
+        }
+        const int bad = dep[mask];
+        free(dep);
+        if (bad)
+            return ft_fail(FT_ERR_ARGUMENT, func, 8, "the mask depends on the score s");
+    }
+    ft_attn_mods *m = calloc(1, sizeof *m);
+    if (!m)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    m->nodes = malloc((size_t)nnodes * sizeof *m->nodes);
+    m->indices = malloc((size_t)(nindices > 0 ? nindices : 1) * sizeof *m->indices);
+    if (!m->nodes || !m->indices) {
+        ft_attn_mods_free(m);
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    }
+    memcpy(m->nodes, nodes, (size_t)nnodes * sizeof *nodes);
+    if (nindices > 0)
+        memcpy(m->indices, indices, (size_t)nindices * sizeof *indices);
+    m->nnodes = nnodes, m->nindices = nindices, m->ntensors = ntensors;
+    m->score = score, m->mask = mask;
+    *out = m;
+    return FT_OK;
+}
+
+void ft_attn_mods_free(ft_attn_mods *m)
+{
+    if (!m)
+        return;
+    free(m->nodes);
+    free(m->indices);
+    free(m);
+}
+
+FT_API int ft_attn_mods_tensors(const ft_attn_mods *m) { return m ? m->ntensors : 0; }
+int ft_attn_mods_nodes(const ft_attn_mods *m) { return m ? m->nnodes : 0; }
+int ft_attn_mods_nodes_count(const ft_attn_mods *m) { return m ? m->nnodes : 0; }
+
+void ft_attn_mods_eval_point(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,
+                             int64_t h, int64_t i, int64_t j, double s, double *score,
+                             double *dscore, int *keep, double *work, int *fault)
+{
+    ft_attn_mods_eval_row(m, tensors, b, h, i, j, 1, &s, score, dscore, keep, work, fault);
+}
+int ft_attn_mods_has_score(const ft_attn_mods *m) { return m && m->score >= 0; }
+int ft_attn_mods_has_mask(const ft_attn_mods *m) { return m && m->mask >= 0; }
+
+ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, int arg,
+                                     int ntensors, const ft_tensor *const *tensors,
+                                     ft_device device)
+{
+    if (ntensors != m->ntensors)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "mods read %d tensors, %d given",
+                       m->ntensors, ntensors);
+    for (int t = 0; t < ntensors; t++) {
+        FT_TRY(ft_check_tensor(func, arg, tensors[t]));
+        if (tensors[t]->device.type != device.type || tensors[t]->device.index != device.index)
+            return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                           "mods' tensor %d is not on q's device", t + 1);
+    }
+    for (int n = 0; n < m->nnodes; n++) {
+        const ft_mod_node *x = &m->nodes[n];
+        if (x->op == FT_MOD_READ && x->c != tensors[x->a]->ndim)
+            return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                           "mods read tensor %d (%d dims) with %d indices", x->a + 1,
+                           tensors[x->a]->ndim, x->c);
+    }
+    return FT_OK;
+}
+
+size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width)
+{
+    return m ? (size_t)(2 * m->nnodes) * (size_t)width : 0;
+}
+
+/* One element of tensor t at 1-based indices idx (rounded down), the
+ * nearest one when out of range (and *fault set). */
+static double read_at(const ft_tensor *t, const double *idx, int *fault)
+{
+    int64_t off = 0;
+    for (int d = 0; d < t->ndim; d++) {
+        double x = floor(idx[d]) - 1;
+        int64_t k;
+        if (!(x >= 0)) { /* below range, or NaN */
+            k = 0;
+            *fault = 1;
+        } else if (x > (double)(t->shape[d] - 1)) {
+            k = t->shape[d] - 1;
+            *fault = 1;
+        } else {
+            k = (int64_t)x;
+        }
+        off += k * t->stride[d];
+    }
+    return ft_load_f64(ft_elem_ptr(t, off), t->dtype);
+}
+
+void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,
+                           int64_t h, int64_t i, int64_t j0, int64_t nc, const double *s,
+                           double *score, double *dscore, int *keep, double *scratch,
+                           int *fault)
+{
+    const int N = m->nnodes;
+    double *v = scratch, *dv = scratch + (size_t)N * (size_t)nc; /* [node][c] */
+    int bad = 0;
+    for (int n = 0; n < N; n++) {
+        const ft_mod_node *x = &m->nodes[n];
+        double *o = v + (size_t)n * nc, *od = dv + (size_t)n * nc;
+        const double *a = v + (size_t)x->a * nc, *ad = dv + (size_t)x->a * nc;
+        const double *bb = v + (size_t)x->b * nc, *bd = dv + (size_t)x->b * nc;
+        const double *cc = v + (size_t)x->c * nc, *cd = dv + (size_t)x->c * nc;
+        for (int64_t c = 0; c < nc; c++) {
+            double r = 0, rd = 0;
+            switch (x->op) {
+            case FT_MOD_S: r = s ? s[c] : 0; rd = 1; break;
+            case FT_MOD_B: r = (double)(b + 1); break;
+            case FT_MOD_H: r = (double)(h + 1); break;
+            case FT_MOD_I: r = (double)(i + 1); break;
+            case FT_MOD_J: r = (double)(j0 + c + 1); break;
+            case FT_MOD_CONST: r = x->value; break;
+            case FT_MOD_ADD: r = a[c] + bb[c]; rd = ad[c] + bd[c]; break;
+            case FT_MOD_SUB: r = a[c] - bb[c]; rd = ad[c] - bd[c]; break;
+            case FT_MOD_MUL: r = a[c] * bb[c]; rd = ad[c] * bb[c] + a[c] * bd[c]; break;
+            case FT_MOD_DIV:
+                r = a[c] / bb[c];
+                rd = (ad[c] - r * bd[c]) / bb[c];
+                break;
+            case FT_MOD_MOD: /* Lua's: a - floor(a / b) * b */
+                r = a[c] - floor(a[c] / bb[c]) * bb[c];
+                rd = ad[c] - floor(a[c] / bb[c]) * bd[c];
+                break;
+            case FT_MOD_POW:
+                r = pow(a[c], bb[c]);
+                rd = (ad[c] != 0 ? bb[c] * pow(a[c], bb[c] - 1) * ad[c] : 0) +
+                     (bd[c] != 0 ? r * log(a[c]) * bd[c] : 0);
+                break;
+            case FT_MOD_NEG: r = -a[c]; rd = -ad[c]; break;
+            case FT_MOD_EQ: r = a[c] == bb[c]; break;
+            case FT_MOD_NE: r = a[c] != bb[c]; break;
+            case FT_MOD_LT: r = a[c] < bb[c]; break;
+            case FT_MOD_LE: r = a[c] <= bb[c]; break;
+            case FT_MOD_GT: r = a[c] > bb[c]; break;
+            case FT_MOD_GE: r = a[c] >= bb[c]; break;
+            case FT_MOD_AND: r = a[c] != 0 && bb[c] != 0; break;
+            case FT_MOD_OR: r = a[c] != 0 || bb[c] != 0; break;
+            case FT_MOD_NOT: r = a[c] == 0; break;
+            case FT_MOD_WHERE:
+                r = a[c] != 0 ? bb[c] : cc[c];
+                rd = a[c] != 0 ? bd[c] : cd[c];
+                break;
+            case FT_MOD_ABS: r = fabs(a[c]); rd = a[c] < 0 ? -ad[c] : ad[c]; break;
+            case FT_MOD_EXP: r = exp(a[c]); rd = r * ad[c]; break;
+            case FT_MOD_LOG: r = log(a[c]); rd = ad[c] / a[c]; break;
+            case FT_MOD_SQRT: r = sqrt(a[c]); rd = ad[c] != 0 ? ad[c] / (2 * r) : 0; break;
+            case FT_MOD_TANH: r = tanh(a[c]); rd = (1 - r * r) * ad[c]; break;
+            case FT_MOD_SIGMOID: r = 1 / (1 + exp(-a[c])); rd = r * (1 - r) * ad[c]; break;
+            case FT_MOD_MIN:
+                r = a[c] <= bb[c] ? a[c] : bb[c];
+                rd = a[c] <= bb[c] ? ad[c] : bd[c];
+                break;
+            case FT_MOD_MAX:
+                r = a[c] >= bb[c] ? a[c] : bb[c];
+                rd = a[c] >= bb[c] ? ad[c] : bd[c];
+                break;
+            case FT_MOD_FLOOR: r = floor(a[c]); break;
+            case FT_MOD_READ: {
+                double idx[FT_MAX_DIMS];
+                for (int k = 0; k < x->c; k++)
+                    idx[k] = v[(size_t)m->indices[x->b + k] * nc + c];
+                r = read_at(tensors[x->a], idx, &bad);
+                break;
+            }
+            }
+            o[c] = r;
+            od[c] = rd;
+        }
+    }
+    if (bad)
+        __atomic_store_n(fault, 1, __ATOMIC_RELAXED);
+    for (int64_t c = 0; c < nc; c++) {
+        if (keep)
+            keep[c] = m->mask < 0 || v[(size_t)m->mask * nc + c] != 0;
+        if (score)
+            score[c] = m->score < 0 ? (s ? s[c] : 0) : v[(size_t)m->score * nc + c];
+        if (dscore)
+            dscore[c] = m->score < 0 ? 1 : dv[(size_t)m->score * nc + c];
+    }
+}
