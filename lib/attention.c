@@ -172,6 +172,7 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
     FT_TRY(check_dropout(func, ap, p, s->B, s->H, m));
     s->mods = NULL, s->mod_tensors = NULL, s->mod_fault = NULL;
     s->mod_scratch = NULL, s->mod_scratch_per_thread = 0;
+    s->mod_gacc = NULL, s->mod_gbuf = NULL, s->mod_gbuf_per_task = 0, s->mod_goff = NULL;
     if (p->mods) {
         if (q->device.type == FT_CUDA)
             return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
@@ -432,6 +433,29 @@ static ft_status run_backward(ft_attn_impl impl, const ft_attn_shape *s,
     return ft_attention_backward_cpu(impl, s, dout, q, k, v, out, lse, dq, dk, dv);
 }
 
+/* The captured float tensors' gradients into new tensors (shape and dtype
+ * of each), for the slots that have one. */
+static ft_status mod_grads_store(const char *func, const ft_attn_shape *s, double *const *gacc,
+                                 ft_tensor **grads)
+{
+    const int n = ft_attn_mods_tensors(s->mods);
+    ft_status st = FT_OK;
+    for (int t = 0; t < n && st == FT_OK; t++) {
+        const ft_tensor *x = s->mod_tensors[t];
+        if (!ft_dtype_is_float(x->dtype))
+            continue;
+        st = ft_empty_named(&grads[t], x->ndim, x->shape, x->dtype, x->device, func);
+        for (int64_t e = 0; st == FT_OK && e < ft_numel(x); e++)
+            ft_store_f64(ft_elem_ptr(grads[t], e), x->dtype, gacc[t] ? gacc[t][e] : 0.0);
+    }
+    if (st != FT_OK)
+        for (int t = 0; t < n; t++) {
+            ft_tensor_free(grads[t]);
+            grads[t] = NULL;
+        }
+    return st;
+}
+
 /* A mod read one of its tensors out of range (the nearest element was
  * read instead): the call fails. */
 static ft_status mod_fault(const char *func)
@@ -646,6 +670,10 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     *dq = *dk = *dv = NULL;
     if (p && p->dsink)
         *p->dsink = NULL;
+    /* the mods' gradients' slots: empty until the end */
+    const int ngrad = p && p->mods && p->mod_grads ? ft_attn_mods_tensors(p->mods) : 0;
+    for (int t = 0; t < ngrad; t++)
+        p->mod_grads[t] = NULL;
     ft_attn_shape s;
     int fault = 0;
     ft_status st = check_qkv(func, 2, 7, q, k, v, p, &s);
@@ -654,6 +682,18 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
         st = check_backward_inputs(func, &s, dout, q, out, lse);
     ft_tensor *g[3] = {NULL, NULL, NULL}, *ds = NULL;
     const ft_tensor *like[3] = {q, k, v};
+    /* the mods' float tensors' gradients: f64 running sums, then tensors */
+    double *gacc[FT_MOD_MAX_TENSORS] = {NULL};
+    int gacc_n = 0;
+    if (st == FT_OK && ngrad > 0) {
+        gacc_n = ngrad;
+        for (int t = 0; t < gacc_n; t++) {
+            if (ft_dtype_is_float(s.mod_tensors[t]->dtype) && ft_numel(s.mod_tensors[t]) > 0 &&
+                !(gacc[t] = calloc((size_t)ft_numel(s.mod_tensors[t]), sizeof(double))))
+                st = ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the mods' gradients");
+        }
+        s.mod_gacc = gacc;
+    }
     for (int i = 0; i < 3 && st == FT_OK; i++)
         st = ft_empty_named(&g[i], like[i]->ndim, like[i]->shape, q->dtype, q->device, func);
     if (st == FT_OK && !s.cu_q)
@@ -678,6 +718,10 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     }
     if (st == FT_OK && s.sink && p->dsink)
         st = sink_grad(func, &s, dout, out, lse, &ds);
+    if (st == FT_OK && gacc_n > 0)
+        st = mod_grads_store(func, &s, gacc, p->mod_grads);
+    for (int t = 0; t < gacc_n; t++)
+        free(gacc[t]);
     shape_free(&s);
     if (st == FT_OK && fault)
         st = mod_fault(func);
@@ -685,6 +729,10 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
         for (int i = 0; i < 3; i++)
             ft_tensor_free(g[i]);
         ft_tensor_free(ds);
+        for (int t = 0; t < ngrad; t++) {
+            ft_tensor_free(p->mod_grads[t]);
+            p->mod_grads[t] = NULL;
+        }
         return st;
     }
     *dq = g[0], *dk = g[1], *dv = g[2];

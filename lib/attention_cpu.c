@@ -186,6 +186,57 @@ void ft_attention_sink_grad_cpu(const ft_attn_shape *s, const ft_tensor *dout,
     }
 }
 
+/* The captured tensors' gradients (s->mod_gacc): one buffer per backward
+ * task (B x Hk), so that each sum runs in a fixed order whatever thread
+ * runs the task; mod_grads_end adds them, task by task, into the running
+ * sums. s gets mod_gbuf (NULL without gradients). */
+static ft_status mod_grads_new(ft_attn_shape *s, int64_t *goff, const char *func)
+{
+    s->mod_gbuf = NULL;
+    s->mod_gbuf_per_task = 0;
+    s->mod_goff = goff;
+    if (!s->mods || !s->mod_gacc)
+        return FT_OK;
+    int64_t total = 0;
+    const int n = ft_attn_mods_tensors(s->mods);
+    for (int t = 0; t < n; t++) {
+        goff[t] = total;
+        if (s->mod_gacc[t] && ft_add_size(total, ft_numel(s->mod_tensors[t]), &total) != 0)
+            return ft_fail(FT_ERR_NOMEM, func, 0, "mods' tensors too large for gradients");
+    }
+    int64_t all;
+    const int64_t tasks = s->B * s->Hk;
+    if (total == 0 || tasks == 0)
+        return FT_OK;
+    if (ft_mul_size(total, tasks, &all) != 0 || all > FT_MAX_ELEMENTS)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "mods' tensors too large for gradients");
+    s->mod_gbuf = calloc((size_t)all, sizeof(double));
+    if (!s->mod_gbuf)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the mods' gradients");
+    s->mod_gbuf_per_task = (size_t)total;
+    return FT_OK;
+}
+
+static void mod_grads_end(ft_attn_shape *s, int add)
+{
+    if (!s->mod_gbuf)
+        return;
+    const int n = ft_attn_mods_tensors(s->mods);
+    const int64_t tasks = s->B * s->Hk;
+    for (int t = 0; add && t < n; t++) {
+        if (!s->mod_gacc[t])
+            continue;
+        const int64_t numel = ft_numel(s->mod_tensors[t]);
+        for (int64_t task = 0; task < tasks; task++) {
+            const double *g = s->mod_gbuf + (size_t)task * s->mod_gbuf_per_task + s->mod_goff[t];
+            for (int64_t e = 0; e < numel; e++)
+                s->mod_gacc[t][e] += g[e];
+        }
+    }
+    free(s->mod_gbuf);
+    s->mod_gbuf = NULL;
+}
+
 /* A copy of s with the mods interpreter's scratch (rows of `width`
  * scores) for nthreads threads; *s unchanged without mods. Freed by
  * mods_scratch_free. */
@@ -199,7 +250,11 @@ static ft_status mods_scratch_new(ft_attn_shape *copy, const ft_attn_shape *s, i
         return FT_OK;
     if (width < 1)
         width = 1;
-    const size_t per = ft_attn_mods_scratch(s->mods, width) + 4 * (size_t)width;
+    /* the interpreter, and rows: in, score, dscore, keep; with the
+     * tensors' gradients also the reads' derivatives and places */
+    const int grads = s->mod_gbuf != NULL;
+    const size_t per = ft_attn_mods_scratch(s->mods, width, grads) + 4 * (size_t)width +
+                       (grads ? 2 * (size_t)ft_attn_mods_reads(s->mods) * (size_t)width : 0);
     copy->mod_scratch = malloc(per * (size_t)nthreads * sizeof(double));
     if (!copy->mod_scratch)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the mods' scratch");
@@ -243,6 +298,7 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
                                     const ft_tensor *out, const ft_tensor *lse,
                                     ft_tensor *dq, ft_tensor *dk, ft_tensor *dv)
 {
+    static const char func[] = "ft_attention_backward";
     /* No query, or no key: the gradients that have elements are zero (no
      * score reaches them). Otherwise dq and dk were allocated, so
      * B * H * Nq and B * Hk * Nk fit, and so do the task counts below. */
@@ -251,20 +307,27 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
         FT_TRY(ft_fill(dk, 0.0));
         return ft_fill(dv, 0.0);
     }
+    /* the mods' tensors' gradients first: they change the scratch sizes */
+    ft_attn_shape sg = *s;
+    int64_t goff[FT_MOD_MAX_TENSORS];
+    FT_TRY(mod_grads_new(&sg, goff, func));
     const int f64 = q->dtype == FT_F64;
     int64_t per = -1, nD = 0;
-    if (f64 ? scratch_per_thread_f64(impl, 1, s, &per) : scratch_per_thread_f32(impl, 1, s, &per))
+    if (f64 ? scratch_per_thread_f64(impl, 1, &sg, &per)
+            : scratch_per_thread_f32(impl, 1, &sg, &per))
         per = -1;
     if (impl != FT_ATTN_NAIVE) /* D: one value per query row, B * H * Nq */
         nD = ft_numel(lse);
     const int nthreads = threads_for(s->B * s->Hk, s);
-    ft_storage *scratch;
-    FT_TRY(scratch_new(&scratch, per, nthreads, nD, f64 ? sizeof(double) : sizeof(float),
-                       "ft_attention_backward"));
-    size_t threads_part = (size_t)per * (size_t)nthreads;
-    ft_attn_shape sm;
-    ft_status st = mods_scratch_new(&sm, s, nthreads, impl == FT_ATTN_NAIVE ? s->Nk : s->block_k,
-                                    "ft_attention_backward");
+    ft_storage *scratch = NULL;
+    ft_status st = scratch_new(&scratch, per, nthreads, nD, f64 ? sizeof(double) : sizeof(float),
+                               func);
+    ft_attn_shape sm = sg;
+    sm.mod_scratch = NULL;
+    if (st == FT_OK)
+        st = mods_scratch_new(&sm, &sg, nthreads, impl == FT_ATTN_NAIVE ? s->Nk : s->block_k,
+                              func);
+    const size_t threads_part = (size_t)per * (size_t)nthreads;
     if (st == FT_OK && f64) {
         double *base = scratch->data;
         backward_f64(impl, &sm, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per,
@@ -275,6 +338,8 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
                      nthreads, base + threads_part);
     }
     free(sm.mod_scratch);
-    ft_storage_release(scratch);
+    if (scratch)
+        ft_storage_release(scratch);
+    mod_grads_end(&sg, st == FT_OK);
     return st;
 }

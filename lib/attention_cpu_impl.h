@@ -108,7 +108,7 @@ static void FN(apply_mods)(ACC *S, ACC *G, int64_t nr, int64_t nc, int64_t i0, i
             in[c] = (double)row[c];
         ft_attn_mods_eval_row(s->mods, s->mod_tensors, s->batch0 + b, h, i0 + r, j0, nc,
                               in, has_score ? score : NULL, G && has_score ? dscore : NULL,
-                              keep, work, s->mod_fault);
+                              keep, NULL, NULL, work, s->mod_fault);
         for (int64_t c = 0; c < nc; c++) {
             if (row[c] == (ACC)-INFINITY) /* hidden by a built-in mask */
                 continue;
@@ -133,7 +133,8 @@ static void FN(apply_mods)(ACC *S, ACC *G, int64_t nr, int64_t nc, int64_t i0, i
  * ones. G, when not NULL, gets d score / d x (the softcap's derivative; 0
  * where masked). */
 static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, int64_t nc,
-                       int64_t i0, int64_t j0, const ft_attn_shape *s, int64_t b, int64_t h)
+                       int64_t i0, int64_t j0, const ft_attn_shape *s, int64_t b, int64_t h,
+                       ACC *X)
 {
     const ACC scale = (ACC)s->scale;
     const ft_attn_mod *m = &s->mod;
@@ -158,8 +159,42 @@ static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, 
                 *x = (ACC)ft_mod_score(m, slope, s->Nq, s->Nk, i0 + r, j0 + c, (double)*x);
         }
     }
+    if (X) /* the scores the mods take, for their tensors' gradients */
+        memcpy(X, S, (size_t)(nr * nc) * sizeof *X);
     if (s->mods)
         FN(apply_mods)(S, G, nr, nc, i0, j0, s, b, h);
+}
+
+/* The captured tensors' gradients from a tile: for each pair, dS (the
+ * loss's gradient in the modified score, DSP [nr, nc]) times d score /
+ * d(each value the score read), added into this task's buffer gbuf at
+ * the value's place. X: the scores the mods took. */
+static void FN(mod_read_grads)(const ACC *X, const ACC *DSP, int64_t nr, int64_t nc, int64_t i0,
+                               int64_t j0, const ft_attn_shape *s, int64_t b, int64_t h,
+                               double *gbuf)
+{
+    const int K = ft_attn_mods_reads(s->mods);
+    double *base = s->mod_scratch + thread_index() * s->mod_scratch_per_thread;
+    double *in = base, *dread = in + nc;
+    int64_t *lin = (int64_t *)(dread + (size_t)K * nc);
+    double *work = (double *)(lin + (size_t)K * nc);
+    for (int64_t r = 0; r < nr; r++) {
+        for (int64_t c = 0; c < nc; c++)
+            in[c] = (double)X[r * nc + c];
+        ft_attn_mods_eval_row(s->mods, s->mod_tensors, s->batch0 + b, h, i0 + r, j0, nc, in,
+                              NULL, NULL, NULL, dread, lin, work, s->mod_fault);
+        for (int k = 0; k < K; k++) {
+            const int slot = ft_attn_mods_read_tensor(s->mods, k);
+            if (!s->mod_gacc[slot])
+                continue;
+            double *g = gbuf + s->mod_goff[slot];
+            for (int64_t c = 0; c < nc; c++) {
+                const double w = (double)DSP[r * nc + c] * dread[(size_t)k * nc + c];
+                if (w != 0)
+                    g[lin[(size_t)k * nc + c]] += w;
+            }
+        }
+    }
 }
 
 /* ---- naive: S and P of a whole (b, h) materialised ---- */
@@ -183,7 +218,7 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
     FN(load_rows)(Q, q, b, h, 0, Nq);
     FN(load_rows_t)(Kt, k, b, hk, 0, Nk, row);
     FN(load_rows)(V, v, b, hk, 0, Nk);
-    FN(scores)(S, NULL, Q, Kt, Nq, Nk, 0, 0, s, b, h);
+    FN(scores)(S, NULL, Q, Kt, Nq, Nk, 0, 0, s, b, h, NULL);
     const ACC sink = (ACC)ft_attn_sink(s, h); /* -inf: none */
     for (int64_t i = 0; i < Nq; i++) {
         ACC *P = S + i * Nk, *o = O + i * d;
@@ -211,12 +246,13 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
 
 /* Scratch per thread: Q, dO, dQ [Nq, d]; K, dK, dV [Nk, d]; K^T, V^T
  * [d, Nk]; P, dP, SG (the score gradient of a softcap) [Nq, Nk]; a row
- * [d]. */
+ * [d]; with the mods' tensors' gradients, X and DSP [Nq, Nk] too. */
 static int FN(naive_backward_scratch)(const ft_attn_shape *s, int64_t *n)
 {
     *n = 0;
     return scratch_add(n, 3 * s->d, s->Nq) || scratch_add(n, 5 * s->d, s->Nk) ||
-           scratch_add(n, 3 * s->Nq, s->Nk) || scratch_add(n, s->d, 1);
+           scratch_add(n, s->mod_gbuf ? 5 * s->Nq : 3 * s->Nq, s->Nk) ||
+           scratch_add(n, s->d, 1);
 }
 
 /* One (b, hk) with the H/Hk query heads of its group: the traditional
@@ -232,6 +268,9 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
     ACC *K = dQ + Nq * d, *Kt = K + Nk * d, *Vt = Kt + Nk * d, *dK = Vt + Nk * d;
     ACC *dV = dK + Nk * d, *P = dV + Nk * d, *dP = P + Nq * Nk, *SG = dP + Nq * Nk;
     ACC *row = SG + Nq * Nk;
+    ACC *X = s->mod_gbuf ? row + d : NULL, *DSP = s->mod_gbuf ? X + Nq * Nk : NULL;
+    double *gbuf = s->mod_gbuf ? s->mod_gbuf + (size_t)(b * s->Hk + hk) * s->mod_gbuf_per_task
+                               : NULL;
     FN(load_rows)(K, k, b, hk, 0, Nk);
     FN(load_rows_t)(Kt, k, b, hk, 0, Nk, row);
     FN(load_rows_t)(Vt, v, b, hk, 0, Nk, row);
@@ -239,7 +278,7 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
     for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
         FN(load_rows)(Q, q, b, h, 0, Nq);
         FN(load_rows)(dO, dout, b, h, 0, Nq);
-        FN(scores)(P, SG, Q, Kt, Nq, Nk, 0, 0, s, b, h);
+        FN(scores)(P, SG, Q, Kt, Nq, Nk, 0, 0, s, b, h, X);
         FN(mm_abt)(dP, dO, Vt, Nq, Nk, d); /* dP = dO V^T */
         memset(dQ, 0, (size_t)(Nq * d) * sizeof *dQ);
         const ACC sink = (ACC)ft_attn_sink(s, h);
@@ -264,12 +303,16 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
             }
             for (int64_t j = 0; j < Nk; j++) {
                 const ACC z = (ACC)keep_scale(s, b, h, i, j);
+                if (DSP)
+                    DSP[i * Nk + j] = p[j] * (dp[j] - D);
                 ACC ds = (ACC)round_input(s, p[j] * (dp[j] - D) * g[j]);
                 FN(axpy)(dV + j * d, (ACC)round_input(s, p[j] * z), dO + i * d, d);
                 FN(axpy)(dK + j * d, scale * ds, Q + i * d, d);
                 FN(axpy)(dQ + i * d, scale * ds, K + j * d, d);
             }
         }
+        if (gbuf)
+            FN(mod_read_grads)(X, DSP, Nq, Nk, 0, 0, s, b, h, gbuf);
         FN(store_rows)(dq, b, h, 0, Nq, dQ);
     }
     FN(store_rows)(dk, b, hk, 0, Nk, dK);
@@ -314,7 +357,7 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
         const int64_t nc = imin(s->block_k, s->Nk - j0);
         FN(load_rows_t)(Kt, k, b, hk, j0, nc, row);
         FN(load_rows)(V, v, b, hk, j0, nc);
-        FN(scores)(S, NULL, Q, Kt, nr, nc, i0, j0, s, b, h);
+        FN(scores)(S, NULL, Q, Kt, nr, nc, i0, j0, s, b, h, NULL);
         for (int64_t r = 0; r < nr; r++) {
             const ACC *srow = S + r * nc;
             ACC m_new = m[r];
@@ -372,7 +415,8 @@ static int FN(tiled_backward_scratch)(const ft_attn_shape *s, int64_t *n)
     int64_t dq = 0;
     *n = 0;
     return scratch_add(n, 5 * s->d, Bk) || scratch_add(n, 2 * s->d, Bq) ||
-           scratch_add(n, 3 * Bq, Bk) || scratch_add(n, Bq, 1) || scratch_add(n, s->d, 1) ||
+           scratch_add(n, s->mod_gbuf ? 5 * Bq : 3 * Bq, Bk) || scratch_add(n, Bq, 1) ||
+           scratch_add(n, s->d, 1) ||
            scratch_add(&dq, G, s->Nq) || scratch_add(n, dq, s->d);
 }
 
@@ -390,6 +434,10 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
     ACC *K = scratch, *Kt = K + Bk * d, *Vt = Kt + Bk * d, *dK = Vt + Bk * d;
     ACC *dV = dK + Bk * d, *Q = dV + Bk * d, *dO = Q + Bq * d, *P = dO + Bq * d;
     ACC *dS = P + Bq * Bk, *SG = dS + Bq * Bk, *L = SG + Bq * Bk, *row = L + Bq, *dQ = row + d;
+    /* with the mods' tensors' gradients: X, DSP [Bq, Bk] after dQ */
+    ACC *X = s->mod_gbuf ? dQ + G * s->Nq * d : NULL, *DSP = s->mod_gbuf ? X + Bq * Bk : NULL;
+    double *gbuf = s->mod_gbuf ? s->mod_gbuf + (size_t)(b * s->Hk + hk) * s->mod_gbuf_per_task
+                               : NULL;
     memset(dQ, 0, (size_t)(G * s->Nq * d) * sizeof *dQ);
     for (int64_t j0 = 0; j0 < s->Nk; j0 += Bk) {
         const int64_t nc = imin(Bk, s->Nk - j0);
@@ -409,7 +457,7 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
                 FN(load_rows)(dO, dout, b, h, i0, nr);
                 for (int64_t r = 0; r < nr; r++)
                     L[r] = (ACC)lse_load(lse, b, h, i0 + r);
-                FN(scores)(P, SG, Q, Kt, nr, nc, i0, j0, s, b, h);
+                FN(scores)(P, SG, Q, Kt, nr, nc, i0, j0, s, b, h, X);
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {
                         ACC *p = P + r * nc + c;
@@ -424,9 +472,14 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
                         const ACC p = P[r * nc + c];
                         const ACC z = s->mod.dropout
                                           ? (ACC)keep_scale(s, b, h, i0 + r, j0 + c) : 1;
-                        dS[r * nc + c] = p * (dS[r * nc + c] * z - Dh[i0 + r]) * SG[r * nc + c];
+                        const ACC dsp = p * (dS[r * nc + c] * z - Dh[i0 + r]);
+                        if (DSP)
+                            DSP[r * nc + c] = dsp;
+                        dS[r * nc + c] = dsp * SG[r * nc + c];
                         FN(axpy)(dV + c * d, p * z, dO + r * d, d);
                     }
+                if (gbuf)
+                    FN(mod_read_grads)(X, DSP, nr, nc, i0, j0, s, b, h, gbuf);
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {
                         const ACC ds = scale * dS[r * nc + c];

@@ -390,6 +390,10 @@ typedef struct ft_attn_params {
     const ft_attn_mods *mods;
     int mod_ntensors;
     const ft_tensor *const *mod_tensors;
+    /* Backward with mods: mod_ntensors slots (NULL: none asked) that get a
+     * new gradient tensor for each float tensor the mods read (NULL for
+     * the others); cpu only so far. */
+    ft_tensor **mod_grads;
 } ft_attn_params;
 
 FT_API void ft_attn_params_init(ft_attn_params *p);

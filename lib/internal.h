@@ -299,6 +299,14 @@ typedef struct ft_attn_shape {
     int *mod_fault;              /* set when a mod read out of range */
     double *mod_scratch;         /* the interpreter's, per thread (cpu) */
     size_t mod_scratch_per_thread;
+    /* The captured tensors' gradients (backward, cpu): per tensor slot a
+     * running f64 sum of its numel (NULL: no gradient), added into by each
+     * call in a fixed order; mod_gbuf holds one [sum of numels] buffer per
+     * backward task, mod_goff each slot's offset in it. */
+    double *const *mod_gacc;
+    double *mod_gbuf;
+    size_t mod_gbuf_per_task;
+    const int64_t *mod_goff;
 } ft_attn_shape;
 
 /* acc[h] -= sum over b, i of e^(sink_h - lse) (dout . out): the sink's
@@ -318,11 +326,17 @@ int ft_attn_mods_has_mask(const ft_attn_mods *m);
 ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, int arg,
                                      int ntensors, const ft_tensor *const *tensors,
                                      ft_device device);
-size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width);
+/* The reads of captured tensors: how many, and which tensor read k reads.
+ * With dread and read_lin (each [reads][nc]) not NULL, the interpreter
+ * also gives d score / d (the value read k read) and that value's
+ * row-major index in its tensor: the captured tensors' gradients. */
+int ft_attn_mods_reads(const ft_attn_mods *m);
+int ft_attn_mods_read_tensor(const ft_attn_mods *m, int k);
+size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width, int with_reads);
 void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,
                            int64_t h, int64_t i, int64_t j0, int64_t nc, const double *s,
-                           double *score, double *dscore, int *keep, double *scratch,
-                           int *fault);
+                           double *score, double *dscore, int *keep, double *dread,
+                           int64_t *read_lin, double *scratch, int *fault);
 
 /* ALiBi's slope for batch batch0 + b, head h (0 without ALiBi). */
 double ft_attn_slope(const ft_attn_shape *s, int64_t b, int64_t h);

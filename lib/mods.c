@@ -24,6 +24,8 @@ struct ft_attn_mods {
     int32_t *indices;
     int ntensors;
     int score, mask; /* roots, or -1 */
+    int nreads;      /* the READ nodes, in order: their derivatives are */
+    int32_t *reads;  /* carried when the captured tensors' grads are asked */
 };
 
 static const char *const op_names[FT_MOD_OP_COUNT] = {
@@ -128,6 +130,16 @@ ft_status ft_attn_mods_new(ft_attn_mods **out, int nnodes, const ft_mod_node *no
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
     }
     memcpy(m->nodes, nodes, (size_t)nnodes * sizeof *nodes);
+    for (int n = 0; n < nnodes; n++)
+        m->nreads += nodes[n].op == FT_MOD_READ;
+    m->reads = malloc((size_t)(m->nreads > 0 ? m->nreads : 1) * sizeof *m->reads);
+    if (!m->reads) {
+        ft_attn_mods_free(m);
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    }
+    for (int n = 0, k = 0; n < nnodes; n++)
+        if (nodes[n].op == FT_MOD_READ)
+            m->reads[k++] = n;
     if (nindices > 0)
         memcpy(m->indices, indices, (size_t)nindices * sizeof *indices);
     m->nnodes = nnodes, m->nindices = nindices, m->ntensors = ntensors;
@@ -142,6 +154,7 @@ void ft_attn_mods_free(ft_attn_mods *m)
         return;
     free(m->nodes);
     free(m->indices);
+    free(m->reads);
     free(m);
 }
 
@@ -153,7 +166,8 @@ void ft_attn_mods_eval_point(const ft_attn_mods *m, const ft_tensor *const *tens
                              int64_t h, int64_t i, int64_t j, double s, double *score,
                              double *dscore, int *keep, double *work, int *fault)
 {
-    ft_attn_mods_eval_row(m, tensors, b, h, i, j, 1, &s, score, dscore, keep, work, fault);
+    ft_attn_mods_eval_row(m, tensors, b, h, i, j, 1, &s, score, dscore, keep, NULL, NULL, work,
+                          fault);
 }
 int ft_attn_mods_has_score(const ft_attn_mods *m) { return m && m->score >= 0; }
 int ft_attn_mods_has_mask(const ft_attn_mods *m) { return m && m->mask >= 0; }
@@ -181,16 +195,25 @@ ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, in
     return FT_OK;
 }
 
-size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width)
+int ft_attn_mods_reads(const ft_attn_mods *m) { return m ? m->nreads : 0; }
+
+int ft_attn_mods_read_tensor(const ft_attn_mods *m, int k) { return m->nodes[m->reads[k]].a; }
+
+size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width, int with_reads)
 {
-    return m ? (size_t)(2 * m->nnodes) * (size_t)width : 0;
+    if (!m)
+        return 0;
+    const size_t channels = 1 + (with_reads ? (size_t)m->nreads : 0);
+    return (size_t)(1 + channels) * (size_t)m->nnodes * (size_t)width;
 }
 
 /* One element of tensor t at 1-based indices idx (rounded down), the
- * nearest one when out of range (and *fault set). */
-static double read_at(const ft_tensor *t, const double *idx, int *fault)
+ * nearest one when out of range (and *fault set); *lin: its row-major
+ * index (where its gradient goes). */
+static double read_at(const ft_tensor *t, const double *idx, int *fault, int64_t *lin)
 {
     int64_t off = 0;
+    *lin = 0;
     for (int d = 0; d < t->ndim; d++) {
         double x = floor(idx[d]) - 1;
         int64_t k;
@@ -204,50 +227,43 @@ static double read_at(const ft_tensor *t, const double *idx, int *fault)
             k = (int64_t)x;
         }
         off += k * t->stride[d];
+        *lin = *lin * t->shape[d] + k;
     }
     return ft_load_f64(ft_elem_ptr(t, off), t->dtype);
 }
 
 void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,
                            int64_t h, int64_t i, int64_t j0, int64_t nc, const double *s,
-                           double *score, double *dscore, int *keep, double *scratch,
-                           int *fault)
+                           double *score, double *dscore, int *keep, double *dread,
+                           int64_t *read_lin, double *scratch, int *fault)
 {
     const int N = m->nnodes;
-    double *v = scratch, *dv = scratch + (size_t)N * (size_t)nc; /* [node][c] */
-    int bad = 0;
+    /* channel 0: d/ds; channel 1 + k: d/d(read k), when dread is asked */
+    const int nch = 1 + (dread ? m->nreads : 0);
+    const size_t plane = (size_t)N * (size_t)nc;
+    double *v = scratch, *dv = scratch + plane; /* v[node][c], dv[ch][node][c] */
+    int bad = 0, kread = 0;
     for (int n = 0; n < N; n++) {
         const ft_mod_node *x = &m->nodes[n];
-        double *o = v + (size_t)n * nc, *od = dv + (size_t)n * nc;
-        const double *a = v + (size_t)x->a * nc, *ad = dv + (size_t)x->a * nc;
-        const double *bb = v + (size_t)x->b * nc, *bd = dv + (size_t)x->b * nc;
-        const double *cc = v + (size_t)x->c * nc, *cd = dv + (size_t)x->c * nc;
+        double *o = v + (size_t)n * nc;
+        const double *a = v + (size_t)x->a * nc, *bb = v + (size_t)x->b * nc;
+        const double *cc = v + (size_t)x->c * nc;
         for (int64_t c = 0; c < nc; c++) {
-            double r = 0, rd = 0;
+            double r = 0;
             switch (x->op) {
-            case FT_MOD_S: r = s ? s[c] : 0; rd = 1; break;
+            case FT_MOD_S: r = s ? s[c] : 0; break;
             case FT_MOD_B: r = (double)(b + 1); break;
             case FT_MOD_H: r = (double)(h + 1); break;
             case FT_MOD_I: r = (double)(i + 1); break;
             case FT_MOD_J: r = (double)(j0 + c + 1); break;
             case FT_MOD_CONST: r = x->value; break;
-            case FT_MOD_ADD: r = a[c] + bb[c]; rd = ad[c] + bd[c]; break;
-            case FT_MOD_SUB: r = a[c] - bb[c]; rd = ad[c] - bd[c]; break;
-            case FT_MOD_MUL: r = a[c] * bb[c]; rd = ad[c] * bb[c] + a[c] * bd[c]; break;
-            case FT_MOD_DIV:
-                r = a[c] / bb[c];
-                rd = (ad[c] - r * bd[c]) / bb[c];
-                break;
-            case FT_MOD_MOD: /* Lua's: a - floor(a / b) * b */
-                r = a[c] - floor(a[c] / bb[c]) * bb[c];
-                rd = ad[c] - floor(a[c] / bb[c]) * bd[c];
-                break;
-            case FT_MOD_POW:
-                r = pow(a[c], bb[c]);
-                rd = (ad[c] != 0 ? bb[c] * pow(a[c], bb[c] - 1) * ad[c] : 0) +
-                     (bd[c] != 0 ? r * log(a[c]) * bd[c] : 0);
-                break;
-            case FT_MOD_NEG: r = -a[c]; rd = -ad[c]; break;
+            case FT_MOD_ADD: r = a[c] + bb[c]; break;
+            case FT_MOD_SUB: r = a[c] - bb[c]; break;
+            case FT_MOD_MUL: r = a[c] * bb[c]; break;
+            case FT_MOD_DIV: r = a[c] / bb[c]; break;
+            case FT_MOD_MOD: r = a[c] - floor(a[c] / bb[c]) * bb[c]; break; /* Lua's */
+            case FT_MOD_POW: r = pow(a[c], bb[c]); break;
+            case FT_MOD_NEG: r = -a[c]; break;
             case FT_MOD_EQ: r = a[c] == bb[c]; break;
             case FT_MOD_NE: r = a[c] != bb[c]; break;
             case FT_MOD_LT: r = a[c] < bb[c]; break;
@@ -257,36 +273,66 @@ void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensor
             case FT_MOD_AND: r = a[c] != 0 && bb[c] != 0; break;
             case FT_MOD_OR: r = a[c] != 0 || bb[c] != 0; break;
             case FT_MOD_NOT: r = a[c] == 0; break;
-            case FT_MOD_WHERE:
-                r = a[c] != 0 ? bb[c] : cc[c];
-                rd = a[c] != 0 ? bd[c] : cd[c];
-                break;
-            case FT_MOD_ABS: r = fabs(a[c]); rd = a[c] < 0 ? -ad[c] : ad[c]; break;
-            case FT_MOD_EXP: r = exp(a[c]); rd = r * ad[c]; break;
-            case FT_MOD_LOG: r = log(a[c]); rd = ad[c] / a[c]; break;
-            case FT_MOD_SQRT: r = sqrt(a[c]); rd = ad[c] != 0 ? ad[c] / (2 * r) : 0; break;
-            case FT_MOD_TANH: r = tanh(a[c]); rd = (1 - r * r) * ad[c]; break;
-            case FT_MOD_SIGMOID: r = 1 / (1 + exp(-a[c])); rd = r * (1 - r) * ad[c]; break;
-            case FT_MOD_MIN:
-                r = a[c] <= bb[c] ? a[c] : bb[c];
-                rd = a[c] <= bb[c] ? ad[c] : bd[c];
-                break;
-            case FT_MOD_MAX:
-                r = a[c] >= bb[c] ? a[c] : bb[c];
-                rd = a[c] >= bb[c] ? ad[c] : bd[c];
-                break;
+            case FT_MOD_WHERE: r = a[c] != 0 ? bb[c] : cc[c]; break;
+            case FT_MOD_ABS: r = fabs(a[c]); break;
+            case FT_MOD_EXP: r = exp(a[c]); break;
+            case FT_MOD_LOG: r = log(a[c]); break;
+            case FT_MOD_SQRT: r = sqrt(a[c]); break;
+            case FT_MOD_TANH: r = tanh(a[c]); break;
+            case FT_MOD_SIGMOID: r = 1 / (1 + exp(-a[c])); break;
+            case FT_MOD_MIN: r = a[c] <= bb[c] ? a[c] : bb[c]; break;
+            case FT_MOD_MAX: r = a[c] >= bb[c] ? a[c] : bb[c]; break;
             case FT_MOD_FLOOR: r = floor(a[c]); break;
             case FT_MOD_READ: {
                 double idx[FT_MAX_DIMS];
+                int64_t lin;
                 for (int k = 0; k < x->c; k++)
                     idx[k] = v[(size_t)m->indices[x->b + k] * nc + c];
-                r = read_at(tensors[x->a], idx, &bad);
+                r = read_at(tensors[x->a], idx, &bad, &lin);
+                if (read_lin)
+                    read_lin[(size_t)kread * nc + c] = lin;
                 break;
             }
             }
             o[c] = r;
-            od[c] = rd;
         }
+        /* the derivatives, channel by channel (forward mode) */
+        for (int ch = 0; ch < nch; ch++) {
+            double *od = dv + ch * plane + (size_t)n * nc;
+            const double *ad = dv + ch * plane + (size_t)x->a * nc;
+            const double *bd = dv + ch * plane + (size_t)x->b * nc;
+            const double *cd = dv + ch * plane + (size_t)x->c * nc;
+            for (int64_t c = 0; c < nc; c++) {
+                double rd = 0;
+                switch (x->op) {
+                case FT_MOD_S: rd = ch == 0; break;
+                case FT_MOD_READ: rd = ch == 1 + kread; break;
+                case FT_MOD_ADD: rd = ad[c] + bd[c]; break;
+                case FT_MOD_SUB: rd = ad[c] - bd[c]; break;
+                case FT_MOD_MUL: rd = ad[c] * bb[c] + a[c] * bd[c]; break;
+                case FT_MOD_DIV: rd = (ad[c] - o[c] * bd[c]) / bb[c]; break;
+                case FT_MOD_MOD: rd = ad[c] - floor(a[c] / bb[c]) * bd[c]; break;
+                case FT_MOD_POW:
+                    rd = (ad[c] != 0 ? bb[c] * pow(a[c], bb[c] - 1) * ad[c] : 0) +
+                         (bd[c] != 0 ? o[c] * log(a[c]) * bd[c] : 0);
+                    break;
+                case FT_MOD_NEG: rd = -ad[c]; break;
+                case FT_MOD_WHERE: rd = a[c] != 0 ? bd[c] : cd[c]; break;
+                case FT_MOD_ABS: rd = a[c] < 0 ? -ad[c] : ad[c]; break;
+                case FT_MOD_EXP: rd = o[c] * ad[c]; break;
+                case FT_MOD_LOG: rd = ad[c] / a[c]; break;
+                case FT_MOD_SQRT: rd = ad[c] != 0 ? ad[c] / (2 * o[c]) : 0; break;
+                case FT_MOD_TANH: rd = (1 - o[c] * o[c]) * ad[c]; break;
+                case FT_MOD_SIGMOID: rd = o[c] * (1 - o[c]) * ad[c]; break;
+                case FT_MOD_MIN: rd = a[c] <= bb[c] ? ad[c] : bd[c]; break;
+                case FT_MOD_MAX: rd = a[c] >= bb[c] ? ad[c] : bd[c]; break;
+                default: rd = 0; break; /* constants, indices, comparisons, logic, floor */
+                }
+                od[c] = rd;
+            }
+        }
+        if (x->op == FT_MOD_READ)
+            kread++;
     }
     if (bad)
         __atomic_store_n(fault, 1, __ATOMIC_RELAXED);
@@ -298,4 +344,8 @@ void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensor
         if (dscore)
             dscore[c] = m->score < 0 ? 1 : dv[(size_t)m->score * nc + c];
     }
+    for (int k = 0; dread && k < m->nreads; k++)
+        for (int64_t c = 0; c < nc; c++)
+            dread[(size_t)k * nc + c] =
+                m->score < 0 ? 0 : dv[(1 + (size_t)k) * plane + (size_t)m->score * nc + c];
 }

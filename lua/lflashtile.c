@@ -1997,8 +1997,9 @@ static int l_attention(lua_State *L)
     return 2;
 }
 
-/* dq, dk, dv [, dsink] = ft.attention_backward(dout, q, k, v, out, lse [, opts]):
- * dsink when opts has a sink. */
+/* dq, dk, dv [, dsink] [, grads...] = ft.attention_backward(dout, q, k, v,
+ * out, lse [, opts]): dsink when opts has a sink, then the gradients of
+ * the float tensors the mods read, in the order they were first read. */
 static int l_attention_backward(lua_State *L)
 {
     const ft_tensor *t[6];
@@ -2011,8 +2012,24 @@ static int l_attention_backward(lua_State *L)
     ft_tensor **dv = push_slot(L);
     if (p.sink)
         p.dsink = push_slot(L);
+    /* the gradients of the mods' float tensors, in the order they were read */
+    ft_tensor *grads[FT_MOD_MAX_TENSORS] = {NULL};
+    ft_tensor **gslot[FT_MOD_MAX_TENSORS] = {NULL};
+    int ngrads = 0;
+    if (p.mods) {
+        luaL_checkstack(L, p.mod_ntensors + 2, "too many tensors in mods");
+        for (int k = 0; k < p.mod_ntensors; k++)
+            if (ft_dtype_is_float(p.mod_tensors[k]->dtype)) {
+                gslot[k] = push_slot(L);
+                ngrads++;
+            }
+        p.mod_grads = grads;
+    }
     CALL(L, 0, ft_attention_backward(dq, dk, dv, t[0], t[1], t[2], t[3], t[4], t[5], &p));
-    return p.sink ? 4 : 3;
+    for (int k = 0; p.mods && k < p.mod_ntensors; k++)
+        if (gslot[k])
+            *gslot[k] = grads[k];
+    return 3 + (p.sink ? 1 : 0) + ngrads;
 }
 
 /* mask = ft.attention_dropout_mask(B, H, Nq, Nk, {dropout_p =, seed =,

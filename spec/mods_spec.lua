@@ -114,6 +114,58 @@ describe("attention mods written in Lua (cpu)", function()
     end
   end)
 
+  describe("gradients of the tensors a mod reads", function()
+    for _, impl in ipairs(IMPLS) do
+      it("a learned relative-bias table and a per-group scale read through an i64 table, " .. impl,
+        function()
+          local Hh, q_n, k_n = 4, 4, 5
+          local rel = ft.randn({ Hh, q_n + k_n }, { dtype = "f64", seed = 5 })
+          local gain = ft.randn({ 2 }, { dtype = "f64", seed = 6 })
+          local group = ft.tensor({ 1, 2, 1, 2 }, { dtype = "i64" })
+          local m = ft.attention_mods {
+            score = function(s, b, hh, i, j)
+              return (s + rel[hh][i - j + k_n]):tanh() * gain[group[hh]]
+            end,
+            mask = function(b, hh, i, j) return j:le(i + 1) end,
+          }
+          local q, k, v = inputs(1, q_n, k_n, Hh, 2, 3)
+          local opts = { impl = impl, mods = m }
+          if impl == "tiled" then opts.block_q, opts.block_k = 2, 3 end
+          local out, lse = ft.attention(q, k, v, opts)
+          -- dq, dk, dv, then rel's and gain's (the i64 table has none)
+          local r = h.pack(ft.attention_backward(ft.ones(out.shape, { dtype = "f64" }), q, k, v,
+            out, lse, opts))
+          assert.are.equal(5, r.n)
+          assert.are.same(rel.shape, r[4].shape)
+          assert.are.same(gain.shape, r[5].shape)
+          local ok, report = gradcheck.check(
+            function(a, b, c) return (ft.attention(a, b, c, opts)) end,
+            function(dy, a, b, c)
+              local o, l = ft.attention(a, b, c, opts)
+              return ft.attention_backward(dy, a, b, c, o, l, opts)
+            end, { q, k, v, rel, gain })
+          assert.is_true(ok, report.message)
+        end)
+    end
+
+    it("a varlen call sums every sequence's share, in a fixed order (run twice: the same bits)",
+      function()
+        local bias = ft.randn({ 9 }, { dtype = "f64", seed = 8 })
+        local m = ft.attention_mods { score = function(s, b, hh, i, j) return s * bias[j] end }
+        local q, k, v = ft.randn({ 12, 2, 4 }, { dtype = "f64", seed = 9 }),
+            ft.randn({ 15, 2, 4 }, { dtype = "f64", seed = 10 }), ft.randn({ 15, 2, 4 }, { dtype = "f64", seed = 11 })
+        local opts = { mods = m, cu_seqlens_q = ft.tensor({ 0, 5, 12 }, { dtype = "i32" }),
+                       cu_seqlens_k = ft.tensor({ 0, 6, 15 }, { dtype = "i32" }) }
+        local out, lse = ft.attention(q, k, v, opts)
+        local dy = ft.randn(out.shape, { dtype = "f64", seed = 12 })
+        local a = h.pack(ft.attention_backward(dy, q, k, v, out, lse, opts))
+        local b = h.pack(ft.attention_backward(dy, q, k, v, out, lse, opts))
+        assert.are.equal(4, a.n)
+        assert.are.equal(0, ft.max_abs_diff(a[4], b[4]))
+        assert.is_true(a[4]:abs():max() > 0)
+      end)
+  end)
+
   describe("FlexAttention's masks", function()
     it("a document mask equals each document on its own (varlen)", function()
       local lens = { 5, 1, 9, 4 }

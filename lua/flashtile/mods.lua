@@ -68,9 +68,12 @@ local function node_of(x)
       slot = #trace.tensors
       trace.slots[t] = slot
     end
+    -- the index nodes first (an index may be a read itself), then the list
+    local ids = {}
+    for k, e in ipairs(x.idx) do ids[k] = node_of(e) end
     local first = #trace.indices + 1
-    for k, e in ipairs(x.idx) do trace.indices[first + k - 1] = node_of(e) end
-    return node("read", slot, first, #x.idx)
+    for k, id in ipairs(ids) do trace.indices[first + k - 1] = id end
+    return node("read", slot, first, #ids)
   end
   if type(x) == "number" then
     if x ~= x or x == math.huge or x == -math.huge then fail("constants must be finite", 3) end
