@@ -110,7 +110,8 @@ local BENCH_OPTIONS = { "--device", "--impl", "--dtype", "--hdim", "--seqlen", "
   "--tokens", "--width", "--warmup", "--reps", "--reference", "--csv", "--plot", "--no-check", "--help" }
 local FLAGS = { ["--no-check"] = true, ["--help"] = true }
 
-local SCRIPTS = { "bench.lua", "demo.lua", "train_tiny.lua", "profile.lua", "repl.lua" }
+local SCRIPTS = { "bench.lua", "demo.lua", "train_tiny.lua", "profile.lua", "repl.lua",
+  "mods_demo.lua" }
 
 describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
   describe("scripts/bench.lua", function()
@@ -281,6 +282,15 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
         out, status = lua("scripts/demo.lua", bad, { env = env })
         assert.are.equal(2, status, bad .. ": " .. out)
         assert.is_truthy(out:find("^demo.lua: bad arguments '" .. bad .. "'\nusage: "), out)
+      end
+
+      out, status = lua("scripts/mods_demo.lua", "", { env = env })
+      assert.are.equal(0, status, out)
+      for _, want in ipairs { "equals plain attention with a zero table: 0",
+                              "document 2 equals it alone, causal: 0",
+                              "softcap 30: equals the built-in: 0",
+                              "a Lua if on a traced value: gives" } do
+        assert.is_truthy(out:find(want, 1, true), out)
       end
 
       local input = os.tmpname()
