@@ -268,6 +268,24 @@ describe("attention mods written in Lua (cpu)", function()
       end)
     end
 
+    it("a mod that makes mods is an error; a trace abandoned by a yield is not in the way", function()
+      local ok, e = pcall(ft.attention_mods, {
+        score = function(s) ft.attention_mods { score = function(x) return x end } return s end,
+      })
+      assert.is_false(ok)
+      assert.is_truthy(tostring(e):find("already tracing", 1, true), tostring(e))
+      local co = coroutine.create(function()
+        return ft.attention_mods { score = function(s) coroutine.yield() return s end }
+      end)
+      coroutine.resume(co) -- yields mid-trace (or, in 5.1, cannot yield there)
+      local m = ft.attention_mods { score = function(s) return s * 2 end }
+      assert.is_truthy(tostring(m):find("score", 1, true))
+      local resumed, err = coroutine.resume(co)
+      if coroutine.status(co) == "dead" and resumed == false then
+        assert.is_truthy(tostring(err):find("another trace", 1, true), tostring(err))
+      end
+    end)
+
     it("a read with the wrong number of indices is a clear error", function()
       local t = ft.zeros({ 3, 4 }, { dtype = "f64" })
       local ok, e = pcall(ft.attention_mods, { score = function(s, b, hh, i, j) return s + t[i] end })

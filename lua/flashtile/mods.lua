@@ -363,8 +363,14 @@ function M.attention_mods(spec)
       error(("ft.attention_mods: %s must be a function, got %s"):format(name, type(f)), 2)
     end
   end
-  if trace then error("ft.attention_mods: already tracing (a mod may not make mods)", 2) end
-  trace = { nodes = {}, indices = {}, tensors = {}, slots = {}, consts = {} }
+  -- A trace left by a coroutine that yielded inside a traced function is
+  -- abandoned (its values, if it resumes, belong to no trace and are an
+  -- error); the same coroutine tracing again is a mod making mods.
+  local co = coroutine.running()
+  if trace and trace.co == co then
+    error("ft.attention_mods: already tracing (a mod may not make mods)", 2)
+  end
+  trace = { nodes = {}, indices = {}, tensors = {}, slots = {}, consts = {}, co = co }
   local ok, err = pcall(function()
     trace.score = score_fn and record(score_fn, 5, "the score function") or 0
     trace.mask = mask_fn and record(mask_fn, 4, "the mask function") or 0
