@@ -16,12 +16,7 @@ local FIELDS = { "out", "lse", "dq", "dk", "dv" }
 
 -- ---- helpers ------------------------------------------------------------------
 
-local function copy(t, extra)
-  local r = {}
-  for k, v in pairs(t or {}) do r[k] = v end
-  for k, v in pairs(extra or {}) do r[k] = v end
-  return r
-end
+local copy = h.merge
 
 --- A one-line description of a case, for failure messages.
 local function describe_case(c, opts)
@@ -52,11 +47,7 @@ local function inputs(c, dtype, seed0)
 end
 
 --- Forward then backward of sum(out * dout): {out, lse, dq, dk, dv}.
-local function fwd_bwd(q, k, v, dout, opts)
-  local out, lse = ft.attention(q, k, v, opts)
-  local dq, dk, dv = ft.attention_backward(dout, q, k, v, out, lse, opts)
-  return { out = out, lse = lse, dq = dq, dk = dk, dv = dv }
-end
+local fwd_bwd = h.attention_both
 
 --- Asserts max |a - b| <= tol (NaN fails; equal infinities count as 0).
 local function assert_close(a, b, tol, what)
@@ -82,128 +73,12 @@ local function assert_finite(t, what)
   end
 end
 
--- ---- a plain-Lua reference --------------------------------------------------
+-- ---- a plain-Lua reference (spec/helper.lua: h.attention_reference) ------------
 
---- t [B, N, H, d] as nested Lua tables r[b][i][h][e], read with t:get.
-local function read4(t)
-  local B, N, H, d = t:size(1), t:size(2), t:size(3), t:size(4)
-  local r = {}
-  for b = 1, B do
-    r[b] = {}
-    for i = 1, N do
-      r[b][i] = {}
-      for hh = 1, H do
-        local row = {}
-        for e = 1, d do row[e] = t:get(b, i, hh, e) end
-        r[b][i][hh] = row
-      end
-    end
-  end
-  return r
-end
-
-local function zeros4(B, N, H, d)
-  local r = {}
-  for b = 1, B do
-    r[b] = {}
-    for i = 1, N do
-      r[b][i] = {}
-      for hh = 1, H do
-        local row = {}
-        for e = 1, d do row[e] = 0 end
-        r[b][i][hh] = row
-      end
-    end
-  end
-  return r
-end
-
---- softmax(scale * Q K^T + causal mask) V with its LSE, and the gradients
--- of sum(out * dout), by nested loops over Lua numbers. Returns nested
--- tables {out [b][i][h][e], lse [b][h][i], dq, dk, dv}; dk and dv are
--- summed over the query heads of each GQA group.
 local function reference(q, k, v, dout, causal, scale)
-  local B, Nq, H, d = q:size(1), q:size(2), q:size(3), q:size(4)
-  local Nk, Hk = k:size(2), k:size(3)
-  local G = h.idiv(H, Hk)
-  scale = scale or 1 / math.sqrt(d)
-  local Q, K, V, dO = read4(q), read4(k), read4(v), read4(dout)
-  local O, dQ = zeros4(B, Nq, H, d), zeros4(B, Nq, H, d)
-  local dK, dV = zeros4(B, Nk, Hk, d), zeros4(B, Nk, Hk, d)
-  local L = {}
-  for b = 1, B do
-    L[b] = {}
-    for hh = 1, H do
-      L[b][hh] = {}
-      local hk = h.idiv(hh - 1, G) + 1
-      for i = 1, Nq do
-        -- scores of the visible keys (0-based: j <= i + Nk - Nq)
-        local s, m = {}, -math.huge
-        for j = 1, Nk do
-          if not causal or (j - 1) <= (i - 1) + Nk - Nq then
-            local dot = 0
-            for e = 1, d do dot = dot + Q[b][i][hh][e] * K[b][j][hk][e] end
-            s[j] = scale * dot
-            if s[j] > m then m = s[j] end
-          end
-        end
-        local P = {}
-        if m == -math.huge then -- no visible key
-          for j = 1, Nk do P[j] = 0 end
-          L[b][hh][i] = -math.huge
-        else
-          local sum = 0
-          for j = 1, Nk do
-            P[j] = s[j] and math.exp(s[j] - m) or 0
-            sum = sum + P[j]
-          end
-          for j = 1, Nk do P[j] = P[j] / sum end
-          L[b][hh][i] = m + math.log(sum)
-        end
-        local o = O[b][i][hh]
-        for j = 1, Nk do
-          for e = 1, d do o[e] = o[e] + P[j] * V[b][j][hk][e] end
-        end
-        -- dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
-        -- dQ = scale dS K, dK = scale dS^T Q
-        local g = dO[b][i][hh]
-        local D = 0
-        for e = 1, d do D = D + g[e] * o[e] end
-        for j = 1, Nk do
-          local dP = 0
-          for e = 1, d do dP = dP + g[e] * V[b][j][hk][e] end
-          local dS = P[j] * (dP - D)
-          local dqi, dkj, dvj = dQ[b][i][hh], dK[b][j][hk], dV[b][j][hk]
-          for e = 1, d do
-            dvj[e] = dvj[e] + P[j] * g[e]
-            dqi[e] = dqi[e] + scale * dS * K[b][j][hk][e]
-            dkj[e] = dkj[e] + scale * dS * Q[b][i][hh][e]
-          end
-        end
-      end
-    end
-  end
-  return { out = O, lse = L, dq = dQ, dk = dK, dv = dV }
+  return h.attention_reference(q, k, v, dout, { causal = causal, scale = scale })
 end
-
---- Asserts tensor t equals the nested table want within tol; infinities
--- must match exactly. Names the first element out of tolerance.
-local function assert_table_close(t, want, tol, what)
-  local got, exp = h.flatten(t:totable()), h.flatten(want)
-  assert.are.equal(#exp, #got, what .. ": element count")
-  for i = 1, #exp do
-    local ok
-    if is_finite(exp[i]) then
-      ok = math.abs(got[i] - exp[i]) <= tol
-    else
-      ok = got[i] == exp[i]
-    end
-    if not ok then
-      assert.is_true(false, string.format("%s: flat element %d is %.17g, reference %.17g (tolerance %g)",
-        what, i, got[i], exp[i], tol))
-    end
-  end
-end
+local assert_table_close = h.assert_table_close
 
 -- ---- specs ----------------------------------------------------------------------
 

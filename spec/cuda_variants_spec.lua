@@ -13,18 +13,9 @@ local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
 local FIELDS = { "out", "lse", "dq", "dk", "dv", "dsink" }
 
-local function copy(t, extra)
-  local r = {}
-  for k, v in pairs(t or {}) do r[k] = v end
-  for k, v in pairs(extra or {}) do r[k] = v end
-  return r
-end
+local copy = h.merge
 
-local function run(q, k, v, dout, opts)
-  local out, lse = ft.attention(q, k, v, opts)
-  local dq, dk, dv, dsink = ft.attention_backward(dout, q, k, v, out, lse, opts)
-  return { out = out, lse = lse, dq = dq, dk = dk, dv = dv, dsink = dsink }
-end
+local run = h.attention_both
 
 local function randn(shape)
   return ft.randn(shape, { dtype = "f64", seed = h.next_seed() })

@@ -9,23 +9,14 @@ local gradcheck = require "flashtile.gradcheck"
 
 local IMPLS = { "naive", "tiled" }
 
-local function copy(t, extra)
-  local r = {}
-  for k, v in pairs(t or {}) do r[k] = v end
-  for k, v in pairs(extra or {}) do r[k] = v end
-  return r
-end
+local copy = h.merge
 
 local function inputs(B, Nq, Nk, H, Hk, d, dtype)
   local function r(shape) return ft.randn(shape, { dtype = dtype or "f64", seed = h.next_seed() }) end
   return r { B, Nq, H, d }, r { B, Nk, Hk, d }, r { B, Nk, Hk, d }, r { B, Nq, H, d }
 end
 
-local function run(q, k, v, dout, opts)
-  local out, lse = ft.attention(q, k, v, opts)
-  local dq, dk, dv = ft.attention_backward(dout, q, k, v, out, lse, opts)
-  return { out = out, lse = lse, dq = dq, dk = dk, dv = dv }
-end
+local run = h.attention_both
 
 local function assert_same(a, b, tol, what)
   for _, f in ipairs { "out", "lse", "dq", "dk", "dv" } do

@@ -13,12 +13,7 @@ local gradcheck = require "flashtile.gradcheck"
 
 local IMPLS = { "naive", "tiled" }
 
-local function copy(t, extra)
-  local r = {}
-  for k, v in pairs(t or {}) do r[k] = v end
-  for k, v in pairs(extra or {}) do r[k] = v end
-  return r
-end
+local copy = h.merge
 
 local function describe_opts(o)
   local parts = {}
@@ -29,126 +24,8 @@ local function describe_opts(o)
   return "{" .. table.concat(parts, ", ") .. "}"
 end
 
-local function tanh(x) -- Lua 5.3 dropped math.tanh
-  local e = math.exp(-2 * math.abs(x))
-  local t = (1 - e) / (1 + e)
-  return x < 0 and -t or t
-end
-
--- ---- a plain-Lua reference ---------------------------------------------------
-
-local function read(t) return t:totable() end
-
-local function zeros(B, N, H, d)
-  local r = {}
-  for b = 1, B do
-    r[b] = {}
-    for i = 1, N do
-      r[b][i] = {}
-      for hh = 1, H do
-        r[b][i][hh] = {}
-        for e = 1, d do r[b][i][hh][e] = 0 end
-      end
-    end
-  end
-  return r
-end
-
---- Attention with every variant, from the definitions, by loops over Lua
--- numbers. o: causal, window_left, window_right, softcap, scale, slopes
--- (a tensor [H] or [B, H]), sink (a tensor [H]), mask (dropout's, a tensor
--- [B, H, Nq, Nk], nonzero where kept) with p (dropout_p). Returns nested tables out, lse [b][h][i], dq, dk, dv and
--- dsink [h].
-local function reference(q, k, v, dout, o)
-  local B, Nq, H, d = q:size(1), q:size(2), q:size(3), q:size(4)
-  local Nk, Hk = k:size(2), k:size(3)
-  local G = h.idiv(H, Hk)
-  local scale = o.scale or 1 / math.sqrt(d)
-  local left = o.window_left or -1
-  local right = o.causal and 0 or (o.window_right or -1)
-  local shift = Nk - Nq
-  local Q, K, V, dO = read(q), read(k), read(v), read(dout)
-  local slopes = o.slopes and read(o.slopes)
-  local sink = o.sink and read(o.sink)
-  local mask = o.mask and read(o.mask)
-  local O, dQ = zeros(B, Nq, H, d), zeros(B, Nq, H, d)
-  local dK, dV = zeros(B, Nk, Hk, d), zeros(B, Nk, Hk, d)
-  local L, dsink = {}, {}
-  for hh = 1, H do dsink[hh] = 0 end
-  for b = 1, B do
-    L[b] = {}
-    for hh = 1, H do
-      L[b][hh] = {}
-      local hk = h.idiv(hh - 1, G) + 1
-      local slope = slopes and (#o.slopes.shape == 1 and slopes[hh] or slopes[b][hh]) or 0
-      local sk = sink and sink[hh]
-      for i = 1, Nq do
-        local x, g, m = {}, {}, sk or -math.huge
-        for j = 1, Nk do
-          local i0, j0 = i - 1, j - 1
-          if (left < 0 or j0 >= i0 + shift - left) and (right < 0 or j0 <= i0 + shift + right) then
-            local dot = 0
-            for e = 1, d do dot = dot + Q[b][i][hh][e] * K[b][j][hk][e] end
-            local s = scale * dot
-            g[j] = 1
-            if o.softcap then
-              local t = tanh(s / o.softcap)
-              s, g[j] = o.softcap * t, 1 - t * t
-            end
-            x[j] = s - slope * math.abs(i0 + shift - j0)
-            if x[j] > m then m = x[j] end
-          end
-        end
-        local P, sum = {}, 0
-        for j = 1, Nk do
-          P[j] = (x[j] and m > -math.huge) and math.exp(x[j] - m) or 0
-          sum = sum + P[j]
-        end
-        if sk then sum = sum + math.exp(sk - m) end
-        for j = 1, Nk do P[j] = sum > 0 and P[j] / sum or 0 end
-        L[b][hh][i] = sum > 0 and m + math.log(sum) or -math.huge
-        local z = {}
-        for j = 1, Nk do z[j] = mask and (mask[b][hh][i][j] > 0 and 1 / (1 - o.p) or 0) or 1 end
-        local out = O[b][i][hh]
-        for j = 1, Nk do
-          for e = 1, d do out[e] = out[e] + P[j] * z[j] * V[b][j][hk][e] end
-        end
-        local gr, D = dO[b][i][hh], 0
-        for e = 1, d do D = D + gr[e] * out[e] end
-        if sk then dsink[hh] = dsink[hh] - math.exp(sk - L[b][hh][i]) * D end
-        for j = 1, Nk do
-          if x[j] then
-            local dP = 0
-            for e = 1, d do dP = dP + gr[e] * V[b][j][hk][e] end
-            local dS = P[j] * (dP * z[j] - D) * g[j]
-            local dqi, dkj, dvj = dQ[b][i][hh], dK[b][j][hk], dV[b][j][hk]
-            for e = 1, d do
-              dvj[e] = dvj[e] + P[j] * z[j] * gr[e]
-              dqi[e] = dqi[e] + scale * dS * K[b][j][hk][e]
-              dkj[e] = dkj[e] + scale * dS * Q[b][i][hh][e]
-            end
-          end
-        end
-      end
-    end
-  end
-  return { out = O, lse = L, dq = dQ, dk = dK, dv = dV, dsink = dsink }
-end
-
---- Asserts tensor t equals the nested table want within tol (infinities
--- exactly), naming the first element that is not.
-local function assert_close(t, want, tol, what)
-  local got, exp = h.flatten(t:totable()), h.flatten(want)
-  assert.are.equal(#exp, #got, what .. ": element count")
-  for i = 1, #exp do
-    local ok = exp[i] == got[i] or
-        (exp[i] == exp[i] and math.abs(exp[i]) < math.huge and math.abs(got[i] - exp[i]) <= tol)
-    if not ok then
-      assert.is_true(false, ("%s: flat element %d is %.17g, reference %.17g (tolerance %g)")
-        :format(what, i, got[i], exp[i], tol))
-    end
-  end
-end
+local reference = h.attention_reference
+local assert_close = h.assert_table_close
 
 local function inputs(c, dtype)
   dtype = dtype or "f64"
@@ -157,12 +34,7 @@ local function inputs(c, dtype)
       r { c.B, c.Nq, c.H, c.d }
 end
 
---- Forward and backward through ft with opts: out, lse, dq, dk, dv, dsink.
-local function run(q, k, v, dout, opts)
-  local out, lse = ft.attention(q, k, v, opts)
-  local dq, dk, dv, dsink = ft.attention_backward(dout, q, k, v, out, lse, opts)
-  return { out = out, lse = lse, dq = dq, dk = dk, dv = dv, dsink = dsink }
-end
+local run = h.attention_both
 
 describe("attention variants (cpu)", function()
   local slopes_h = ft.tensor({ 0.5, 0.25, 0.125, 0.0625 }, { dtype = "f64" })
