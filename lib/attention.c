@@ -184,6 +184,17 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         s->mods = p->mods;
         s->mod_tensors = p->mod_tensors;
     }
+    s->block_mask = NULL;
+    if (p->block_mask) {
+        if (!p->mods)
+            return ft_fail(FT_ERR_ARGUMENT, func, ap, "block_mask needs the mods it was made for");
+        if (s->cu_q)
+            return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                           "block_mask with variable lengths: not supported");
+        FT_TRY(ft_attn_block_mask_check(p->block_mask, p->mods, func, ap, s->B, s->H, s->Nq,
+                                        s->Nk, s->block_q, s->block_k));
+        s->block_mask = p->block_mask;
+    }
     /* The variants the flash kernels do not run yet (they take windows, and
      * varlen one sequence at a time). */
     const char *variant = NULL;

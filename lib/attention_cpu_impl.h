@@ -134,7 +134,7 @@ static void FN(apply_mods)(ACC *S, ACC *G, int64_t nr, int64_t nc, int64_t i0, i
  * where masked). */
 static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, int64_t nc,
                        int64_t i0, int64_t j0, const ft_attn_shape *s, int64_t b, int64_t h,
-                       ACC *X)
+                       ACC *X, int skip_mods)
 {
     const ACC scale = (ACC)s->scale;
     const ft_attn_mod *m = &s->mod;
@@ -161,8 +161,22 @@ static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, 
     }
     if (X) /* the scores the mods take, for their tensors' gradients */
         memcpy(X, S, (size_t)(nr * nc) * sizeof *X);
-    if (s->mods)
+    if (s->mods && !skip_mods)
         FN(apply_mods)(S, G, nr, nc, i0, j0, s, b, h);
+}
+
+/* With a block mask: whether the tiled path skips the tile (*skip, the
+ * mask hides it wholly) or the mods (the mask hides nothing and there is
+ * no score function). */
+static int FN(tile_kind)(const ft_attn_shape *s, int64_t b, int64_t h, int64_t i0, int64_t nr,
+                         int64_t j0, int64_t nc, int *skip_mods)
+{
+    *skip_mods = 0;
+    if (!s->block_mask)
+        return FT_BLOCK_PARTIAL;
+    const int kind = ft_attn_block_kind(s->block_mask, b, h, i0, i0 + nr, j0, j0 + nc);
+    *skip_mods = kind == FT_BLOCK_FULL && !ft_attn_mods_has_score(s->mods);
+    return kind;
 }
 
 /* The captured tensors' gradients from a tile: for each pair, dS (the
@@ -218,7 +232,7 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
     FN(load_rows)(Q, q, b, h, 0, Nq);
     FN(load_rows_t)(Kt, k, b, hk, 0, Nk, row);
     FN(load_rows)(V, v, b, hk, 0, Nk);
-    FN(scores)(S, NULL, Q, Kt, Nq, Nk, 0, 0, s, b, h, NULL);
+    FN(scores)(S, NULL, Q, Kt, Nq, Nk, 0, 0, s, b, h, NULL, 0);
     const ACC sink = (ACC)ft_attn_sink(s, h); /* -inf: none */
     for (int64_t i = 0; i < Nq; i++) {
         ACC *P = S + i * Nk, *o = O + i * d;
@@ -278,7 +292,7 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
     for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
         FN(load_rows)(Q, q, b, h, 0, Nq);
         FN(load_rows)(dO, dout, b, h, 0, Nq);
-        FN(scores)(P, SG, Q, Kt, Nq, Nk, 0, 0, s, b, h, X);
+        FN(scores)(P, SG, Q, Kt, Nq, Nk, 0, 0, s, b, h, X, 0);
         FN(mm_abt)(dP, dO, Vt, Nq, Nk, d); /* dP = dO V^T */
         memset(dQ, 0, (size_t)(Nq * d) * sizeof *dQ);
         const ACC sink = (ACC)ft_attn_sink(s, h);
@@ -355,9 +369,12 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
     const int64_t j_end = key_end(s, i0 + nr - 1);
     for (int64_t j0 = j_begin; j0 < j_end; j0 += s->block_k) {
         const int64_t nc = imin(s->block_k, s->Nk - j0);
+        int skip_mods;
+        if (FN(tile_kind)(s, b, h, i0, nr, j0, nc, &skip_mods) == FT_BLOCK_EMPTY)
+            continue;
         FN(load_rows_t)(Kt, k, b, hk, j0, nc, row);
         FN(load_rows)(V, v, b, hk, j0, nc);
-        FN(scores)(S, NULL, Q, Kt, nr, nc, i0, j0, s, b, h, NULL);
+        FN(scores)(S, NULL, Q, Kt, nr, nc, i0, j0, s, b, h, NULL, skip_mods);
         for (int64_t r = 0; r < nr; r++) {
             const ACC *srow = S + r * nc;
             ACC m_new = m[r];
@@ -453,11 +470,14 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
             const int64_t i_end = query_end(s, j0 + nc - 1);
             for (int64_t i0 = query_begin(s, j0); i0 < i_end; i0 += Bq) {
                 const int64_t nr = imin(Bq, i_end - i0);
+                int skip_mods;
+                if (FN(tile_kind)(s, b, h, i0, nr, j0, nc, &skip_mods) == FT_BLOCK_EMPTY)
+                    continue;
                 FN(load_rows)(Q, q, b, h, i0, nr);
                 FN(load_rows)(dO, dout, b, h, i0, nr);
                 for (int64_t r = 0; r < nr; r++)
                     L[r] = (ACC)lse_load(lse, b, h, i0 + r);
-                FN(scores)(P, SG, Q, Kt, nr, nc, i0, j0, s, b, h, X);
+                FN(scores)(P, SG, Q, Kt, nr, nc, i0, j0, s, b, h, X, skip_mods);
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {
                         ACC *p = P + r * nc + c;

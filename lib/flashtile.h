@@ -356,6 +356,22 @@ FT_API void ft_attn_mods_eval_point(const ft_attn_mods *m, const ft_tensor *cons
                                     int *fault);
 FT_API const char *ft_mod_op_name(int op);
 
+/* A block mask (FlexAttention's BlockMask): the mods' mask evaluated
+ * once for every tile of block_q x block_k of a [B, H, Nq, Nk] call, so
+ * that the tiled path skips the tiles it hides wholly and skips the mask
+ * where it hides nothing. Made for one mods, one shape and one tiling (a
+ * call with others is an error); cpu, fixed lengths. Inputs: mods=1,
+ * ntensors=2, tensors=3, B=4, H=5, Nq=6, Nk=7, block_q=8, block_k=9. */
+typedef struct ft_attn_block_mask ft_attn_block_mask;
+FT_API ft_status ft_attn_block_mask_new(ft_attn_block_mask **out, const ft_attn_mods *mods,
+                                        int ntensors, const ft_tensor *const *tensors,
+                                        int64_t B, int64_t H, int64_t Nq, int64_t Nk,
+                                        int64_t block_q, int64_t block_k);
+FT_API void ft_attn_block_mask_free(ft_attn_block_mask *bm);
+/* How many tiles it hides wholly, partly, not at all. */
+FT_API void ft_attn_block_mask_counts(const ft_attn_block_mask *bm, int64_t *empty,
+                                      int64_t *partial, int64_t *full);
+
 /* Every option of attention, forward and backward. Fill it with
  * ft_attn_params_init and change what you need; a later feature is a new
  * field here, never a new signature. */
@@ -394,6 +410,7 @@ typedef struct ft_attn_params {
      * new gradient tensor for each float tensor the mods read (NULL for
      * the others); cpu only so far. */
     ft_tensor **mod_grads;
+    const ft_attn_block_mask *block_mask; /* with mods: NULL, or made for this call */
 } ft_attn_params;
 
 FT_API void ft_attn_params_init(ft_attn_params *p);

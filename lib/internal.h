@@ -297,6 +297,7 @@ typedef struct ft_attn_shape {
     const ft_attn_mods *mods;    /* or NULL; with the tensors it reads */
     const ft_tensor *const *mod_tensors;
     int *mod_fault;              /* set when a mod read out of range */
+    const ft_attn_block_mask *block_mask; /* or NULL (tiled cpu path) */
     double *mod_scratch;         /* the interpreter's, per thread (cpu) */
     size_t mod_scratch_per_thread;
     /* The captured tensors' gradients (backward, cpu): per tensor slot a
@@ -337,6 +338,15 @@ void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensor
                            int64_t h, int64_t i, int64_t j0, int64_t nc, const double *s,
                            double *score, double *dscore, int *keep, double *dread,
                            int64_t *read_lin, double *scratch, int *fault);
+
+/* A block mask's check against a call, and the kind of the rectangle
+ * [i0, i1) x [j0, j1) of (b, h): empty or full when every tile it touches
+ * is (ft_block_kind). */
+ft_status ft_attn_block_mask_check(const ft_attn_block_mask *bm, const ft_attn_mods *mods,
+                                   const char *func, int arg, int64_t B, int64_t H, int64_t Nq,
+                                   int64_t Nk, int64_t block_q, int64_t block_k);
+int ft_attn_block_kind(const ft_attn_block_mask *bm, int64_t b, int64_t h, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1);
 
 /* ALiBi's slope for batch batch0 + b, head h (0 without ALiBi). */
 double ft_attn_slope(const ft_attn_shape *s, int64_t b, int64_t h);

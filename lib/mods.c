@@ -349,3 +349,141 @@ void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensor
             dread[(size_t)k * nc + c] =
                 m->score < 0 ? 0 : dv[(1 + (size_t)k) * plane + (size_t)m->score * nc + c];
 }
+
+/* ---- block masks: the mask evaluated once per tile ---- */
+
+struct ft_attn_block_mask {
+    const ft_attn_mods *mods; /* for the identity check only, never read */
+    int64_t B, H, Nq, Nk, bq, bk, nqb, nkb;
+    unsigned char *kind; /* [B][H][nqb][nkb]: ft_block_kind */
+};
+
+ft_status ft_attn_block_mask_new(ft_attn_block_mask **out, const ft_attn_mods *mods,
+                                 int ntensors, const ft_tensor *const *tensors, int64_t B,
+                                 int64_t H, int64_t Nq, int64_t Nk, int64_t block_q,
+                                 int64_t block_k)
+{
+    static const char func[] = "ft_attn_block_mask_new";
+    if (!out)
+        return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
+    *out = NULL;
+    if (!mods)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "mods expected");
+    if (mods->mask < 0)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "the mods have no mask");
+    FT_TRY(ft_attn_mods_check_tensors(mods, func, 3, ntensors, tensors,
+                                      (ft_device){FT_CPU, 0}));
+    const int64_t dims[4] = {B, H, Nq, Nk};
+    for (int k = 0; k < 4; k++)
+        if (dims[k] < 0 || dims[k] > INT32_MAX)
+            return ft_fail(FT_ERR_ARGUMENT, func, 4 + k, "sizes must be 0 to 2^31 - 1, got %lld",
+                           (long long)dims[k]);
+    if (block_q < 1 || block_q > 4096 || block_k < 1 || block_k > 4096)
+        return ft_fail(FT_ERR_ARGUMENT, func, 8, "block sizes must be 1 to 4096");
+    int64_t cells, work;
+    const int64_t nqb = (Nq + block_q - 1) / block_q, nkb = (Nk + block_k - 1) / block_k;
+    const int64_t cdims[4] = {B, H, nqb, nkb}, wdims[4] = {B, H, Nq, Nk};
+    if (ft_checked_numel(4, cdims, &cells) != 0 || cells > FT_MAX_ELEMENTS ||
+        ft_checked_numel(4, wdims, &work) != 0 || work > FT_MAX_ELEMENTS)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 4, "a block mask of %lld x %lld x %lld x %lld "
+                       "is more than flashtile's limit of 2^48", (long long)B, (long long)H,
+                       (long long)Nq, (long long)Nk);
+    ft_attn_block_mask *bm = calloc(1, sizeof *bm);
+    const size_t width = (size_t)(Nk > 0 ? Nk : 1);
+    double *scratch = malloc(ft_attn_mods_scratch(mods, (int64_t)width, 0) * sizeof(double));
+    int *keep = malloc(width * sizeof *keep);
+    int64_t *counts = malloc((size_t)(nkb > 0 ? nkb : 1) * sizeof *counts);
+    if (bm)
+        bm->kind = malloc((size_t)(cells > 0 ? cells : 1));
+    if (!bm || !bm->kind || !scratch || !keep || !counts) {
+        free(scratch), free(keep), free(counts);
+        ft_attn_block_mask_free(bm);
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    }
+    bm->mods = mods, bm->B = B, bm->H = H, bm->Nq = Nq, bm->Nk = Nk;
+    bm->bq = block_q, bm->bk = block_k, bm->nqb = nqb, bm->nkb = nkb;
+    int fault = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t qb = 0; qb < nqb; qb++) {
+                const int64_t i0 = qb * block_q, nr = Nq - i0 < block_q ? Nq - i0 : block_q;
+                for (int64_t kb = 0; kb < nkb; kb++)
+                    counts[kb] = 0;
+                for (int64_t i = i0; i < i0 + nr; i++) {
+                    ft_attn_mods_eval_row(mods, tensors, b, h, i, 0, Nk, NULL, NULL, NULL, keep,
+                                          NULL, NULL, scratch, &fault);
+                    for (int64_t j = 0; j < Nk; j++)
+                        counts[j / block_k] += keep[j] != 0;
+                }
+                unsigned char *row = bm->kind + ((b * H + h) * nqb + qb) * nkb;
+                for (int64_t kb = 0; kb < nkb; kb++) {
+                    const int64_t nc = Nk - kb * block_k < block_k ? Nk - kb * block_k : block_k;
+                    row[kb] = counts[kb] == 0        ? FT_BLOCK_EMPTY
+                              : counts[kb] == nr * nc ? FT_BLOCK_FULL
+                                                      : FT_BLOCK_PARTIAL;
+                }
+            }
+    free(scratch), free(keep), free(counts);
+    if (fault) {
+        ft_attn_block_mask_free(bm);
+        return ft_fail(FT_ERR_ARGUMENT, func, 3,
+                       "the mask read a captured tensor out of range (indices are 1-based)");
+    }
+    *out = bm;
+    return FT_OK;
+}
+
+void ft_attn_block_mask_free(ft_attn_block_mask *bm)
+{
+    if (!bm)
+        return;
+    free(bm->kind);
+    free(bm);
+}
+
+void ft_attn_block_mask_counts(const ft_attn_block_mask *bm, int64_t *empty, int64_t *partial,
+                               int64_t *full)
+{
+    *empty = *partial = *full = 0;
+    const int64_t cells = bm->B * bm->H * bm->nqb * bm->nkb;
+    for (int64_t c = 0; c < cells; c++) {
+        if (bm->kind[c] == FT_BLOCK_EMPTY)
+            ++*empty;
+        else if (bm->kind[c] == FT_BLOCK_FULL)
+            ++*full;
+        else
+            ++*partial;
+    }
+}
+
+ft_status ft_attn_block_mask_check(const ft_attn_block_mask *bm, const ft_attn_mods *mods,
+                                   const char *func, int arg, int64_t B, int64_t H, int64_t Nq,
+                                   int64_t Nk, int64_t block_q, int64_t block_k)
+{
+    if (bm->mods != mods)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "block_mask was made for other mods");
+    if (bm->B != B || bm->H != H || bm->Nq != Nq || bm->Nk != Nk || bm->bq != block_q ||
+        bm->bk != block_k)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                       "block_mask is for %lld x %lld x %lld x %lld in %lld x %lld tiles; this "
+                       "call is %lld x %lld x %lld x %lld in %lld x %lld tiles",
+                       (long long)bm->B, (long long)bm->H, (long long)bm->Nq, (long long)bm->Nk,
+                       (long long)bm->bq, (long long)bm->bk, (long long)B, (long long)H,
+                       (long long)Nq, (long long)Nk, (long long)block_q, (long long)block_k);
+    return FT_OK;
+}
+
+int ft_attn_block_kind(const ft_attn_block_mask *bm, int64_t b, int64_t h, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1)
+{
+    /* every tile the rectangle touches: empty or full only if all are */
+    int empty = 1, full = 1;
+    const unsigned char *plane = bm->kind + (b * bm->H + h) * bm->nqb * bm->nkb;
+    for (int64_t qb = i0 / bm->bq; qb <= (i1 - 1) / bm->bq && qb < bm->nqb; qb++)
+        for (int64_t kb = j0 / bm->bk; kb <= (j1 - 1) / bm->bk && kb < bm->nkb; kb++) {
+            const int k = plane[qb * bm->nkb + kb];
+            empty &= k == FT_BLOCK_EMPTY;
+            full &= k == FT_BLOCK_FULL;
+        }
+    return empty ? FT_BLOCK_EMPTY : full ? FT_BLOCK_FULL : FT_BLOCK_PARTIAL;
+}

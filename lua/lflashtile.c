@@ -626,7 +626,13 @@ static ft_device check_device(lua_State *L, int idx)
  * pushed on the stack, so it stays alive for the call whatever Lua code
  * does to the table meanwhile. */
 typedef enum { OPT_BOOL, OPT_INT, OPT_NUMBER, OPT_DTYPE, OPT_DEVICE, OPT_IMPL,
-               OPT_TENSOR, OPT_MODS } opt_kind;
+               OPT_TENSOR, OPT_MODS, OPT_BLOCK_MASK } opt_kind;
+
+#define BLOCK_MASK_MT "flashtile.BlockMaskData"
+
+typedef struct ud_block_mask {
+    ft_attn_block_mask *bm;
+} ud_block_mask;
 
 #define MODS_MT "flashtile.AttentionModsGraph"
 
@@ -651,12 +657,13 @@ typedef struct opt_value {
     const ft_attn_mods *mods; /* OPT_MODS: the graph, and its tensors */
     int mod_ntensors;
     const ft_tensor **mod_tensors;
+    const ft_attn_block_mask *block_mask; /* OPT_BLOCK_MASK */
 } opt_value;
 
 static const char *const opt_kind_names[] = {"a boolean", "an integer", "a number",
                                              "a dtype name", "a device name",
                                              "an implementation name", "a tensor",
-                                             "ft.attention_mods{...}"};
+                                             "ft.attention_mods{...}", "ft.block_mask(...)"};
 
 /* The mods option (a table made by ft.attention_mods: raw fields graph, the
  * compiled graph, and tensors, the tensors it reads): the table, the
@@ -757,6 +764,7 @@ static void read_options(lua_State *L, int idx, const opt_spec *spec, int n, opt
             ok = luaL_testudata(L, -1, TENSOR_MT) != NULL;
             break;
         case OPT_MODS:
+        case OPT_BLOCK_MASK:
             ok = type == LUA_TTABLE;
             break;
         }
@@ -786,6 +794,28 @@ static void read_options(lua_State *L, int idx, const opt_spec *spec, int n, opt
     for (int i = 0; i < n; i++)
         if (out[i].present && spec[i].kind == OPT_MODS)
             read_mods_option(L, idx, spec[i].name, &out[i]);
+    for (int i = 0; i < n; i++)
+        if (out[i].present && spec[i].kind == OPT_BLOCK_MASK) {
+            /* ft.block_mask's table: raw field data, pinned with the table;
+             * made for the mods option of the same table */
+            lua_pushstring(L, spec[i].name);
+            lua_rawget(L, idx);
+            lua_pushliteral(L, "data");
+            lua_rawget(L, -2);
+            ud_block_mask *u = luaL_testudata(L, -1, BLOCK_MASK_MT);
+            if (!u || !u->bm)
+                luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be made by "
+                                                         "ft.block_mask", spec[i].name));
+            lua_pushliteral(L, "mods");
+            lua_rawget(L, -3);
+            lua_pushliteral(L, "mods");
+            lua_rawget(L, idx);
+            if (!lua_rawequal(L, -1, -2))
+                luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' was made for other mods "
+                                                         "than option 'mods'", spec[i].name));
+            lua_pop(L, 2);
+            out[i].block_mask = u->bm;
+        }
 }
 
 typedef struct options {
@@ -1843,7 +1873,7 @@ static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
         {"alibi_slopes", OPT_TENSOR}, {"dropout_p", OPT_NUMBER},   {"seed", OPT_INT},
         {"cu_seqlens_q", OPT_TENSOR}, {"cu_seqlens_k", OPT_TENSOR}, {"sink", OPT_TENSOR},
         {"offset", OPT_INT},         {"max_seqlen_q", OPT_INT},    {"max_seqlen_k", OPT_INT},
-        {"mods", OPT_MODS}};
+        {"mods", OPT_MODS},          {"block_mask", OPT_BLOCK_MASK}};
     enum { N = sizeof spec / sizeof spec[0] };
     opt_value v[N];
     read_options(L, idx, spec, N, v);
@@ -1879,6 +1909,60 @@ static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
     p->mods = v[18].mods;
     p->mod_ntensors = v[18].mod_ntensors;
     p->mod_tensors = v[18].mod_tensors;
+    p->block_mask = v[19].block_mask;
+}
+
+/* data = core.attention_block_mask(graph, tensors, B, H, Nq, Nk, block_q,
+ * block_k): the mask of graph evaluated per tile. */
+static int l_attention_block_mask(lua_State *L)
+{
+    ud_mods *g = luaL_checkudata(L, 1, MODS_MT);
+    if (!g->m)
+        return luaL_argerror(L, 1, "freed graph");
+    luaL_checktype(L, 2, LUA_TTABLE);
+    int64_t size[6];
+    for (int k = 0; k < 6; k++)
+        size[k] = (int64_t)luaL_checkinteger(L, 3 + k);
+    const int n = ft_attn_mods_tensors(g->m);
+    if ((int)lua_rawlen(L, 2) != n)
+        return luaL_argerror(L, 2, "the graph's tensors expected");
+    const ft_tensor **ts = lua_newuserdata(L, sizeof *ts * (size_t)(n > 0 ? n : 1));
+    luaL_checkstack(L, n + 4, "too many tensors");
+    for (int k = 0; k < n; k++) {
+        lua_rawgeti(L, 2, k + 1);
+        ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
+        if (!u || !u->t)
+            return luaL_argerror(L, 2, "a tensor has been freed");
+        ts[k] = u->t;
+    }
+    ud_block_mask *u = lua_newuserdata(L, sizeof *u);
+    u->bm = NULL;
+    luaL_setmetatable(L, BLOCK_MASK_MT);
+    CALL(L, NO_ARG, ft_attn_block_mask_new(&u->bm, g->m, n, ts, size[0], size[1], size[2],
+                                           size[3], size[4], size[5]));
+    return 1;
+}
+
+/* empty, partial, full = core.attention_block_mask_counts(data) */
+static int l_attention_block_mask_counts(lua_State *L)
+{
+    ud_block_mask *u = luaL_checkudata(L, 1, BLOCK_MASK_MT);
+    if (!u->bm)
+        return luaL_argerror(L, 1, "freed block mask");
+    int64_t e, pa, f;
+    ft_attn_block_mask_counts(u->bm, &e, &pa, &f);
+    lua_pushinteger(L, (lua_Integer)e);
+    lua_pushinteger(L, (lua_Integer)pa);
+    lua_pushinteger(L, (lua_Integer)f);
+    return 3;
+}
+
+static int block_mask_gc(lua_State *L)
+{
+    ud_block_mask *u = luaL_checkudata(L, 1, BLOCK_MASK_MT);
+    ft_attn_block_mask_free(u->bm);
+    u->bm = NULL;
+    return 0;
 }
 
 /* graph = core.attention_mods_graph(nodes, indices, ntensors, score, mask):
@@ -2367,6 +2451,8 @@ static const luaL_Reg module_functions[] = {
     {"attention_dropout_mask", l_attention_dropout_mask},
     {"attention_mods_graph", l_attention_mods_graph},
     {"attention_mods_eval", l_attention_mods_eval},
+    {"attention_block_mask", l_attention_block_mask},
+    {"attention_block_mask_counts", l_attention_block_mask_counts},
     {NULL, NULL}};
 
 FT_API int luaopen_flashtile_core(lua_State *L)
@@ -2406,6 +2492,10 @@ FT_API int luaopen_flashtile_core(lua_State *L)
     /* the mods graph's metatable, and the op codes for flashtile.mods */
     new_class_metatable(L, MODS_MT);
     lua_pushcfunction(L, mods_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_pop(L, 1);
+    new_class_metatable(L, BLOCK_MASK_MT);
+    lua_pushcfunction(L, block_mask_gc);
     lua_setfield(L, -2, "__gc");
     lua_pop(L, 1);
     lua_newtable(L);

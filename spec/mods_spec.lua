@@ -207,6 +207,56 @@ describe("attention mods written in Lua (cpu)", function()
     end)
   end)
 
+  describe("block masks", function()
+    local N = 96
+    local doc = ft.zeros({ N }, { dtype = "f64" })
+    for i = 1, N do doc[i] = math.floor((i - 1) / 20) + 1 end
+    local cases = {
+      { "a document mask (mask only)", {
+          mask = function(b, hh, i, j) return ft.all(doc[i]:eq(doc[j]), j:le(i)) end } },
+      { "a sliding window with a relative bias (mask and score)", {
+          score = function(s, b, hh, i, j) return s - (i - j) * 0.01 end,
+          mask = function(b, hh, i, j) return ft.all(j:le(i), j:gt(i - 30)) end } },
+    }
+    for _, case in ipairs(cases) do
+      it(case[1] .. ": the same results, forward and backward, with tiles skipped", function()
+        local m = ft.attention_mods(case[2])
+        local bm = ft.block_mask(m, 2, 2, N, N, { block_q = 16, block_k = 8 })
+        local empty, partial, full = bm:counts()
+        assert.are.equal(2 * 2 * 6 * 12, empty + partial + full)
+        assert.is_true(empty > 0 and partial > 0)
+        local q, k, v, dout = inputs(2, N, N, 2, 1, 8)
+        local plain = run(q, k, v, dout, { mods = m, block_q = 16, block_k = 8 })
+        local skipped = run(q, k, v, dout, { mods = m, block_q = 16, block_k = 8, block_mask = bm })
+        assert_same(plain, skipped, 0, case[1])
+        assert.is_truthy(tostring(bm):find("flashtile.BlockMask(2x2x96x96, 288 tiles", 1, true),
+          tostring(bm))
+      end)
+    end
+
+    it("made for another call, other tiles or other mods: a clear error", function()
+      local m = ft.attention_mods { mask = function(b, hh, i, j) return j:le(i) end }
+      local other = ft.attention_mods { mask = function(b, hh, i, j) return j:le(i) end }
+      local bm = ft.block_mask(m, 1, 2, 16, 16, { block_q = 8, block_k = 8 })
+      local q, k, v = inputs(1, 16, 16, 2, 2, 4)
+      for _, case in ipairs {
+        { { mods = m, block_mask = bm }, "this call is 1 x 2 x 16 x 16 in 64 x 64 tiles" },
+        { { mods = other, block_mask = bm, block_q = 8, block_k = 8 }, "made for other mods" },
+        { { block_mask = bm, block_q = 8, block_k = 8 }, "made for other mods" },
+      } do
+        local ok, e = pcall(ft.attention, q, k, v, case[1])
+        assert.is_false(ok)
+        assert.is_truthy(tostring(e):find(case[2], 1, true), tostring(e))
+      end
+      local ok, e = pcall(ft.block_mask, ft.attention_mods { score = function(s) return s end }, 1, 1, 4, 4)
+      assert.is_false(ok)
+      assert.is_truthy(tostring(e):find("the mods have no mask", 1, true), tostring(e))
+      ok, e = pcall(ft.block_mask, {}, 1, 1, 4, 4)
+      assert.is_false(ok)
+      assert.is_truthy(tostring(e):find("must be made by ft.attention_mods", 1, true), tostring(e))
+    end)
+  end)
+
   describe("the tracer", function()
     it("plain values compute at once in ft.where, all, any, negate, min, max", function()
       assert.are.equal(2, ft.where(true, 2, 3))

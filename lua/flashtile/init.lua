@@ -11,7 +11,7 @@ local core = require "flashtile.core"
 local ft = {}
 -- (flashtile.mods alone uses the graph functions and op codes of the core)
 local internal = { Tensor_methods = true, attention_mods_graph = true, attention_mods_eval = true,
-                   mod_ops = true }
+                   mod_ops = true, attention_block_mask = true, attention_block_mask_counts = true }
 for k, v in pairs(core) do
   if not internal[k] then ft[k] = v end
 end
@@ -147,7 +147,8 @@ end
 
 do
   local mods = require "flashtile.mods"
-  for _, name in ipairs { "attention_mods", "where", "all", "any", "negate", "min", "max" } do
+  for _, name in ipairs { "attention_mods", "block_mask", "where", "all", "any", "negate", "min",
+                          "max" } do
     ft[name] = mods[name]
   end
 end

@@ -386,4 +386,36 @@ function M.attention_mods(spec)
                         has_mask = mask_fn ~= nil, nodes = #t.nodes }, AttentionMods)
 end
 
+local BlockMask = { __name = "flashtile.BlockMask" }
+BlockMask.__index = BlockMask
+BlockMask.__tostring = function(bm)
+  local e, p, f = core.attention_block_mask_counts(bm.data)
+  return ("flashtile.BlockMask(%s, %d tiles: %d hidden, %d partly, %d visible)"):format(
+    table.concat(bm.shape, "x"), e + p + f, e, p, f)
+end
+--- empty, partial, full: how many tiles the mask hides wholly, partly,
+-- not at all.
+function BlockMask:counts() return core.attention_block_mask_counts(self.data) end
+
+--- ft.block_mask(mods, B, H, Nq, Nk [, {block_q = 64, block_k = 64}]): the
+-- mods' mask evaluated once per tile (FlexAttention's BlockMask), for
+-- ft.attention(q, k, v, {mods = mods, block_mask = bm}): the tiled path
+-- skips the tiles the mask hides wholly, and the mask where it hides
+-- nothing. The tiles must be the call's (block_q, block_k); cpu.
+function M.block_mask(mods, B, H, Nq, Nk, opts)
+  if getmetatable(mods) ~= AttentionMods then
+    error("ft.block_mask: argument 1 must be made by ft.attention_mods", 2)
+  end
+  opts = opts or {}
+  if type(opts) ~= "table" then error("ft.block_mask: options must be a table", 2) end
+  for key in pairs(opts) do
+    if key ~= "block_q" and key ~= "block_k" then
+      error(("ft.block_mask: unknown option '%s' (expected block_q or block_k)"):format(tostring(key)), 2)
+    end
+  end
+  local data = core.attention_block_mask(mods.graph, mods.tensors, B, H, Nq, Nk,
+    opts.block_q or 64, opts.block_k or 64)
+  return setmetatable({ data = data, mods = mods, shape = { B, H, Nq, Nk } }, BlockMask)
+end
+
 return M
