@@ -16,6 +16,7 @@
  */
 #include "internal.h"
 
+#include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,14 +118,17 @@ static int scratch_add(int64_t *n, int64_t a, int64_t b)
 #define ACC float
 #define SFX _f32
 #define ACC_EXP expf
+#define ACC_GEMM cblas_sgemm
 #include "attention_cpu_impl.h"
 #undef ACC
 #undef SFX
 #undef ACC_EXP
+#undef ACC_GEMM
 
 #define ACC double
 #define SFX _f64
 #define ACC_EXP exp
+#define ACC_GEMM cblas_dgemm
 #include "attention_cpu_impl.h"
 #undef ACC
 #undef SFX

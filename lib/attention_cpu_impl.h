@@ -76,17 +76,12 @@ static void FN(load_rows_t)(ACC *dst, const ft_tensor *t, int64_t b, int64_t h,
     }
 }
 
-/* C [nr, nc] = A [nr, d] x Bt [d, nc]. The inner loop runs along a row of
- * Bt (an axpy, which the compiler vectorises without reassociating sums). */
+/* C [nr, nc] = A [nr, d] x Bt [d, nc], through CBLAS (row-major). */
 static void FN(mm_abt)(ACC *C, const ACC *A, const ACC *Bt, int64_t nr, int64_t nc,
                        int64_t d)
 {
-    for (int64_t r = 0; r < nr; r++) {
-        ACC *crow = C + r * nc;
-        memset(crow, 0, (size_t)nc * sizeof *crow);
-        for (int64_t j = 0; j < d; j++)
-            FN(axpy)(crow, A[r * d + j], Bt + j * nc, nc);
-    }
+    ACC_GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nr, (int)nc, (int)d, (ACC)1, A,
+             (int)d, Bt, (int)nc, (ACC)0, C, (int)nc);
 }
 
 /* The Lua-written modifications (lib/mods.c's interpreter, a row at a
@@ -375,13 +370,17 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
         FN(load_rows_t)(Kt, k, b, hk, j0, nc, row);
         FN(load_rows)(V, v, b, hk, j0, nc);
         FN(scores)(S, NULL, Q, Kt, nr, nc, i0, j0, s, b, h, NULL, skip_mods);
+        /* the online softmax row by row: O rescaled, S turned into P
+         * (dropped, with dropout), then O += P V as one product */
         for (int64_t r = 0; r < nr; r++) {
-            const ACC *srow = S + r * nc;
+            ACC *srow = S + r * nc;
             ACC m_new = m[r];
             for (int64_t c = 0; c < nc; c++)
                 m_new = srow[c] > m_new ? srow[c] : m_new;
-            if (m_new == (ACC)-INFINITY) /* nothing visible yet */
+            if (m_new == (ACC)-INFINITY) { /* nothing visible yet: P = 0 */
+                memset(srow, 0, (size_t)nc * sizeof *srow);
                 continue;
+            }
             /* exp(-inf) = 0 drops the empty state of a first visible block. */
             const ACC alpha = ACC_EXP(m[r] - m_new);
             ACC *o = O + r * d, sum = 0;
@@ -390,12 +389,16 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
             for (int64_t c = 0; c < nc; c++) {
                 const ACC p = ACC_EXP(srow[c] - m_new);
                 sum += p; /* the softmax's sum is of the undropped P */
-                FN(axpy)(o, s->mod.dropout ? p * (ACC)keep_scale(s, b, h, i0 + r, j0 + c) : p,
-                         V + c * d, d);
+                srow[c] = p;
             }
+            if (s->mod.dropout)
+                for (int64_t c = 0; c < nc; c++)
+                    srow[c] *= (ACC)keep_scale(s, b, h, i0 + r, j0 + c);
             l[r] = l[r] * alpha + sum;
             m[r] = m_new;
         }
+        ACC_GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nr, (int)d, (int)nc, (ACC)1, S,
+                 (int)nc, V, (int)d, (ACC)1, O, (int)d);
     }
     for (int64_t r = 0; r < nr; r++) {
         ACC *o = O + r * d;
@@ -496,16 +499,17 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
                         if (DSP)
                             DSP[r * nc + c] = dsp;
                         dS[r * nc + c] = dsp * SG[r * nc + c];
-                        FN(axpy)(dV + c * d, p * z, dO + r * d, d);
+                        P[r * nc + c] = p * z; /* P dropped, for dV */
                     }
                 if (gbuf)
                     FN(mod_read_grads)(X, DSP, nr, nc, i0, j0, s, b, h, gbuf);
-                for (int64_t r = 0; r < nr; r++)
-                    for (int64_t c = 0; c < nc; c++) {
-                        const ACC ds = scale * dS[r * nc + c];
-                        FN(axpy)(dK + c * d, ds, Q + r * d, d);
-                        FN(axpy)(dQh + (i0 + r) * d, ds, K + c * d, d);
-                    }
+                /* dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K */
+                ACC_GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nc, (int)d, (int)nr,
+                         (ACC)1, P, (int)nc, dO, (int)d, (ACC)1, dV, (int)d);
+                ACC_GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nc, (int)d, (int)nr, scale,
+                         dS, (int)nc, Q, (int)d, (ACC)1, dK, (int)d);
+                ACC_GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nr, (int)d, (int)nc,
+                         scale, dS, (int)nc, K, (int)d, (ACC)1, dQh + i0 * d, (int)d);
             }
         }
         FN(store_rows)(dk, b, hk, j0, nc, dK);
