@@ -134,6 +134,30 @@ static int scratch_add(int64_t *n, int64_t a, int64_t b)
 #undef SFX
 #undef ACC_EXP
 
+/* OpenBLAS's own threads inside flashtile's OpenMP team oversubscribe the
+ * cores (the d = 128 backward ran 5 times slower on two cores): while an
+ * attention call runs, its tile products run on one OpenBLAS thread each,
+ * and the setting is put back after. Weak references: another CBLAS has
+ * none of this, and then nothing is done. */
+extern void openblas_set_num_threads(int) __attribute__((weak));
+extern int openblas_get_num_threads(void) __attribute__((weak));
+
+static int blas_single_begin(void)
+{
+    if (!openblas_set_num_threads || !openblas_get_num_threads)
+        return 0;
+    const int n = openblas_get_num_threads();
+    if (n > 1)
+        openblas_set_num_threads(1);
+    return n;
+}
+
+static void blas_single_end(int n)
+{
+    if (n > 1 && openblas_set_num_threads)
+        openblas_set_num_threads(n);
+}
+
 /* Below this many multiply-adds (Nq * Nk * d summed over batch and
  * heads) a call runs on one thread: starting and joining the OpenMP team
  * costs more than it saves (a tiny model's training step ran faster on
@@ -287,10 +311,12 @@ ft_status ft_attention_forward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
     ft_attn_shape sm;
     ft_status st = mods_scratch_new(&sm, s, nthreads, impl == FT_ATTN_NAIVE ? s->Nk : s->block_k,
                                     "ft_attention_forward");
+    const int blas = blas_single_begin();
     if (st == FT_OK && f64)
         forward_f64(impl, &sm, q, k, v, out, lse, scratch->data, (size_t)per, nthreads);
     else if (st == FT_OK)
         forward_f32(impl, &sm, q, k, v, out, lse, scratch->data, (size_t)per, nthreads);
+    blas_single_end(blas);
     free(sm.mod_scratch);
     ft_storage_release(scratch);
     return st;
@@ -332,6 +358,7 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
         st = mods_scratch_new(&sm, &sg, nthreads, impl == FT_ATTN_NAIVE ? s->Nk : s->block_k,
                               func);
     const size_t threads_part = (size_t)per * (size_t)nthreads;
+    const int blas = blas_single_begin();
     if (st == FT_OK && f64) {
         double *base = scratch->data;
         backward_f64(impl, &sm, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per,
@@ -341,6 +368,7 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
         backward_f32(impl, &sm, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per,
                      nthreads, base + threads_part);
     }
+    blas_single_end(blas);
     free(sm.mod_scratch);
     if (scratch)
         ft_storage_release(scratch);

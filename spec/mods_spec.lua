@@ -240,7 +240,7 @@ describe("attention mods written in Lua (cpu)", function()
       local bm = ft.block_mask(m, 1, 2, 16, 16, { block_q = 8, block_k = 8 })
       local q, k, v = inputs(1, 16, 16, 2, 2, 4)
       for _, case in ipairs {
-        { { mods = m, block_mask = bm }, "this call is 1 x 2 x 16 x 16 in 64 x 64 tiles" },
+        { { mods = m, block_mask = bm }, "this call is 1 x 2 x 16 x 16 in 128 x 128 tiles" },
         { { mods = other, block_mask = bm, block_q = 8, block_k = 8 }, "made for other mods" },
         { { block_mask = bm, block_q = 8, block_k = 8 }, "made for other mods" },
       } do

@@ -397,7 +397,7 @@ end
 -- not at all.
 function BlockMask:counts() return core.attention_block_mask_counts(self.data) end
 
---- ft.block_mask(mods, B, H, Nq, Nk [, {block_q = 64, block_k = 64}]): the
+--- ft.block_mask(mods, B, H, Nq, Nk [, {block_q = 128, block_k = 128}]): the
 -- mods' mask evaluated once per tile (FlexAttention's BlockMask), for
 -- ft.attention(q, k, v, {mods = mods, block_mask = bm}): the tiled path
 -- skips the tiles the mask hides wholly, and the mask where it hides
@@ -414,7 +414,7 @@ function M.block_mask(mods, B, H, Nq, Nk, opts)
     end
   end
   local data = core.attention_block_mask(mods.graph, mods.tensors, B, H, Nq, Nk,
-    opts.block_q or 64, opts.block_k or 64)
+    opts.block_q or 128, opts.block_k or 128)
   return setmetatable({ data = data, mods = mods, shape = { B, H, Nq, Nk } }, BlockMask)
 end
 
