@@ -433,21 +433,41 @@ end
 -- ---- table, CSV, plot -----------------------------------------------------------
 
 local function fmt_ratio(x, proxy) return x and ("%.2fx%s"):format(x, proxy and "*" or "") or "-" end
+-- On the CPU each row is also put against ft.matmul at n = 2048 in its
+-- dtype (CBLAS), timed in the same run: the share of that GEMM rate.
+local gemm_rate = {}
+if not on_gpu then
+  for _, dtype in ipairs(dtypes) do
+    if dtype == "f32" or dtype == "f64" then
+      local a = ft.randn({ 2048, 2048 }, { dtype = dtype, seed = 1 })
+      local r = bench.run(function() return ft.matmul(a, a) end, timing)
+      gemm_rate[dtype] = bench.tflops(2 * 2048 ^ 3, r.median)
+      io.stderr:write(("ft.matmul 2048 %s: %s TFLOP/s\n"):format(dtype, fmt_tflops(gemm_rate[dtype], 1)))
+    end
+  end
+end
+for _, r in ipairs(rows) do
+  if r.tflops and gemm_rate[r.dtype] then r.of_gemm = r.tflops / gemm_rate[r.dtype] end
+end
 print(("\n%s, %s, %s"):format(device_name, os.date("!%Y-%m-%d"),
   opts.reference and ("ratios against " .. opts.reference) or "no reference file"))
-print("| variant | impl | dtype | B | H | N | d | causal | pass | ms | TFLOP/s | peak MiB | vs flash | vs cudnn |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for dtype, rate in pairs(gemm_rate) do
+  print(("ft.matmul at n = 2048 in %s, the same run: %s TFLOP/s"):format(dtype, fmt_tflops(rate, 1)))
+end
+print("| variant | impl | dtype | B | H | N | d | causal | pass | ms | TFLOP/s | peak MiB | vs flash | vs cudnn | of gemm |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 local any_proxy = false
 for _, r in ipairs(rows) do
   if r.error then
-    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | FAILED: %s | | | | |"):format(r.variant, r.impl, r.dtype,
+    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | FAILED: %s | | | | | |"):format(r.variant, r.impl, r.dtype,
       r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.error))
   else
     any_proxy = any_proxy or (r.proxy and (r.ref_flash or r.ref_cudnn) ~= nil)
-    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | %.3f | %s | %.1f | %s | %s |"):format(
+    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | %.3f | %s | %.1f | %s | %s | %s |"):format(
       r.variant, r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.ms,
       fmt_tflops(r.tflops, 1), r.peak / 2^20,
-      fmt_ratio(r.ref_flash, r.proxy), fmt_ratio(r.ref_cudnn, r.proxy)))
+      fmt_ratio(r.ref_flash, r.proxy), fmt_ratio(r.ref_cudnn, r.proxy),
+      r.of_gemm and ("%.0f%%"):format(100 * r.of_gemm) or "-"))
   end
 end
 if any_proxy then
@@ -455,13 +475,14 @@ if any_proxy then
 end
 
 local csv = assert(io.open(opts.csv, "w"))
-csv:write("variant,impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error\n")
+csv:write("variant,impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error,of_gemm\n")
 for _, r in ipairs(rows) do
   csv:write(table.concat({ r.variant, r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass,
     r.ms and ("%.4f"):format(r.ms) or "", r.tflops and fmt_tflops(r.tflops, 2) or "",
     r.peak and ("%d"):format(r.peak) or "", r.ref_flash and ("%.3f"):format(r.ref_flash) or "",
     r.ref_cudnn and ("%.3f"):format(r.ref_cudnn) or "",
-    r.error and ('"' .. r.error:gsub('"', "'"):gsub("\n", " ") .. '"') or "" }, ","), "\n")
+    r.error and ('"' .. r.error:gsub('"', "'"):gsub("\n", " ") .. '"') or "",
+    r.of_gemm and ("%.3f"):format(r.of_gemm) or "" }, ","), "\n")
 end
 csv:close()
 
