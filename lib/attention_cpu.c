@@ -29,13 +29,44 @@
 
 static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* The cap a host put on flashtile's CPU threads (0: none; the first call
+ * reads FT_NUM_THREADS), process-wide. */
+static int thread_cap = -1;
+
+static int cap_now(void)
+{
+    int cap = __atomic_load_n(&thread_cap, __ATOMIC_RELAXED);
+    if (cap < 0) {
+        const char *env = getenv("FT_NUM_THREADS");
+        char *end = NULL;
+        const long v = env ? strtol(env, &end, 10) : 0;
+        cap = env && end != env && *end == 0 && v >= 1 && v <= 4096 ? (int)v : 0;
+        int expected = -1;
+        __atomic_compare_exchange_n(&thread_cap, &expected, cap, 0, __ATOMIC_RELAXED,
+                                    __ATOMIC_RELAXED);
+        cap = __atomic_load_n(&thread_cap, __ATOMIC_RELAXED);
+    }
+    return cap;
+}
+
 static int thread_count(void)
 {
 #ifdef _OPENMP
-    return omp_get_max_threads();
+    const int n = omp_get_max_threads(), cap = cap_now();
+    return cap > 0 && cap < n ? cap : n;
 #else
     return 1;
 #endif
+}
+
+void ft_set_num_threads(int n)
+{
+    __atomic_store_n(&thread_cap, n > 0 ? n : 0, __ATOMIC_RELAXED);
+}
+
+int ft_get_num_threads(void)
+{
+    return thread_count();
 }
 
 static size_t thread_index(void)

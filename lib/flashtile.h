@@ -418,6 +418,13 @@ FT_API const char *ft_attn_impl_name(ft_attn_impl impl);
 /* "auto", "naive", "tiled", "flash"; FT_ERR_ARGUMENT for others. */
 FT_API ft_status ft_attn_impl_parse(const char *name, ft_attn_impl *out);
 
+/* The threads the CPU attention may use: at most n from now on (n <= 0:
+ * no cap beyond OpenMP's own, OMP_NUM_THREADS), process-wide; the
+ * environment variable FT_NUM_THREADS sets the first cap. Results do not
+ * depend on the thread count, bit for bit. */
+FT_API void ft_set_num_threads(int n);
+FT_API int ft_get_num_threads(void);
+
 /* Forward: new tensors *out and *lse. Inputs: q=1, k=2, v=3, p=4. */
 FT_API ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
                                       const ft_tensor *q, const ft_tensor *k,

@@ -2116,6 +2116,23 @@ static int l_attention_backward(lua_State *L)
     return 3 + (p.sink ? 1 : 0) + ngrads;
 }
 
+/* ft.set_num_threads(n): at most n CPU threads for attention (0: no cap);
+ * ft.get_num_threads(): how many it uses now. */
+static int l_set_num_threads(lua_State *L)
+{
+    const lua_Integer n = luaL_checkinteger(L, 1);
+    if (n < 0 || n > 4096)
+        return luaL_argerror(L, 1, "a thread count from 1 to 4096 (0: no cap) expected");
+    ft_set_num_threads((int)n);
+    return 0;
+}
+
+static int l_get_num_threads(lua_State *L)
+{
+    lua_pushinteger(L, ft_get_num_threads());
+    return 1;
+}
+
 /* mask = ft.attention_dropout_mask(B, H, Nq, Nk, {dropout_p =, seed =,
  * offset =, device =}) */
 static int l_attention_dropout_mask(lua_State *L)
@@ -2450,6 +2467,8 @@ static const luaL_Reg module_functions[] = {
     {"clock", l_clock},         {"attention", l_attention}, {"attention_backward", l_attention_backward},
     {"attention_dropout_mask", l_attention_dropout_mask},
     {"attention_mods_graph", l_attention_mods_graph},
+    {"set_num_threads", l_set_num_threads},
+    {"get_num_threads", l_get_num_threads},
     {"attention_mods_eval", l_attention_mods_eval},
     {"attention_block_mask", l_attention_block_mask},
     {"attention_block_mask_counts", l_attention_block_mask_counts},

@@ -103,6 +103,40 @@ describe("attention variants (cpu)", function()
     end
   end)
 
+  it("the same bits on 1 and 2 threads, every variant, mods and their tensors' gradients included",
+    function()
+      local c = { B = 2, Nq = 130, Nk = 140, H = 4, Hk = 2, d = 32 }
+      local q, k, v, dout = inputs(c, "f32")
+      local bias = ft.randn({ 4, 300 }, { seed = 4 })
+      local mods = ft.attention_mods {
+        score = function(s, b, hh, i, j) return s + bias[hh][i - j + 150] end,
+      }
+      local opts = { causal = true, window_left = 60, softcap = 5.0, alibi_slopes = slopes_h,
+                     sink = sink, dropout_p = 0.1, seed = 3, mods = mods }
+      local before = ft.get_num_threads()
+      local results = {}
+      for _, n in ipairs { 1, 2 } do
+        ft.set_num_threads(n)
+        assert.is_true(ft.get_num_threads() <= n)
+        local r = {}
+        for _, impl in ipairs(IMPLS) do
+          local out, lse = ft.attention(q, k, v, copy(opts, { impl = impl }))
+          r[impl] = h.pack(out, lse,
+            ft.attention_backward(dout, q, k, v, out, lse, copy(opts, { impl = impl })))
+        end
+        results[n] = r
+      end
+      ft.set_num_threads(0)
+      assert.are.equal(before, ft.get_num_threads())
+      for _, impl in ipairs(IMPLS) do
+        local a, b = results[1][impl], results[2][impl]
+        assert.are.equal(7, a.n) -- out, lse, dq, dk, dv, dsink, dbias
+        for i = 1, a.n do
+          assert.are.equal(0, ft.max_abs_diff(a[i], b[i]), impl .. " result " .. i)
+        end
+      end
+    end)
+
   it("a row that sees no key gets out 0 and LSE = -inf, or LSE = sink with a sink", function()
     local c = { B = 1, Nq = 6, Nk = 3, H = 4, Hk = 4, d = 4 }
     local q, k, v = inputs(c)
