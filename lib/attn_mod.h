@@ -85,12 +85,6 @@ static inline FT_HOST_DEVICE int64_t ft_mod_query_end(const ft_attn_mod *m, int6
     return m->left < 0 ? Nq : ft_mod_clamp(j - (Nk - Nq) + m->left + 1, 0, Nq);
 }
 
-static inline FT_HOST_DEVICE int ft_mod_visible(const ft_attn_mod *m, int64_t Nq, int64_t Nk,
-                                                int64_t i, int64_t j)
-{
-    return j >= ft_mod_key_begin(m, Nq, Nk, i) && j < ft_mod_key_end(m, Nq, Nk, i);
-}
-
 /* Queries [i0, i1) against keys [j0, j1), both non-empty. The visible
  * interval of a query moves right as i grows, so the first and the last
  * query bound every other. */

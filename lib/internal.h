@@ -314,16 +314,14 @@ typedef struct ft_attn_shape {
  * gradient (a row's sink probability times D = rowsum(dout * out)). */
 void ft_attention_sink_grad_cpu(const ft_attn_shape *s, const ft_tensor *dout,
                                 const ft_tensor *out, const ft_tensor *lse, double *acc);
-/* mods.c: the counts of a graph, its check against the tensors of a call
+/* mods.c: whether a graph has a score function, its check against the tensors of a call
  * (count, dims, device), the scratch doubles a row of `width` needs, and
  * the interpreter: for query i of (b, h) and keys j0 .. j0 + nc - 1
  * (0-based; the graph sees them 1-based), from the scores s (NULL when the
  * graph has no score), writes the modified scores, d score / ds and the
  * mask's verdict (1 keep) into whichever of score, dscore, keep is not
  * NULL. A read out of range sets *fault. */
-int ft_attn_mods_nodes(const ft_attn_mods *m);
 int ft_attn_mods_has_score(const ft_attn_mods *m);
-int ft_attn_mods_has_mask(const ft_attn_mods *m);
 ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, int arg,
                                      int ntensors, const ft_tensor *const *tensors,
                                      ft_device device);

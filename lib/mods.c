@@ -159,7 +159,6 @@ void ft_attn_mods_free(ft_attn_mods *m)
 }
 
 FT_API int ft_attn_mods_tensors(const ft_attn_mods *m) { return m ? m->ntensors : 0; }
-int ft_attn_mods_nodes(const ft_attn_mods *m) { return m ? m->nnodes : 0; }
 int ft_attn_mods_nodes_count(const ft_attn_mods *m) { return m ? m->nnodes : 0; }
 
 void ft_attn_mods_eval_point(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,
@@ -170,7 +169,6 @@ void ft_attn_mods_eval_point(const ft_attn_mods *m, const ft_tensor *const *tens
                           fault);
 }
 int ft_attn_mods_has_score(const ft_attn_mods *m) { return m && m->score >= 0; }
-int ft_attn_mods_has_mask(const ft_attn_mods *m) { return m && m->mask >= 0; }
 
 ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, int arg,
                                      int ntensors, const ft_tensor *const *tensors,

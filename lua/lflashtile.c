@@ -665,6 +665,27 @@ static const char *const opt_kind_names[] = {"a boolean", "an integer", "a numbe
                                              "an implementation name", "a tensor",
                                              "ft.attention_mods{...}", "ft.block_mask(...)"};
 
+/* The n tensors of the list (a table) at index list, each pushed on the
+ * stack so that it stays for the call, as an array of pointers (itself a
+ * userdata on the stack); an entry that is not a live tensor is an error
+ * at argument arg, its message prefixed by what. */
+static const ft_tensor **pin_tensor_list(lua_State *L, int list, int n, int arg,
+                                         const char *what)
+{
+    list = lua_absindex(L, list);
+    const ft_tensor **ts = lua_newuserdata(L, sizeof *ts * (size_t)(n > 0 ? n : 1));
+    luaL_checkstack(L, n + 4, "too many tensors");
+    for (int k = 0; k < n; k++) {
+        lua_rawgeti(L, list, k + 1);
+        ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
+        if (!u || !u->t)
+            luaL_argerror(L, arg, lua_pushfstring(L, "%s: tensor %d %s", what, k + 1,
+                                                  u ? "has been freed" : "is not a tensor"));
+        ts[k] = u->t;
+    }
+    return ts;
+}
+
 /* The mods option (a table made by ft.attention_mods: raw fields graph, the
  * compiled graph, and tensors, the tensors it reads): the table, the
  * graph and every tensor are pushed on the stack, so they stay for the
@@ -688,16 +709,8 @@ static void read_mods_option(lua_State *L, int idx, const char *name, opt_value 
     if (lua_type(L, tt) != LUA_TTABLE || (int)lua_rawlen(L, tt) != want)
         luaL_argerror(L, idx, lua_pushfstring(L, "option '%s': its tensors must be a list of %d",
                                               name, want));
-    const ft_tensor **ptrs = lua_newuserdata(L, sizeof *ptrs * (size_t)(want > 0 ? want : 1));
-    luaL_checkstack(L, want + 4, "too many tensors in mods");
-    for (int k = 0; k < want; k++) {
-        lua_rawgeti(L, tt, k + 1);
-        ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
-        if (!u || !u->t)
-            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s': tensor %d %s", name, k + 1,
-                                                  u ? "has been freed" : "is not a tensor"));
-        ptrs[k] = u->t; /* stays on the stack */
-    }
+    const ft_tensor **ptrs =
+        pin_tensor_list(L, tt, want, idx, lua_pushfstring(L, "option '%s'", name));
     v->mods = g->m;
     v->mod_ntensors = want;
     v->mod_tensors = ptrs;
@@ -1926,15 +1939,7 @@ static int l_attention_block_mask(lua_State *L)
     const int n = ft_attn_mods_tensors(g->m);
     if ((int)lua_rawlen(L, 2) != n)
         return luaL_argerror(L, 2, "the graph's tensors expected");
-    const ft_tensor **ts = lua_newuserdata(L, sizeof *ts * (size_t)(n > 0 ? n : 1));
-    luaL_checkstack(L, n + 4, "too many tensors");
-    for (int k = 0; k < n; k++) {
-        lua_rawgeti(L, 2, k + 1);
-        ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
-        if (!u || !u->t)
-            return luaL_argerror(L, 2, "a tensor has been freed");
-        ts[k] = u->t;
-    }
+    const ft_tensor **ts = pin_tensor_list(L, 2, n, 2, "block mask");
     ud_block_mask *u = lua_newuserdata(L, sizeof *u);
     u->bm = NULL;
     luaL_setmetatable(L, BLOCK_MASK_MT);
@@ -2040,15 +2045,10 @@ static int l_attention_mods_eval(lua_State *L)
     const int n = ft_attn_mods_tensors(g->m);
     if ((int)lua_rawlen(L, 2) != n)
         return luaL_argerror(L, 2, "the graph's tensors expected");
-    const ft_tensor **ts = lua_newuserdata(L, sizeof *ts * (size_t)(n > 0 ? n : 1));
-    luaL_checkstack(L, n + 4, "too many tensors");
-    for (int k = 0; k < n; k++) {
-        lua_rawgeti(L, 2, k + 1);
-        ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
-        if (!u || !u->t || u->t->device.type != FT_CPU)
+    const ft_tensor **ts = pin_tensor_list(L, 2, n, 2, "mods");
+    for (int k = 0; k < n; k++)
+        if (ts[k]->device.type != FT_CPU)
             return luaL_argerror(L, 2, "cpu tensors expected");
-        ts[k] = u->t;
-    }
     double *work = lua_newuserdata(L, sizeof(double) * (2 * (size_t)ft_attn_mods_nodes_count(g->m) + 1));
     double score = 0, dscore = 0;
     int keep = 1, fault = 0;
