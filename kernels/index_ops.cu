@@ -1,10 +1,10 @@
 /*
  * index_ops.cu - ft_index_select and ft_index_add on CUDA (the embedding
  * lookup and its gradient). Tensors are seen as [outer, size, inner] around
- * the indexed dim, contiguous (t is made contiguous first when it is not;
- * index_add's t must be). Index entries are checked on the device: a bad
- * entry is skipped and reported through a flag, read back after the kernel.
- * Check: spec/index_spec.lua (its gpu cases, against the CPU).
+ * the indexed dim, contiguous: every tensor and index comes contiguous
+ * (lib/index.c makes the copies). Index entries are checked on the device:
+ * a bad entry is skipped and reported through a flag, read back after the
+ * kernel. Check: spec/index_spec.lua (its gpu cases, against the CPU).
  */
 #include "kernels.h"
 
@@ -103,26 +103,16 @@ extern "C" ft_status ft_cuda_index_select(ft_tensor *out, const ft_tensor *t, in
 {
     const char *func = "ft_index_select";
     FT_TRY(ft_cuda_use_device(t->device.index, func));
-    ft_tensor *tc = NULL, *ic = NULL;
-    FT_TRY(ft_contiguous(&tc, t));
-    ft_status st = ft_contiguous(&ic, index);
     int *flag = NULL;
-    if (st == FT_OK)
-        st = flag_new(&flag, func);
-    if (st == FT_OK) {
-        const Span s = span_of(tc, dim);
-        const int64_t n = index->shape[0];
-        index_select_kernel<<<grid_for(s.outer * n * s.inner), INDEX_THREADS>>>(
-            (char *)out->data, (const char *)tc->data, ic->data, ic->dtype == FT_I64, s, n,
-            (int)ft_dtype_size(t->dtype), flag);
-        st = ft_cuda_check_launch(func, __FILE__, __LINE__);
-        ft_status chk = flag_check(flag, s.size, func);
-        if (st == FT_OK)
-            st = chk;
-    }
-    ft_tensor_free(tc);
-    ft_tensor_free(ic);
-    return st;
+    FT_TRY(flag_new(&flag, func));
+    const Span s = span_of(t, dim);
+    const int64_t n = index->shape[0];
+    index_select_kernel<<<grid_for(s.outer * n * s.inner), INDEX_THREADS>>>(
+        (char *)out->data, (const char *)t->data, index->data, index->dtype == FT_I64, s, n,
+        (int)ft_dtype_size(t->dtype), flag);
+    ft_status st = ft_cuda_check_launch(func, __FILE__, __LINE__);
+    ft_status chk = flag_check(flag, s.size, func);
+    return st == FT_OK ? chk : st;
 }
 
 extern "C" ft_status ft_cuda_index_add(ft_tensor *t, int dim, const ft_tensor *index,
@@ -130,29 +120,19 @@ extern "C" ft_status ft_cuda_index_add(ft_tensor *t, int dim, const ft_tensor *i
 {
     const char *func = "ft_index_add";
     FT_TRY(ft_cuda_use_device(t->device.index, func));
-    ft_tensor *sc = NULL, *ic = NULL;
-    FT_TRY(ft_contiguous(&sc, src));
-    ft_status st = ft_contiguous(&ic, index);
     int *flag = NULL;
-    if (st == FT_OK)
-        st = flag_new(&flag, func);
-    if (st == FT_OK) {
-        const Span s = span_of(t, dim);
-        const int64_t n = index->shape[0];
-        const int grid = grid_for(s.outer * n * s.inner);
-        const int is64 = ic->dtype == FT_I64;
-        if (t->dtype == FT_F64)
-            index_add_kernel<double><<<grid, INDEX_THREADS>>>(
-                (double *)t->data, (const double *)sc->data, ic->data, is64, s, n, flag);
-        else
-            index_add_kernel<float><<<grid, INDEX_THREADS>>>(
-                (float *)t->data, (const float *)sc->data, ic->data, is64, s, n, flag);
-        st = ft_cuda_check_launch(func, __FILE__, __LINE__);
-        ft_status chk = flag_check(flag, s.size, func);
-        if (st == FT_OK)
-            st = chk;
-    }
-    ft_tensor_free(sc);
-    ft_tensor_free(ic);
-    return st;
+    FT_TRY(flag_new(&flag, func));
+    const Span s = span_of(t, dim);
+    const int64_t n = index->shape[0];
+    const int grid = grid_for(s.outer * n * s.inner);
+    const int is64 = index->dtype == FT_I64;
+    if (t->dtype == FT_F64)
+        index_add_kernel<double><<<grid, INDEX_THREADS>>>(
+            (double *)t->data, (const double *)src->data, index->data, is64, s, n, flag);
+    else
+        index_add_kernel<float><<<grid, INDEX_THREADS>>>(
+            (float *)t->data, (const float *)src->data, index->data, is64, s, n, flag);
+    ft_status st = ft_cuda_check_launch(func, __FILE__, __LINE__);
+    ft_status chk = flag_check(flag, s.size, func);
+    return st == FT_OK ? chk : st;
 }

@@ -15,47 +15,57 @@ extern "C" {
 
 #include "internal.h"
 
-/* ---- tensor_ops.cu: elementwise work on strided tensors of any dtype ---- */
+/* ---- tensor/: work on strided tensors of any dtype, one family a file,
+ * per element as lib/ does it (lib/scalar_ops.h) ---- */
 
-/* dst = src converted; same shape, same device, any strides and dtypes. */
+/* copy.cu: dst = src converted; same shape, same device, any strides and
+ * dtypes. */
 ft_status ft_cuda_copy(ft_tensor *dst, const ft_tensor *src);
 ft_status ft_cuda_fill(ft_tensor *t, double value);
-/* Philox 4x32-10 exactly as ft_rand/ft_randn on the CPU (philox.h):
- * element i of t in row-major order gets the stream's element i; with row
- * not NULL, element i gets the stream's element base + (i's offset along
- * the strides row[]) instead (random.c's stride-0 views, collapsed). */
+/* random.cu: Philox 4x32-10 exactly as ft_rand/ft_randn on the CPU
+ * (philox.h): element i of t in row-major order gets the stream's element
+ * i; with row not NULL, element i gets the stream's element base + (i's
+ * offset along the strides row[]) instead (random.c's stride-0 views,
+ * collapsed). */
 ft_status ft_cuda_random(ft_tensor *t, const int64_t *row, int64_t base, uint64_t seed,
                          uint64_t offset, int normal);
-/* out is allocated, contiguous, a's shape and dtype. */
+/* elementwise.cu: out is allocated, contiguous, a's shape and dtype. */
 ft_status ft_cuda_binary(ft_tensor *out, ft_binop op, const ft_tensor *a,
                          const ft_tensor *b);
 ft_status ft_cuda_binary_scalar(ft_tensor *out, ft_binop op, const ft_tensor *a,
                                 double s, int scalar_first);
 ft_status ft_cuda_unary(ft_tensor *out, ft_unop op, const ft_tensor *a);
+/* reduce.cu: *result = op over every element of a. */
 ft_status ft_cuda_reduce_all(ft_reduce_op op, const ft_tensor *a, double *result);
 /* out (and indices, i64, 0-based, when not NULL) hold a's shape with dim
  * removed or kept as 1, contiguous; they are allocated. */
 ft_status ft_cuda_reduce_dim(ft_tensor *out, ft_tensor *indices, ft_reduce_op op,
                              const ft_tensor *a, int dim);
-ft_status ft_cuda_softmax(ft_tensor *out, const ft_tensor *a, int dim);
 /* max |a - b| and whether |a - b| <= atol + rtol |b| everywhere. */
 ft_status ft_cuda_compare(const ft_tensor *a, const ft_tensor *b, double rtol,
                           double atol, double *max_abs_diff, int *all_close);
+/* softmax.cu: out (allocated, a's shape and dtype) = softmax of a along
+ * dim. */
+ft_status ft_cuda_softmax(ft_tensor *out, const ft_tensor *a, int dim);
 
 /* ---- index_ops.cu: gathers and scatter-adds along one dim ---- */
 
 /* out (allocated, contiguous) = t gathered along dim by index (0-based
- * i32/i64 on the device); entries out of range make it fail. */
+ * i32/i64 on the device); entries out of range make it fail. t and index
+ * are contiguous (lib/index.c copies them). */
 ft_status ft_cuda_index_select(ft_tensor *out, const ft_tensor *t, int dim,
                                const ft_tensor *index);
-/* t (contiguous, f32/f64) += src scattered along dim, with atomics. */
+/* t (f32/f64) += src scattered along dim, with atomics; t, index and src
+ * are contiguous. */
 ft_status ft_cuda_index_add(ft_tensor *t, int dim, const ft_tensor *index,
                             const ft_tensor *src);
 
 /* ---- matmul.cu: cuBLAS ---- */
 
 /* out [B, m, n] (or [m, n]) = a x b, allocated and contiguous; f32, f16 and
- * bf16 with f32 accumulation, f64 in f64. */
+ * bf16 with f32 accumulation, f64 in f64. a and b are matrices cuBLAS reads
+ * where they lie (ft_blas_layout in lib/internal.h; lib/ops.c copies any
+ * other contiguous first). */
 ft_status ft_cuda_matmul(ft_tensor *out, const ft_tensor *a, const ft_tensor *b);
 
 /* Tells compute-sanitizer's initcheck (run with --nvtx yes) that the

@@ -1,7 +1,8 @@
 /*
  * matmul.cu - ft_cuda_matmul through cuBLAS: f64 in f64; f32, f16 and bf16
  * with f32 accumulation (never TF32), the result in the input dtype.
- * Operands cuBLAS cannot read as they lie are copied contiguous first.
+ * Operands come as cuBLAS reads them (ft_blas_layout): lib/ops.c copies
+ * any other contiguous first.
  * Limits: devices 0 to 63 (one cuBLAS handle each, kept for the process).
  * Check: spec/cuda_ops_spec.lua (busted, tag gpu) against the CPU's CBLAS.
  * Design: kernels/README.md.
@@ -99,34 +100,19 @@ typedef struct {
     int ld;
 } mm_operand;
 
-static int fits_ld(int64_t ld, int64_t minimum)
-{
-    return ld >= (minimum > 1 ? minimum : 1) && ld <= (int64_t)INT_MAX;
-}
-
-/* Fills o for t if cuBLAS can read t's strides; 0 if t needs a copy. */
+/* Fills o for t if cuBLAS can read t's strides; 0 if it cannot. */
 static int describe(mm_operand *o, const ft_tensor *t)
 {
-    const int r = t->ndim - 2;
-    const int64_t rows = t->shape[r], cols = t->shape[r + 1];
-    /* A stride over a dim of size 1 is never used: treat it as compact. */
-    const int64_t rs = rows == 1 ? cols : t->stride[r];
-    const int64_t cs = cols == 1 ? rows : t->stride[r + 1];
+    int transposed, ld;
+    if (!ft_blas_layout(t, &transposed, &ld))
+        return 0;
     o->t = t;
     o->bstride = t->ndim == 3 && t->shape[0] > 1 ? t->stride[0] : 0;
-    /* The column-major reading of t's memory is t^T (cs == 1) or t
-     * (rs == 1); the product wants t^T. */
-    if (cs == 1 && fits_ld(rs, cols)) {
-        o->op = CUBLAS_OP_N;
-        o->ld = (int)rs;
-        return 1;
-    }
-    if (rs == 1 && fits_ld(cs, rows)) {
-        o->op = CUBLAS_OP_T;
-        o->ld = (int)cs;
-        return 1;
-    }
-    return 0;
+    /* The column-major reading of t's memory is t^T (row-major as it
+     * lies) or t (transposed); the product wants t^T. */
+    o->op = transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
+    o->ld = ld;
+    return 1;
 }
 
 static ft_status gemm(cublasHandle_t h, ft_tensor *out, const mm_operand *A,
@@ -179,27 +165,10 @@ ft_status ft_cuda_matmul(ft_tensor *out, const ft_tensor *a, const ft_tensor *b)
         return ft_cuda_fill(out, 0.0);
     cublasHandle_t h;
     FT_TRY(ft_cublas_handle(a->device.index, F, &h));
-    /* Operands cuBLAS cannot read as they are become contiguous copies. */
-    ft_tensor *ca = NULL, *cb = NULL;
     mm_operand A, B;
-    ft_status st = FT_OK;
-    if (!describe(&A, a)) {
-        st = ft_contiguous(&ca, a);
-        if (st == FT_OK && !describe(&A, ca))
-            st = ft_fail(FT_ERR_INTERNAL, F, 1, "a contiguous copy is not "
-                         "readable by cuBLAS");
-    }
-    if (st == FT_OK && !describe(&B, b)) {
-        st = ft_contiguous(&cb, b);
-        if (st == FT_OK && !describe(&B, cb))
-            st = ft_fail(FT_ERR_INTERNAL, F, 2, "a contiguous copy is not "
-                         "readable by cuBLAS");
-    }
-    if (st == FT_OK)
-        st = gemm(h, out, &A, &B);
-    /* The copies are freed with cudaFreeAsync on stream 0, after the
-     * products queued there have read them. */
-    ft_tensor_free(ca);
-    ft_tensor_free(cb);
-    return st;
+    if (!describe(&A, a))
+        return ft_fail(FT_ERR_INTERNAL, F, 1, "operand not readable by cuBLAS");
+    if (!describe(&B, b))
+        return ft_fail(FT_ERR_INTERNAL, F, 2, "operand not readable by cuBLAS");
+    return gemm(h, out, &A, &B);
 }

@@ -4,12 +4,13 @@
  * Every conversion goes through double: it holds f32, f16, bf16 and i32
  * exactly, so one rounding step (double -> narrow type) is the only one.
  * Rounding to f16 and bf16 is to nearest, ties to even, done on the bits
- * of the double so that no double rounding through f32 can happen.
+ * of the double so that no double rounding through f32 can happen. The
+ * conversions themselves are scalar_ops.h's, shared with the CUDA kernels.
  */
 #include "internal.h"
+#include "scalar_ops.h"
 
 #include <limits.h>
-#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -140,125 +141,29 @@ int ft_device_equal(ft_device a, ft_device b)
     return a.type == b.type && a.index == b.index;
 }
 
-/* ---- f16 and bf16 ---- */
+/* ---- f16, bf16 and element load and store: the rules of scalar_ops.h,
+ * which the CUDA kernels share ---- */
 
-/* Rounds the double x to a binary float with mant_bits explicit mantissa
- * bits, exponent bias exp_bias and exp_bits exponent bits, returning the
- * 1 + exp_bits + mant_bits bit pattern. Ties go to even. Handles NaN,
- * infinities, overflow to infinity, subnormals and underflow to zero. */
-static uint16_t round_to_small_float(double x, int exp_bits, int mant_bits)
+uint16_t ft_f64_to_f16(double x)
 {
-    uint64_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    const uint16_t sign = (uint16_t)((bits >> 63) << (exp_bits + mant_bits));
-    const int exp_max = (1 << exp_bits) - 1; /* all ones: inf / NaN */
-    const int bias = (1 << (exp_bits - 1)) - 1;
-    const uint16_t inf = (uint16_t)(exp_max << mant_bits);
-
-    if (isnan(x)) /* a quiet NaN, keeping the sign */
-        return (uint16_t)(sign | inf | (1u << (mant_bits - 1)));
-    double a = fabs(x);
-    if (isinf(a))
-        return sign | inf;
-    if (a == 0.0)
-        return sign;
-
-    /* a = m * 2^e with m in [1, 2) (ilogb handles subnormal doubles). */
-    int e = ilogb(a);
-    /* The target's exponent; below the minimum normal we keep the
-     * minimum exponent and lose mantissa bits (subnormal). */
-    int emin = 1 - bias;
-    int shift_exp = e < emin ? emin : e;
-    /* Scale so that the integer part holds the mantissa bits kept. */
-    double scaled = ldexp(a, mant_bits - shift_exp);
-    double r = nearbyint(scaled); /* the FPU default mode: ties to even */
-    uint64_t q = (uint64_t)r;
-    /* q in [2^mant_bits, 2^(mant_bits+1)] for normals; rounding up may
-     * carry into the next binade. */
-    if (q >= (2ull << mant_bits)) {
-        q >>= 1;
-        shift_exp++;
-    }
-    if (q < (1ull << mant_bits)) /* subnormal (or rounded to zero) */
-        return (uint16_t)(sign | q);
-    int biased = shift_exp + bias;
-    if (biased >= exp_max)
-        return sign | inf;
-    return (uint16_t)(sign | ((uint16_t)biased << mant_bits) |
-                      (q & ((1ull << mant_bits) - 1)));
+    return ft_f64_to_small(x, FT_F16_EXP_BITS, FT_F16_MANT_BITS);
 }
 
-static double small_float_to_f64(uint16_t h, int exp_bits, int mant_bits)
+double ft_f16_to_f64(uint16_t h)
 {
-    const int exp_max = (1 << exp_bits) - 1;
-    const int bias = (1 << (exp_bits - 1)) - 1;
-    int sign = (h >> (exp_bits + mant_bits)) & 1;
-    int biased = (h >> mant_bits) & exp_max;
-    uint32_t mant = h & ((1u << mant_bits) - 1);
-    double v;
-    if (biased == exp_max)
-        v = mant ? NAN : INFINITY;
-    else if (biased == 0)
-        v = ldexp((double)mant, 1 - bias - mant_bits);
-    else
-        v = ldexp((double)(mant | (1u << mant_bits)), biased - bias - mant_bits);
-    return sign ? -v : v;
+    return ft_small_to_f64(h, FT_F16_EXP_BITS, FT_F16_MANT_BITS);
 }
 
-#define F16_EXP_BITS 5
-#define F16_MANT_BITS 10
-#define BF16_EXP_BITS 8
-#define BF16_MANT_BITS 7
-
-uint16_t ft_f64_to_f16(double x) { return round_to_small_float(x, F16_EXP_BITS, F16_MANT_BITS); }
-double ft_f16_to_f64(uint16_t h) { return small_float_to_f64(h, F16_EXP_BITS, F16_MANT_BITS); }
-uint16_t ft_f64_to_bf16(double x) { return round_to_small_float(x, BF16_EXP_BITS, BF16_MANT_BITS); }
-double ft_bf16_to_f64(uint16_t h) { return small_float_to_f64(h, BF16_EXP_BITS, BF16_MANT_BITS); }
-
-/* ---- element load and store ---- */
-
-double ft_load_f64(const void *p, ft_dtype dtype)
+uint16_t ft_f64_to_bf16(double x)
 {
-    switch (dtype) {
-    case FT_F64: return *(const double *)p;
-    case FT_F32: return *(const float *)p;
-    case FT_F16: return ft_f16_to_f64(*(const uint16_t *)p);
-    case FT_BF16: return ft_bf16_to_f64(*(const uint16_t *)p);
-    case FT_I32: return *(const int32_t *)p;
-    case FT_I64: return (double)*(const int64_t *)p;
-    default: return NAN;
-    }
+    return ft_f64_to_small(x, FT_BF16_EXP_BITS, FT_BF16_MANT_BITS);
 }
 
-/* Truncation toward zero that saturates and sends NaN to 0, so that no
- * value makes the C conversion undefined. */
-static int64_t double_to_int(double v, double lo, double hi)
+double ft_bf16_to_f64(uint16_t h)
 {
-    if (isnan(v))
-        return 0;
-    if (v <= lo)
-        return (int64_t)lo;
-    if (v >= hi)
-        return (int64_t)hi;
-    return (int64_t)v;
+    return ft_small_to_f64(h, FT_BF16_EXP_BITS, FT_BF16_MANT_BITS);
 }
 
-void ft_store_f64(void *p, ft_dtype dtype, double v)
-{
-    switch (dtype) {
-    case FT_F64: *(double *)p = v; break;
-    case FT_F32: *(float *)p = (float)v; break;
-    case FT_F16: *(uint16_t *)p = ft_f64_to_f16(v); break;
-    case FT_BF16: *(uint16_t *)p = ft_f64_to_bf16(v); break;
-    case FT_I32: *(int32_t *)p = (int32_t)double_to_int(v, INT32_MIN, INT32_MAX); break;
-    /* 2^63 is the first double above INT64_MAX; the largest below it is
-     * 2^63 - 1024, which converts exactly. */
-    case FT_I64:
-        if (isnan(v)) *(int64_t *)p = 0;
-        else if (v >= 0x1p63) *(int64_t *)p = INT64_MAX;
-        else if (v < -0x1p63) *(int64_t *)p = INT64_MIN;
-        else *(int64_t *)p = (int64_t)v;
-        break;
-    default: break;
-    }
-}
+double ft_load_f64(const void *p, ft_dtype dtype) { return ft_elem_load(p, 0, dtype); }
+
+void ft_store_f64(void *p, ft_dtype dtype, double v) { ft_elem_store(p, 0, dtype, v); }

@@ -1,7 +1,8 @@
 /*
  * index.c - gathers and scatter-adds along one dim: ft_index_select and
  * ft_index_add (an embedding's lookup and its gradient). Checks here; the
- * CPU works slice by slice through views, CUDA in kernels/index_ops.cu.
+ * CPU works slice by slice through views, CUDA in kernels/index_ops.cu,
+ * whose launchers take contiguous tensors: the copies are made here.
  */
 #include "internal.h"
 #ifdef FT_HAVE_CUDA
@@ -92,6 +93,25 @@ static void slices_cpu(ft_tensor *dst, const ft_tensor *src, int dim,
     }
 }
 
+#ifdef FT_HAVE_CUDA
+/* slices_cpu's work on CUDA (dst contiguous). The launchers read src and
+ * index contiguous: each goes to them as a contiguous copy, or as an alias
+ * where it already is contiguous. */
+static ft_status slices_cuda(ft_tensor *dst, const ft_tensor *src, int dim,
+                             const ft_tensor *index, int add)
+{
+    ft_tensor *sc = NULL, *ic = NULL;
+    FT_TRY(ft_contiguous(&sc, src));
+    ft_status st = ft_contiguous(&ic, index);
+    if (st == FT_OK)
+        st = add ? ft_cuda_index_add(dst, dim, ic, sc)
+                 : ft_cuda_index_select(dst, sc, dim, ic);
+    ft_tensor_free(sc);
+    ft_tensor_free(ic);
+    return st;
+}
+#endif
+
 ft_status ft_index_select(ft_tensor **out, const ft_tensor *t, int dim,
                           const ft_tensor *index)
 {
@@ -111,7 +131,7 @@ ft_status ft_index_select(ft_tensor **out, const ft_tensor *t, int dim,
     ft_status st = FT_OK;
 #ifdef FT_HAVE_CUDA
     if (t->device.type == FT_CUDA)
-        st = ft_numel(r) ? ft_cuda_index_select(r, t, d, index) : FT_OK;
+        st = ft_numel(r) ? slices_cuda(r, t, d, index, 0) : FT_OK;
     else
 #endif
         if (ft_numel(r) > 0)
@@ -163,7 +183,7 @@ ft_status ft_index_add(ft_tensor *t, int dim, const ft_tensor *index, const ft_t
         if (!ft_is_contiguous(t))
             return ft_fail(FT_ERR_UNSUPPORTED, func, 1,
                            "index_add on CUDA needs a contiguous tensor");
-        return ft_cuda_index_add(t, d, index, src);
+        return slices_cuda(t, src, d, index, 1);
     }
 #endif
     slices_cpu(t, src, d, index, 1);

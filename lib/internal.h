@@ -2,7 +2,7 @@
  * internal.h - what the files of lib/ share and users of flashtile.h need
  * not see: the storage record, error reporting, overflow-checked sizes and
  * the element limit, element access by dtype, stride-0 views, a strided
- * iterator, and writing files in one piece.
+ * iterator, how BLAS reads a matrix, and writing files in one piece.
  */
 #ifndef FT_INTERNAL_H
 #define FT_INTERNAL_H
@@ -10,6 +10,7 @@
 #include "flashtile.h"
 #include "attn_mod.h"
 
+#include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
 
@@ -273,6 +274,35 @@ static inline void ft_iter_next(ft_iter *it)
 static inline void *ft_elem_ptr(const ft_tensor *t, int64_t off)
 {
     return (char *)t->data + off * (int64_t)ft_dtype_size(t->dtype);
+}
+
+/* ---- matrices for BLAS (ops.c: CBLAS; kernels/matmul.cu: cuBLAS) ---- */
+
+/* How BLAS reads the last two dims of t, a rows x cols matrix, where it
+ * lies: as a row-major matrix with *ld its row stride (*transposed 0) when
+ * its last stride is 1, or as the row-major form of its transpose with
+ * *ld its column stride (*transposed 1) when its second-to-last stride is
+ * 1. A stride over a dim of size 1 is never used and counts as compact.
+ * Returns 0 when neither fits (both strides above 1, or a leading
+ * dimension outside [max(1, row length), INT_MAX], BLAS's int): such a
+ * matrix is packed, or copied contiguous, first. */
+static inline int ft_blas_layout(const ft_tensor *t, int *transposed, int *ld)
+{
+    const int r = t->ndim - 2;
+    const int64_t rows = t->shape[r], cols = t->shape[r + 1];
+    const int64_t rs = rows == 1 ? cols : t->stride[r];
+    const int64_t cs = cols == 1 ? rows : t->stride[r + 1];
+    if (cs == 1 && rs >= (cols > 1 ? cols : 1) && rs <= INT_MAX) {
+        *transposed = 0;
+        *ld = (int)rs;
+        return 1;
+    }
+    if (rs == 1 && cs >= (rows > 1 ? rows : 1) && cs <= INT_MAX) {
+        *transposed = 1;
+        *ld = (int)cs;
+        return 1;
+    }
+    return 0;
 }
 
 

@@ -3,13 +3,15 @@
  *
  * Every op validates its inputs, allocates its result with ft_empty_named
  * on the inputs' device and then calls a static *_cpu function that does
- * the loop, or, for CUDA tensors, the launcher of kernels/ (tensor_ops.cu,
+ * the loop, or, for CUDA tensors, the launcher of kernels/ (tensor/,
  * matmul.cu). Elements are read and written through ft_load_f64 /
- * ft_store_f64 and the math is done in double; inputs may be any strided
+ * ft_store_f64 and the math is done in double, with the per-element rules
+ * of scalar_ops.h that the kernels share; inputs may be any strided
  * view (stride 0, empty, 0-d), walked with ft_iter. All tensor operands
  * of one op must be on one device.
  */
 #include "internal.h"
+#include "scalar_ops.h"
 #ifdef FT_HAVE_CUDA
 #include "kernels.h"
 #endif
@@ -105,37 +107,6 @@ static ft_status check_binop(const char *func, ft_binop op, int arg,
     return FT_OK;
 }
 
-static double apply_binop(ft_binop op, double x, double y)
-{
-    switch (op) {
-    case FT_ADD: return x + y;
-    case FT_SUB: return x - y;
-    case FT_MUL: return x * y;
-    case FT_DIV: return x / y;
-    case FT_POW: return pow(x, y);
-    /* maximum/minimum propagate NaN, as torch.maximum does (fmax would not). */
-    case FT_MAXIMUM: return isnan(x) || isnan(y) ? x + y : (x > y ? x : y);
-    case FT_MINIMUM: return isnan(x) || isnan(y) ? x + y : (x < y ? x : y);
-    }
-    return NAN;
-}
-
-static double apply_unop(ft_unop op, double x)
-{
-    switch (op) {
-    case FT_NEG: return -x;
-    case FT_EXP: return exp(x);
-    case FT_LOG: return log(x);
-    case FT_ABS: return fabs(x);
-    case FT_SQRT: return sqrt(x);
-    case FT_TANH: return tanh(x);
-    /* exp(-x) overflows to inf for very negative x, giving 0: no NaN. */
-    case FT_SIGMOID: return 1.0 / (1.0 + exp(-x));
-    case FT_RELU: return x > 0.0 || isnan(x) ? x : 0.0;
-    }
-    return NAN;
-}
-
 /* out = a op b, or a op s (b NULL), or s op a (b NULL, scalar_first). */
 /* Contiguous f32 operands of + - * /: the same results as the general
  * loop below (each value computed in double and rounded once to f32), in a
@@ -176,7 +147,8 @@ static void binary_cpu(ft_tensor *out, ft_binop op, const ft_tensor *a,
     for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
         double x = ft_load_f64(ft_elem_ptr(a, it.offset[0]), a->dtype);
         double y = b ? ft_load_f64(ft_elem_ptr(b, it.offset[1]), b->dtype) : s;
-        double r = scalar_first ? apply_binop(op, y, x) : apply_binop(op, x, y);
+        double r = scalar_first ? ft_apply_binop(op, y, x)
+                                : ft_apply_binop(op, x, y);
         ft_store_f64(ft_elem_ptr(out, it.offset[2]), out->dtype, r);
     }
 }
@@ -190,7 +162,7 @@ static void unary_cpu(ft_tensor *out, ft_unop op, const ft_tensor *a)
     for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
         double x = ft_load_f64(ft_elem_ptr(a, it.offset[0]), a->dtype);
         ft_store_f64(ft_elem_ptr(out, it.offset[1]), out->dtype,
-                     apply_unop(op, x));
+                     ft_apply_unop(op, x));
     }
 }
 
@@ -261,34 +233,13 @@ ft_status ft_unary(ft_tensor **out, ft_unop op, const ft_tensor *a)
 
 /* ---- reductions ------------------------------------------------------- */
 
-/* Neumaier's compensated sum: the error of each addition is kept in comp,
- * so 1e6 f32-sized terms sum to about double precision. */
-typedef struct {
-    double sum, comp;
-} ksum;
-
-static void ksum_add(ksum *k, double v)
-{
-    double t = k->sum + v;
-    if (fabs(k->sum) >= fabs(v))
-        k->comp += (k->sum - t) + v;
-    else
-        k->comp += (v - t) + k->sum;
-    k->sum = t;
-}
-
-/* Once the sum is inf or NaN the compensation is NaN; the plain sum is then
- * the right answer. */
-static double ksum_result(const ksum *k)
-{
-    return isfinite(k->sum) ? k->sum + k->comp : k->sum;
-}
-
-/* One running reduction; MAX/MIN keep the first extreme and its position,
- * and a NaN, once seen, is the extreme (torch propagates it). */
+/* One running reduction: SUM, MEAN and NORM keep Neumaier's compensated
+ * sum (sum, comp) of the elements or their squares; MAX/MIN keep the first
+ * extreme and its position, and a NaN, once seen, is the extreme (torch
+ * propagates it). */
 typedef struct {
     ft_reduce_op op;
-    ksum acc;
+    double sum, comp;
     double best;
     int64_t best_at, count;
 } reducer;
@@ -303,8 +254,8 @@ static void reducer_add(reducer *r, double v)
 {
     switch (r->op) {
     case FT_SUM:
-    case FT_MEAN: ksum_add(&r->acc, v); break;
-    case FT_NORM: ksum_add(&r->acc, v * v); break;
+    case FT_MEAN: ft_ksum_add(&r->sum, &r->comp, v); break;
+    case FT_NORM: ft_ksum_add(&r->sum, &r->comp, v * v); break;
     case FT_MAX:
     case FT_MIN:
         if (r->count == 0 ||
@@ -318,17 +269,9 @@ static void reducer_add(reducer *r, double v)
     r->count++;
 }
 
-/* The mean of nothing is NaN (0/0), as in torch. */
 static double reducer_result(const reducer *r)
 {
-    switch (r->op) {
-    case FT_SUM: return ksum_result(&r->acc);
-    case FT_MEAN: return ksum_result(&r->acc) / (double)r->count;
-    case FT_NORM: return sqrt(ksum_result(&r->acc));
-    case FT_MAX:
-    case FT_MIN: return r->best;
-    }
-    return NAN;
+    return ft_reduce_result(r->op, r->sum, r->comp, r->best, r->count);
 }
 
 static ft_status check_reduce_op(const char *func, ft_reduce_op op)
@@ -567,12 +510,12 @@ static void softmax_cpu(ft_tensor *out, const ft_tensor *a, int d)
             reducer_add(&mx, ft_load_f64(ft_elem_ptr(a, it.offset[0] + j * sa),
                                          a->dtype));
         double m = reducer_result(&mx);
-        ksum total = {0.0, 0.0};
+        double sum = 0.0, comp = 0.0;
         for (int64_t j = 0; j < n; j++)
-            ksum_add(&total, exp(ft_load_f64(
-                                     ft_elem_ptr(a, it.offset[0] + j * sa),
-                                     a->dtype) - m));
-        double inv = 1.0 / ksum_result(&total);
+            ft_ksum_add(&sum, &comp,
+                        exp(ft_load_f64(ft_elem_ptr(a, it.offset[0] + j * sa),
+                                        a->dtype) - m));
+        double inv = 1.0 / ft_ksum_result(sum, comp);
         for (int64_t j = 0; j < n; j++) {
             double x = ft_load_f64(ft_elem_ptr(a, it.offset[0] + j * sa),
                                    a->dtype);
@@ -609,9 +552,9 @@ ft_status ft_softmax(ft_tensor **out, const ft_tensor *a, int dim)
 
 /* One operand of a (batched) product: matrix b is rows x cols with element
  * (i, j) at data + b*bstride + i*rs + j*cs (in elements). It goes to BLAS
- * directly (trans, ld) when its dtype is the work dtype and one of its
- * strides is 1; otherwise each batch is packed into `pack`, a contiguous
- * rows x cols buffer of the work dtype. */
+ * directly (trans, ld) when its dtype is the work dtype and BLAS can read
+ * its strides (ft_blas_layout); otherwise each batch is packed into
+ * `pack`, a contiguous rows x cols buffer of the work dtype. */
 typedef struct {
     const ft_tensor *t;
     int64_t bstride, rs, cs, rows, cols;
@@ -619,11 +562,6 @@ typedef struct {
     int ld;
     void *pack;
 } mm_operand;
-
-static int fits_ld(int64_t ld, int64_t minimum)
-{
-    return ld >= (minimum > 1 ? minimum : 1) && ld <= BLAS_DIM_MAX;
-}
 
 /* rows x cols elements of elsize bytes; NULL if they are more than
  * FT_MAX_ELEMENTS (no malloc is tried) or malloc fails. */
@@ -648,12 +586,10 @@ static ft_status mm_prepare(mm_operand *o, const ft_tensor *t, ft_dtype work)
     o->rs = o->rows == 1 ? o->cols : t->stride[r];
     o->cs = o->cols == 1 ? o->rows : t->stride[r + 1];
     o->pack = NULL;
-    if (t->dtype == work && o->cs == 1 && fits_ld(o->rs, o->cols)) {
-        o->trans = CblasNoTrans; /* row-major, ld = row stride */
-        o->ld = (int)o->rs;
-    } else if (t->dtype == work && o->rs == 1 && fits_ld(o->cs, o->rows)) {
-        o->trans = CblasTrans; /* its transpose is row-major, ld = cs */
-        o->ld = (int)o->cs;
+    int transposed, ld;
+    if (t->dtype == work && ft_blas_layout(t, &transposed, &ld)) {
+        o->trans = transposed ? CblasTrans : CblasNoTrans;
+        o->ld = ld;
     } else {
         o->trans = CblasNoTrans;
         o->ld = (int)o->cols;
@@ -775,6 +711,29 @@ static ft_status check_matmul(const ft_tensor *a, const ft_tensor *b)
     return FT_OK;
 }
 
+#ifdef FT_HAVE_CUDA
+/* ft_cuda_matmul takes operands that cuBLAS reads where they lie
+ * (ft_blas_layout); any other operand is copied contiguous first. The
+ * copies go back to the device pool on stream 0, after the products
+ * queued there have read them. */
+static ft_status matmul_cuda(ft_tensor *out, const ft_tensor *a,
+                             const ft_tensor *b)
+{
+    ft_tensor *ca = NULL, *cb = NULL;
+    int transposed, ld;
+    ft_status st = FT_OK;
+    if (!ft_blas_layout(a, &transposed, &ld))
+        st = ft_contiguous(&ca, a);
+    if (st == FT_OK && !ft_blas_layout(b, &transposed, &ld))
+        st = ft_contiguous(&cb, b);
+    if (st == FT_OK)
+        st = ft_cuda_matmul(out, ca ? ca : a, cb ? cb : b);
+    ft_tensor_free(ca);
+    ft_tensor_free(cb);
+    return st;
+}
+#endif
+
 ft_status ft_matmul(ft_tensor **out, const ft_tensor *a, const ft_tensor *b)
 {
     static const char *const F = "ft_matmul";
@@ -795,7 +754,7 @@ ft_status ft_matmul(ft_tensor **out, const ft_tensor *a, const ft_tensor *b)
         /* k == 0: an empty sum; ft_fill writes +0 on the device. */
         if (a->shape[r + 1] == 0)
             return finish(ft_fill(*out, 0.0), out, NULL);
-        return finish(ft_cuda_matmul(*out, a, b), out, NULL);
+        return finish(matmul_cuda(*out, a, b), out, NULL);
     }
 #endif
     if (a->shape[r + 1] == 0) {
@@ -845,15 +804,15 @@ static void pairs_cpu(const ft_tensor *a, const ft_tensor *b,
             return;
 }
 
-/* Equal values (infinities included) differ by 0; a NaN ends the walk. */
+/* A NaN (ft_abs_diff's answer when either element is NaN) ends the walk. */
 static int visit_max_diff(double x, double y, void *ctx)
 {
     double *m = ctx;
-    if (isnan(x) || isnan(y)) {
-        *m = NAN;
+    double d = ft_abs_diff(x, y);
+    if (isnan(d)) {
+        *m = d;
         return 0;
     }
-    double d = x == y ? 0.0 : fabs(x - y);
     if (d > *m)
         *m = d;
     return 1;
@@ -867,12 +826,7 @@ typedef struct {
 static int visit_close(double x, double y, void *ctx)
 {
     close_ctx *c = ctx;
-    if (isnan(x) || isnan(y))
-        c->close = 0;
-    else if (isinf(x) || isinf(y))
-        c->close = x == y;
-    else
-        c->close = fabs(x - y) <= c->atol + c->rtol * fabs(y);
+    c->close = ft_is_close(x, y, c->rtol, c->atol);
     return c->close;
 }
 

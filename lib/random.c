@@ -3,54 +3,32 @@
  *
  * The numbers come from the counter-based stream of philox.h: element i (in
  * row-major order of the tensor's shape, whatever its strides) depends only
- * on (seed, offset, i). The per-element arithmetic lives in philox.h, which
- * the CUDA kernel (kernels/tensor_ops.cu, ft_cuda_random) shares, so a CUDA
- * tensor gets the same values as a CPU one.
+ * on (seed, offset, i). The per-element arithmetic lives in philox.h and
+ * scalar_ops.h (the clamp below 1 of a uniform stored in f16/bf16), which
+ * the CUDA kernel (kernels/tensor/random.cu, ft_cuda_random) shares, so a
+ * CUDA tensor gets the same values as a CPU one.
  */
 #include "internal.h"
 #include "philox.h"
+#include "scalar_ops.h"
 #ifdef FT_HAVE_CUDA
 #include "kernels.h"
 #endif
-
-/* The largest values below 1 of the narrow float dtypes: a uniform close
- * to 1 rounds up to 1.0 when stored in them, and rand promises [0, 1). */
-#define FT_F16_BELOW_ONE (1.0 - 1.0 / 2048.0) /* 1 - 2^-11, 0x3BFF */
-#define FT_BF16_BELOW_ONE (1.0 - 1.0 / 256.0) /* 1 - 2^-8, 0x3F7F */
 
 typedef enum ft_distribution {
     FT_DIST_UNIFORM,
     FT_DIST_NORMAL
 } ft_distribution;
 
-/* The largest value below 1 that dtype can hold, for clamping stored
- * uniforms; 0 for dtypes where a uniform (k * 2^-24) never rounds to 1
- * (f32 and f64 hold every such value exactly). */
-static double below_one(ft_dtype dtype)
-{
-    switch (dtype) {
-    case FT_F16:
-        return FT_F16_BELOW_ONE;
-    case FT_BF16:
-        return FT_BF16_BELOW_ONE;
-    default:
-        return 0.0;
-    }
-}
-
 /* Stores the stream's element i (uniform or normal) at p, of dtype. */
 static void store_random(void *p, ft_dtype dtype, ft_distribution dist,
-                         ft_philox4 block, const double *normals, unsigned lane,
-                         double clamp)
+                         ft_philox4 block, const double *normals, unsigned lane)
 {
-    if (dist == FT_DIST_UNIFORM) {
-        ft_store_f64(p, dtype, (double)ft_philox_lane_uniform(block, lane));
-        /* f16/bf16 round to nearest even, which can give 1.0. */
-        if (clamp > 0.0 && ft_load_f64(p, dtype) >= 1.0)
-            ft_store_f64(p, dtype, clamp);
-    } else {
+    if (dist == FT_DIST_UNIFORM)
+        ft_store_f64(p, dtype,
+                     ft_uniform_for_dtype(ft_philox_lane_uniform(block, lane), dtype));
+    else
         ft_store_f64(p, dtype, normals[lane]);
-    }
 }
 
 /* A view with stride-0 dims (ft_expand's): each distinct element is
@@ -76,8 +54,7 @@ static void broadcast_plan(const ft_tensor *t, ft_tensor *w, int64_t row[FT_MAX_
 }
 
 static void fill_random_broadcast(ft_tensor *w, const int64_t *row, int64_t base,
-                                  uint64_t seed, uint64_t offset, ft_distribution dist,
-                                  double clamp)
+                                  uint64_t seed, uint64_t offset, ft_distribution dist)
 {
     const int64_t m = ft_numel(w);
     ft_iter it;
@@ -89,7 +66,7 @@ static void fill_random_broadcast(ft_tensor *w, const int64_t *row, int64_t base
         if (dist == FT_DIST_NORMAL)
             ft_philox_block_normals(block, normals);
         store_random(ft_elem_ptr(w, it.offset[0]), w->dtype, dist, block, normals,
-                     (unsigned)(i % FT_PHILOX_LANES), clamp);
+                     (unsigned)(i % FT_PHILOX_LANES));
     }
 }
 
@@ -118,7 +95,7 @@ static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
         if (t->device.type == FT_CUDA)
             return ft_cuda_random(&w, row, base, seed, offset, dist == FT_DIST_NORMAL);
 #endif
-        fill_random_broadcast(&w, row, base, seed, offset, dist, below_one(t->dtype));
+        fill_random_broadcast(&w, row, base, seed, offset, dist);
         return FT_OK;
     }
 #ifdef FT_HAVE_CUDA
@@ -127,7 +104,6 @@ static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
         return ft_cuda_random(t, NULL, 0, seed, offset, dist == FT_DIST_NORMAL);
     }
 #endif
-    const double clamp = below_one(t->dtype);
     FT_TRY(ft_check_walk(func, 1, n, "elements"));
     ft_iter it;
     ft_iter_init(&it, t->ndim, t->shape, 1,
@@ -144,7 +120,7 @@ static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
                 ft_philox_block_normals(block, normals);
         }
         store_random(ft_elem_ptr(t, it.offset[0]), t->dtype, dist, block, normals,
-                     lane, clamp);
+                     lane);
     }
     return FT_OK;
 }

@@ -6,6 +6,7 @@
  * shared by every view and freed with the last one.
  */
 #include "internal.h"
+#include "scalar_ops.h"
 #ifdef FT_HAVE_CUDA
 #include "kernels.h"
 #endif
@@ -606,8 +607,7 @@ static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
             if (dst->dtype == FT_I64)
                 *(int64_t *)pd = v;
             else
-                *(int32_t *)pd = (int32_t)(v > INT32_MAX ? INT32_MAX
-                                           : v < INT32_MIN ? INT32_MIN : v);
+                *(int32_t *)pd = ft_i64_to_i32(v);
         } else {
             ft_store_f64(pd, dst->dtype, ft_load_f64(ps, src->dtype));
         }
