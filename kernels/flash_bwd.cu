@@ -87,15 +87,20 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dkdv_simt_kern
           dv[FT_SIMT_MAX_COLS] = {0}, q[FT_SIMT_MAX_COLS], dO[FT_SIMT_MAX_COLS];
     load_row(k, p.k, b, j, hk, p, lane);
     load_row(v, p.v, b, j, hk, p, lane);
+    const bool mods = flash_has_score_mod(p);
     for (int h = hk * G; h < (hk + 1) * G; h++) {
+        const ScoreMod smod = flash_score_mod(p, b, h);
         const float *lse = p.lse + ((int64_t)b * p.H + h) * p.Nq;
         const float *D = p.D + ((int64_t)b * p.H + h) * p.Nq;
         const int iend = flash_query_end(p, j);
         for (int i = flash_query_begin(p, j); i < iend; i++) {
             load_row(q, p.q, b, i, h, p, lane);
             load_row(dO, p.dout, b, i, h, p, lane);
-            const float pij = prob(row_dot(q, k), lse[i], p);
-            const float ds = pij * (row_dot(dO, v) - D[i]);
+            float x = row_dot(q, k), grad = 1.f;
+            if (mods)
+                x = smod.apply(x, smod.pos(i), (float)j, &grad);
+            const float pij = prob(x, lse[i], p);
+            const float ds = pij * (row_dot(dO, v) - D[i]) * grad;
 #pragma unroll
             for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++) {
                 dv[c8] += pij * dO[c8];
@@ -121,12 +126,17 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
     load_row(dO, p.dout, b, i, h, p, lane);
     const float lse = p.lse[((int64_t)b * p.H + h) * p.Nq + i];
     const float D = p.D[((int64_t)b * p.H + h) * p.Nq + i];
+    const bool mods = flash_has_score_mod(p);
+    const ScoreMod smod = flash_score_mod(p, b, h);
     const int jend = flash_key_end(p, i);
     for (int j = flash_key_begin(p, i); j < jend; j++) {
         load_row(k, p.k, b, j, hk, p, lane);
         load_row(v, p.v, b, j, hk, p, lane);
-        const float pij = prob(row_dot(q, k), lse, p);
-        const float ds = pij * (row_dot(dO, v) - D);
+        float x = row_dot(q, k), grad = 1.f;
+        if (mods)
+            x = smod.apply(x, smod.pos(i), (float)j, &grad);
+        const float pij = prob(x, lse, p);
+        const float ds = pij * (row_dot(dO, v) - D) * grad;
 #pragma unroll
         for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++)
             dq[c8] += ds * k[c8];
@@ -147,7 +157,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
 
 #define BWD_BR 64 /* query rows per tile */
 
-template <typename T, int D, int BC, int DSPLIT>
+template <typename T, int D, int BC, int DSPLIT, bool MOD>
 __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     flash_bwd_dkdv_mma_kernel(FlashParams p)
 {
@@ -220,6 +230,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
             const int nq = min(BWD_BR, p.Nq - i0);
             const T *sQ = sQ0 + buf * 2 * BWD_BR * LD, *sdO = sQ + BWD_BR * LD;
             const float *sL = sL0 + buf * 2 * BWD_BR, *sD = sL + BWD_BR;
+            const ScoreMod smod = flash_score_mod(p, b, MOD ? hk * G + t / nqb : 0);
 
             /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys */
             float st[NT_Q][4], dpt[NT_Q][4];
@@ -248,7 +259,17 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                 }
             }
             /* P^T from the LSE (masked entries 0), dS^T = P^T (dP^T - D);
-             * the queries each key sees are worked out at an edge only */
+             * the queries each key sees are worked out at an edge only.
+             * MOD: S^T modified first, and dP^T - D times its derivative
+             * (g (dP - D) in place of dP - D). */
+            if (MOD)
+                mod_acc_with<NT_Q * 4, true>(smod, &st[0][0], j0 + kw * 16, i0,
+                                             [&](int k, float d0, float d1) {
+                                                 float *x = &dpt[0][0] + 2 * k;
+                                                 const float *dd = sD + 8 * (k / 2) + 2 * t4;
+                                                 x[0] = d0 * (x[0] - dd[0]);
+                                                 x[1] = d1 * (x[1] - dd[1]);
+                                             });
             QueryRange q0 = {0, p.Nq}, q1 = {0, p.Nq};
             if (full.masks(i0, i0 + BWD_BR)) {
                 q0 = flash_queries(p, key[0]);
@@ -262,7 +283,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                     const bool ok = !(e / 2 ? q1 : q0).hides(qi); /* qi < Nq among them */
                     const float pt = ok ? exp2f(st[n][e] * p.scale_log2 - sL[qc]) : 0.f;
                     st[n][e] = pt;
-                    dpt[n][e] = pt * (dpt[n][e] - sD[qc]);
+                    dpt[n][e] = pt * (MOD ? dpt[n][e] : dpt[n][e] - sD[qc]);
                 }
             /* dV += P^T dO, dK += dS^T Q over this warp's columns */
 #pragma unroll
@@ -312,7 +333,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     }
 }
 
-template <typename T, int D, int BC>
+template <typename T, int D, int BC, bool MOD>
 __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashParams p)
 {
     constexpr int LD = D + 8, THREADS = 4 * FT_WARP;
@@ -328,6 +349,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     const int hk = h / (p.H / p.Hk), nq = min(BWD_BR, p.Nq - i0);
     const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
     const FullKeys full = flash_full_keys(p, i0 + warp * 16, i0 + warp * 16 + 16);
+    const ScoreMod smod = flash_score_mod(p, b, h);
 
     /* the key blocks some row of this block sees: [jbegin, jend) */
     const int jbegin = flash_key_begin(p, i0) / BC * BC;
@@ -397,6 +419,13 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
             k0 = flash_keys(p, row[0]);
             k1 = flash_keys(p, row[1]);
         }
+        if (MOD) /* as in dK/dV: S modified, g (dP - D) in place of dP - D */
+            mod_acc_with<NT_S * 4, false>(smod, &s[0][0], i0 + warp * 16, j0,
+                                          [&](int k, float d0, float d1) {
+                                              float *x = &dp[0][0] + 2 * k;
+                                              x[0] = d0 * (x[0] - Dr[k % 2]);
+                                              x[1] = d1 * (x[1] - Dr[k % 2]);
+                                          });
 #pragma unroll
         for (int n = 0; n < NT_S; n++)
 #pragma unroll
@@ -404,7 +433,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
                 const int r = e / 2, col = j0 + n * 8 + t4 * 2 + (e % 2);
                 const bool ok = !(r ? k1 : k0).hides(col);
                 const float pr = ok ? exp2f(s[n][e] * p.scale_log2 - L[r]) : 0.f;
-                dp[n][e] = pr * (dp[n][e] - Dr[r]); /* dS */
+                dp[n][e] = pr * (MOD ? dp[n][e] : dp[n][e] - Dr[r]); /* dS */
             }
         /* dQ += dS K */
 #pragma unroll
@@ -443,7 +472,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     }
 }
 
-template <typename T, int D, int BC, int DSPLIT>
+template <typename T, int D, int BC, int DSPLIT, bool MOD>
 static ft_status launch_bwd_mma(const FlashParams &p)
 {
     const char *func = "ft_attention_backward";
@@ -453,21 +482,27 @@ static ft_status launch_bwd_mma(const FlashParams &p)
                            4 * BWD_BR * sizeof(float);
     const size_t smem_q = (size_t)(2 * BWD_BR + 4 * BC) * (D + 8) * sizeof(T);
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT>,
+        FT_TRY(flash_launch(flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT, MOD>,
                             dim3((p.Nk + BC - 1) / BC, p.Hk, p.B), (BC / 16) * DSPLIT * FT_WARP,
                             smem_kv, p, func));
-    return flash_launch(flash_bwd_dq_mma_kernel<T, D, BC>, dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B),
+    return flash_launch(flash_bwd_dq_mma_kernel<T, D, BC, MOD>, dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B),
                         4 * FT_WARP, smem_q, p, func);
+}
+
+template <typename T, bool MOD>
+static ft_status launch_bwd_mma_mod(const FlashParams &p)
+{
+    if (p.d <= 64)
+        return launch_bwd_mma<T, 64, 64, 1, MOD>(p);
+    if (p.d <= 128)
+        return launch_bwd_mma<T, 128, 64, 1, MOD>(p);
+    return launch_bwd_mma<T, 256, 32, 2, MOD>(p);
 }
 
 template <typename T>
 static ft_status launch_bwd_mma_dtype(const FlashParams &p)
 {
-    if (p.d <= 64)
-        return launch_bwd_mma<T, 64, 64, 1>(p);
-    if (p.d <= 128)
-        return launch_bwd_mma<T, 128, 64, 1>(p);
-    return launch_bwd_mma<T, 256, 32, 2>(p);
+    return flash_has_score_mod(p) ? launch_bwd_mma_mod<T, true>(p) : launch_bwd_mma_mod<T, false>(p);
 }
 
 extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,

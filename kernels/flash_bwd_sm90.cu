@@ -88,7 +88,8 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
     float *sL, *sD;
     int ib0, iend, total; /* blocks from query ib0 * BM to iend, per head */
     int lh, li0; /* the next block to copy */
-    int ci0;     /* the next block the arithmetic takes */
+    int ci0, cnext; /* the next block the arithmetic takes, and its head */
+    int ch;         /* the head of the block next_i0 returned last */
     __device__ __forceinline__ QueryStream(const FlashParams &p, unsigned char *base, int j0,
                                            int j1, int hk)
     {
@@ -102,7 +103,7 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
         iend = flash_query_end(p, min(j1, p.Nk) - 1);
         const int per_head = (iend + BM - 1) / BM - ib0;
         total = per_head > 0 ? G * per_head : 0;
-        lh = hk * G;
+        lh = cnext = ch = hk * G;
         li0 = ci0 = ib0 * BM;
     }
     /* copies the next block (block t) into its stage */
@@ -128,7 +129,13 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
     __device__ __forceinline__ int next_i0(const FlashParams &p)
     {
         const int i0 = ci0;
-        ci0 = ci0 + BM < iend ? ci0 + BM : ib0 * BM;
+        ch = cnext;
+        if (ci0 + BM < iend) {
+            ci0 += BM;
+        } else {
+            ci0 = ib0 * BM;
+            cnext++;
+        }
         return i0;
     }
     __device__ __forceinline__ uint32_t q(int t) const { return smem_addr(sQ + (t % ST) * Q_BYTES); }
@@ -158,13 +165,19 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
 /* dQ's dS = P (dP - D), in place of dp, for this thread's rows (row0 + g,
  * + 8) and N accumulator entries from key col0, P = exp2(S scale log2e -
  * LSE); in a block at an edge (keys [block_begin, block_end) not all in
- * `full`, the keys every row sees), hidden keys are zeroed. */
-template <int N>
-__device__ __forceinline__ void dq_dscores(const FlashParams &p, float *dp, const float *s,
-                                           const float *lse, const float *Dr, int row0,
-                                           int col0, const FullKeys &full, int block_begin,
-                                           int block_end)
+ * `full`, the keys every row sees), hidden keys are zeroed. With MOD, S is
+ * modified first and dS takes the modification's derivative. */
+template <int N, bool MOD>
+__device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod &smod, float *dp,
+                                           float *s, const float *lse, const float *Dr,
+                                           int row0, int col0, const FullKeys &full,
+                                           int block_begin, int block_end)
 {
+    if (MOD) /* S modified, and g (dP - D) in place of dP - D */
+        mod_acc_with<N, false>(smod, s, row0, col0, [&](int k, float d0, float d1) {
+            dp[2 * k] = d0 * (dp[2 * k] - Dr[k % 2]);
+            dp[2 * k + 1] = d1 * (dp[2 * k + 1] - Dr[k % 2]);
+        });
 #pragma unroll
     for (int n = 0; n < N / 4; n++)
 #pragma unroll
@@ -172,7 +185,8 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, float *dp, cons
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int idx = 4 * n + 2 * r + e;
-                dp[idx] = ex2(fmaf(s[idx], p.scale_log2, -lse[r])) * (dp[idx] - Dr[r]);
+                dp[idx] = ex2(fmaf(s[idx], p.scale_log2, -lse[r])) *
+                          (MOD ? dp[idx] : dp[idx] - Dr[r]);
             }
     if (full.masks(block_begin, block_end)) {
         const int row = row0 + (threadIdx.x % FT_WARP) / 4;
@@ -200,7 +214,16 @@ __device__ __forceinline__ void dq_prologue(const FlashParams &p, int b, int h, 
 
 /* ---- dK, dV ---- */
 
-template <typename T, int D, int DK, int BM, int NWG, bool TURNS>
+/* With MOD, each thread keeps the modification's derivatives of one block
+ * (BM / 2 entries, f16 pairs) in shared memory from P^T to dS^T, in a place
+ * of its own (word k of thread t at k * THREADS + t): registers are what
+ * these kernels run short of. Bytes after the query stream's stages. */
+template <int BM, int THREADS, bool MOD> constexpr size_t dkdv_mod_bytes()
+{
+    return MOD ? (size_t)THREADS * (BM / 4) * sizeof(uint32_t) : 0;
+}
+
+template <typename T, int D, int DK, int BM, int NWG, bool TURNS, bool MOD>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -233,6 +256,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 
     float s[BM / 2], dp[BM / 2];
     uint32_t pf[BM / 16][4], df[BM / 16][4];
+    uint32_t *const gmod = reinterpret_cast<uint32_t *>(sV + KV_BYTES + decltype(qs)::BYTES) + tid;
     const uint32_t k_addr = smem_addr(sK) + wg * 64 * 128, v_addr = smem_addr(sV) + wg * 64 * 128;
     const float sl2 = p.scale_log2;
 
@@ -247,12 +271,19 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     /* P^T (rows keys, columns queries) from S^T, straight into the A
      * fragments of dV += P^T dO; dS^T below takes P from them (rounded to
      * 16 bits, as the naive path rounds it), which keeps S^T and dP^T from
-     * being live together. */
+     * being live together. With MOD, the modification's derivatives go to
+     * gmod. */
     auto probs = [&](int t) {
         pin_all<BM / 2>(s);
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t);
         const bool edge = full.masks(i0, i0 + BM);
+        if (MOD)
+            mod_acc_with<BM / 2, true>(flash_score_mod(p, b, qs.ch), s, wkey0, i0,
+                                       [&](int k, float d0, float d1) {
+                                           const __half2 g2 = __floats2half2_rn(d0, d1);
+                                           gmod[k * THREADS] = *reinterpret_cast<const uint32_t *>(&g2);
+                                       });
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
             const int col = n * 8 + t4 * 2;
@@ -283,10 +314,16 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 #pragma unroll
             for (int w = 0; w < 4; w++) {
                 /* fragment register w: row g + 8 (w % 2), columns 16 kk + 8 (w / 2) + 2 t4 */
-                const float2 pp = MmaType<T>::unpack(pf[kk][w]);
+                float2 pp = MmaType<T>::unpack(pf[kk][w]);
                 const float2 d2 =
                     *reinterpret_cast<const float2 *>(Dq + 16 * kk + 8 * (w / 2) + 2 * t4);
                 const int idx = 8 * kk + 2 * w;
+                if (MOD) { /* entries idx, idx + 1: word idx / 2 */
+                    const uint32_t gw = gmod[(idx / 2) * THREADS];
+                    const float2 g2 = __half22float2(*reinterpret_cast<const __half2 *>(&gw));
+                    pp.x *= g2.x;
+                    pp.y *= g2.y;
+                }
                 df[kk][w] = MmaType<T>::pack(pp.x * (dp[idx] - d2.x), pp.y * (dp[idx + 1] - d2.y));
             }
     };
@@ -347,7 +384,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 
 /* ---- dQ ---- */
 
-template <typename T, int D, int DK, int BC, int NWG, bool TURNS>
+template <typename T, int D, int DK, int BC, int NWG, bool TURNS, bool MOD>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -375,6 +412,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     }
     float lse[2], Dr[2]; /* rows g, g + 8 */
     row_stats(p, b, h, wrow0, lse, Dr);
+    const ScoreMod smod = flash_score_mod(p, b, h);
 
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
     dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload,
@@ -406,7 +444,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     auto elementwise = [&](int j) {
         pin_all<BC / 2>(s);
         pin_all<BC / 2>(dp);
-        dq_dscores<BC / 2>(p, dp, s, lse, Dr, wrow0, j * BC, full, j * BC, (j + 1) * BC);
+        dq_dscores<BC / 2, MOD>(p, smod, dp, s, lse, Dr, wrow0, j * BC, full, j * BC, (j + 1) * BC);
     };
 
     const Turns<TURNS> turns(wg);
@@ -510,7 +548,7 @@ __device__ __forceinline__ void swap_halves(const float *x, float *mine, float *
         theirs[i] = xbuf[i * 2 * WG_THREADS + (1 - wg) * WG_THREADS + t];
 }
 
-template <typename T, int DK>
+template <typename T, int DK, bool MOD>
 __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -570,6 +608,9 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t), *Dq = qs.D(t);
         const bool edge = full.masks(i0, i0 + BM);
+        float dmod[MOD ? 16 : 1]; /* the modification's derivatives */
+        if (MOD)
+            mod_acc<16, true>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -581,6 +622,8 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
                     const int idx = 4 * n + 2 * r + e;
                     s[idx] = ex2(fmaf(s[idx], sl2, -lse));
                     dp[idx] = s[idx] * (dp[idx] - dd);
+                    if (MOD)
+                        dp[idx] *= dmod[idx];
                 }
             }
         if (edge) {
@@ -608,7 +651,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
 #endif
 }
 
-template <typename T, int DK>
+template <typename T, int DK, bool MOD>
 __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -640,6 +683,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     }
     float lse[2], Dr[2];
     row_stats(p, b, h, wrow0, lse, Dr);
+    const ScoreMod smod = flash_score_mod(p, b, h);
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d), vload(p.v, b, hk, p.Nk, p.d);
     dq_prologue<T, BR, BC, D, THREADS>(p, b, h, i0, sQ, sdO, kload, vload,
                                        sK + (kb0 % ST) * KV_BYTES, sV + (kb0 % ST) * KV_BYTES,
@@ -669,7 +713,8 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        dq_dscores<16>(p, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC, (j + 1) * BC);
+        dq_dscores<16, MOD>(p, smod, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
+                            (j + 1) * BC);
         /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
         uint32_t df[2][4];
         pack_frags<T, 32>(df, dp);
@@ -702,33 +747,34 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 
 /* ---- launch ---- */
 
-template <typename T, int D, int DK, int BM, int BC, bool TURNS>
+template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool MOD>
 static ft_status launch_bwd_wgmma(const FlashParams &p)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES, TW = FT_TW(D);
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS>,
+        FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, MOD>,
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
                             1024 + (size_t)2 * BN * TW * sizeof(T) +
-                                QueryStream<T, BM, D, NWG * WG_THREADS, ST>::BYTES,
+                                QueryStream<T, BM, D, NWG * WG_THREADS, ST>::BYTES +
+                                dkdv_mod_bytes<BM, NWG * WG_THREADS, MOD>(),
                             p, func));
-    return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS>,
+    return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS, MOD>,
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS,
                         1024 + (size_t)(2 * BR + 2 * ST * BC) * TW * sizeof(T), p, func);
 }
 
-template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams &p)
+template <typename T, int DK, bool MOD> static ft_status launch_bwd_wide(const FlashParams &p)
 {
     constexpr int D = 256, ROWS = 64, THREADS = 2 * WG_THREADS;
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_wide_kernel<T, DK>, dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B),
+        FT_TRY(flash_launch(flash_bwd_dkdv_wide_kernel<T, DK, MOD>, dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B),
                             THREADS,
                             1024 + (size_t)2 * ROWS * D * sizeof(T) + 2 * ROWS * ROWS * sizeof(T) +
                                 QueryStream<T, ROWS, D, THREADS, 2>::BYTES,
                             p, func));
-    return flash_launch(flash_bwd_dq_wide_kernel<T, DK>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
+    return flash_launch(flash_bwd_dq_wide_kernel<T, DK, MOD>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
                         THREADS,
                         1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) +
                             2 * WG_THREADS * 16 * sizeof(float),
@@ -737,25 +783,28 @@ template <typename T, int DK> static ft_status launch_bwd_wide(const FlashParams
 
 /* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
  * 128, 192 or 256, the columns the score products multiply. */
-template <typename T> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
+template <typename T, bool MOD> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
-        return launch_bwd_wgmma<T, 32, 32, 128, 128, false>(p);
+        return launch_bwd_wgmma<T, 32, 32, 128, 128, false, MOD>(p);
     if (p.d <= 64)
-        return launch_bwd_wgmma<T, 64, 64, 128, 128, true>(p);
+        return launch_bwd_wgmma<T, 64, 64, 128, 128, true, MOD>(p);
     if (p.d <= 96)
-        return launch_bwd_wgmma<T, 128, 96, 64, 64, false>(p);
+        return launch_bwd_wgmma<T, 128, 96, 64, 64, false, MOD>(p);
     if (p.d <= 128)
-        return launch_bwd_wgmma<T, 128, 128, 64, 64, false>(p);
+        return launch_bwd_wgmma<T, 128, 128, 64, 64, false, MOD>(p);
     if (p.d <= 192)
-        return launch_bwd_wide<T, 192>(p);
-    return launch_bwd_wide<T, 256>(p);
+        return launch_bwd_wide<T, 192, MOD>(p);
+    return launch_bwd_wide<T, 256, MOD>(p);
 }
 
 /* dK, dV and dQ once D is in p.D: f16/bf16, rows aligned, Nq > 0 (the
  * caller checks). */
 ft_status flash_bwd_sm90(const FlashParams &p)
 {
-    return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half>(p)
-                             : launch_bwd_wgmma_dtype<__nv_bfloat16>(p);
+    if (flash_has_score_mod(p))
+        return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half, true>(p)
+                                 : launch_bwd_wgmma_dtype<__nv_bfloat16, true>(p);
+    return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half, false>(p)
+                             : launch_bwd_wgmma_dtype<__nv_bfloat16, false>(p);
 }

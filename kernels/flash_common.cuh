@@ -2,7 +2,8 @@
  * flash_common.cuh - what flash_fwd.cu and flash_bwd.cu share: the kernel
  * parameters (pointers, strides in elements, sizes, scale), element loads
  * by a run-time dtype, warp reductions, and which keys a query sees (causal
- * and sliding windows: lib/attn_mod.h's rules, on the kernels' ints).
+ * and sliding windows: lib/attn_mod.h's rules, on the kernels' ints), and
+ * softcap and ALiBi on the raw scores (ScoreMod).
  *
  *   q, dq, out, dout [B, Nq, H, d]   k, v, dk, dv [B, Nk, Hk, d]
  *   lse, D [B, H, Nq] contiguous f32
@@ -36,6 +37,8 @@ struct FlashParams {
     int causal;
     ft_attn_mod mod;  /* which keys each query sees: lib/attn_mod.h */
     const float *sink; /* [H] contiguous: each row's softmax starts from it; or null */
+    const float *alibi; /* ALiBi slopes of batch 0, head 0 (f32), or null */
+    int64_t alibi_bs, alibi_hs; /* their strides over batch and head, in elements */
     float scale;      /* softmax scale */
     float scale_log2; /* scale * log2(e): exp(x * scale) = exp2(x * scale_log2) */
 };
@@ -206,6 +209,138 @@ static ft_status flash_launch(Kernel kernel, dim3 grid, int threads, size_t smem
     kernel<<<grid, threads, smem>>>(p);
     FT_CUDA_CHECK_LAUNCH(func);
     return FT_OK;
+}
+
+/* ex2.approx: 2^x in one MUFU instruction (2^-inf = 0). */
+__device__ __forceinline__ float ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* The score modifications of lib/attn_mod.h (softcap, then ALiBi) on the
+ * kernels' raw scores s = q.k, before the scale: the modified score comes
+ * back in the same raw units (x' / scale, x' = ft_mod_score(scale s)), so
+ * the online softmax and the saved LSE work as without. The kernels that
+ * run a modification are instantiated with MOD = true (plain attention
+ * keeps its own code); the rest of each kernel is the same.
+ *
+ * tanh(y) = 1 - 2 / (1 + e^2y): two special-function instructions (ex2,
+ * rcp) a score besides the softmax's exp2; a reciprocal by Newton's
+ * method on the FMA units instead measured the same on the H200. ALiBi's
+ * distance is taken between positions held as floats (exact below 2^24):
+ * an integer conversion per score would take the special-function unit's
+ * rate too. Loops over fragments are compiled per ModKind, without a
+ * branch per score (ALiBi measured 1.4x slower with one). */
+/* Which modifications a loop applies, fixed at compile time: each loop
+ * over a fragment is compiled once per kind (with_mod_kind picks it once
+ * per call), so no score waits on a branch of its own. */
+template <bool CAP, bool ALIBI> struct ModKind {
+    static constexpr bool cap = CAP, alibi = ALIBI;
+};
+
+struct ScoreMod {
+    float cap2;  /* 2 log2(e) scale / softcap: e^2y = 2^(cap2 s); 0: off */
+    float cap;   /* softcap / scale */
+    float slope; /* ALiBi slope / scale; 0: off */
+    int shift;   /* Nk - Nq: query i sits at key position i + shift */
+    /* The query's position among the keys, as apply takes it. */
+    __device__ __forceinline__ float pos(int qi) const { return (float)(qi + shift); }
+    /* The modified score of the query at key position a (pos) against key
+     * j; *grad gets d score' / d score (the softcap's 1 - tanh^2). */
+    template <typename K>
+    __device__ __forceinline__ float apply(K, float s, float a, float j, float *grad) const
+    {
+        *grad = 1.f;
+        if (K::cap) {
+            const float t = 1.f - __fdividef(2.f, 1.f + ex2(cap2 * s));
+            s = cap * t;
+            *grad = fmaf(-t, t, 1.f);
+        }
+        if (K::alibi)
+            s = fmaf(-slope, fabsf(a - j), s);
+        return s;
+    }
+    /* The same, the kind chosen per call (the row kernels). */
+    __device__ __forceinline__ float apply(float s, float a, float j, float *grad) const
+    {
+        return cap2 != 0.f ? apply(ModKind<true, true>(), s, a, j, grad)
+                           : apply(ModKind<false, true>(), s, a, j, grad);
+    }
+};
+
+/* f(kind) with the kind of m: softcap with or without ALiBi, or ALiBi. */
+template <typename F> __device__ __forceinline__ void with_mod_kind(const struct ScoreMod &m, F f)
+{
+    if (m.cap2 == 0.f)
+        f(ModKind<false, true>());
+    else if (m.slope != 0.f)
+        f(ModKind<true, true>());
+    else
+        f(ModKind<true, false>());
+}
+
+__device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b, int h)
+{
+    ScoreMod m;
+    const float sc = (float)p.mod.softcap;
+    m.cap2 = sc > 0.f ? 2.f * FT_LOG2E * p.scale / sc : 0.f;
+    m.cap = sc > 0.f ? sc / p.scale : 0.f;
+    m.slope = p.alibi ? p.alibi[b * p.alibi_bs + h * p.alibi_hs] / p.scale : 0.f;
+    m.shift = p.Nk - p.Nq;
+    return m;
+}
+
+/* Whether a call modifies its scores (the MOD kernels run it). */
+__host__ __device__ inline bool flash_has_score_mod(const FlashParams &p)
+{
+    return p.mod.softcap > 0 || p.alibi;
+}
+
+/* The modification over an accumulator fragment in the C layout of
+ * mma.sync and wgmma: entry i is row row0 + g + 8 ((i / 2) % 2), column
+ * col0 + 8 (i / 4) + 2 t + i % 2 (g = lane / 4, t = lane % 4). Rows are
+ * queries and columns keys, or (KEY_ROWS) the transposed products of the
+ * dK/dV kernels. sink(k, d0, d1) takes the derivatives of entries 2 k and
+ * 2 k + 1 (a row's neighbours); mod_acc drops them or stores them in grad. */
+template <int N, bool KEY_ROWS, typename Sink>
+__device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int row0, int col0,
+                                             Sink sink)
+{
+    const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+    /* positions as floats: two rows, and the columns from one base */
+    float rpos[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        rpos[r] = KEY_ROWS ? (float)(row0 + g + 8 * r) : m.pos(row0 + g + 8 * r);
+    const float cbase = KEY_ROWS ? m.pos(col0 + 2 * t4) : (float)(col0 + 2 * t4);
+    with_mod_kind(m, [&](auto kind) {
+#pragma unroll
+        for (int k = 0; k < N / 2; k++) {
+            float d[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int i = 2 * k + e;
+                const float rp = rpos[(i / 2) % 2], cp = cbase + (float)(8 * (i / 4) + e);
+                acc[i] = KEY_ROWS ? m.apply(kind, acc[i], cp, rp, &d[e])
+                                  : m.apply(kind, acc[i], rp, cp, &d[e]);
+            }
+            sink(k, d[0], d[1]);
+        }
+    });
+}
+
+template <int N, bool KEY_ROWS = false>
+__device__ __forceinline__ void mod_acc(const ScoreMod &m, float *acc, int row0, int col0,
+                                        float *grad = nullptr)
+{
+    mod_acc_with<N, KEY_ROWS>(m, acc, row0, col0, [&](int k, float d0, float d1) {
+        if (grad) {
+            grad[2 * k] = d0;
+            grad[2 * k + 1] = d1;
+        }
+    });
 }
 
 #define SIMT_WARPS 4 /* warps per CTA of the SIMT kernels: one query or key row each */

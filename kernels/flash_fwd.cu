@@ -36,6 +36,8 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
         o[t] = 0.f;
     }
     float m = flash_sink_log2(p, h), l = flash_sink_sum(m, true); /* m in log2 units */
+    const bool mods = flash_has_score_mod(p);
+    const ScoreMod smod = flash_score_mod(p, b, h);
     const int jend = flash_key_end(p, row);
     for (int j = flash_key_begin(p, row); j < jend; j++) {
         const int64_t ko = row_offset(p.k, b, j, hk), vo = row_offset(p.v, b, j, hk);
@@ -46,7 +48,13 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
             if (c < p.d)
                 part += q[t] * load_elem(p.k.data, ko + c, p.dtype);
         }
-        const float s = warp_sum(part) * p.scale_log2;
+        float s = warp_sum(part);
+        if (mods)
+        {
+            float unused;
+            s = smod.apply(s, smod.pos(row), (float)j, &unused);
+        }
+        s *= p.scale_log2;
         const float m_new = fmaxf(m, s);
         const float alpha = exp2f(m - m_new), pj = exp2f(s - m_new);
         l = l * alpha + pj;
@@ -78,7 +86,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
  * per FLOP at MT = 2 (the limit at MT = 1 was ldmatrix, not the tensor
  * cores). K and V are double-buffered: the copy of block j+1 runs while
  * block j is multiplied. */
-template <typename T, int D, int BC, int MT>
+template <typename T, int D, int BC, int MT, bool MOD>
 __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(FlashParams p)
 {
     constexpr int LD = D + 8; /* padded row: conflict-free ldmatrix */
@@ -99,6 +107,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
     const int jend = flash_key_end(p, i0 + nq - 1);
     const int wrow0 = i0 + warp * 16 * MT; /* this warp's first row */
     const FullKeys full = flash_full_keys(p, wrow0, wrow0 + 16 * MT);
+    const ScoreMod smod = flash_score_mod(p, b, h);
 
     /* prologue: Q and K_0 in one group, V_0 in the next */
     load_tile<T, BR, D, LD, THREADS>(sQ, p.q, b, h, i0, nq, p.d);
@@ -157,7 +166,11 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
             }
         }
 
-        /* scale into log2 units, mask where needed, online softmax */
+        /* modify, scale into log2 units, mask where needed, online softmax */
+        if (MOD)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                mod_acc<NT_S * 4>(smod, &s[mt][0][0], wrow0 + mt * 16, j0);
         const bool edge = full.masks(j0, j0 + BC);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -261,6 +274,14 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
     p.mod = s->mod;
     /* lib/attention.c sends a sink here only as f32, contiguous */
     p.sink = s->sink ? (const float *)s->sink->data : nullptr;
+    /* and ALiBi slopes only as f32, [H] or [B, H] (batch0: a varlen call's
+     * sequence) */
+    if (s->alibi) {
+        const ft_tensor *a = s->alibi;
+        p.alibi_bs = a->ndim == 2 ? a->stride[0] : 0;
+        p.alibi_hs = a->stride[a->ndim - 1];
+        p.alibi = (const float *)a->data + s->batch0 * p.alibi_bs;
+    }
     p.scale = (float)s->scale;
     p.scale_log2 = (float)(s->scale * 1.4426950408889634);
     return p;
@@ -302,23 +323,29 @@ bool flash_sm90_usable(int device)
 #endif
 }
 
-template <typename T, int D, int BC, int MT>
+template <typename T, int D, int BC, int MT, bool MOD>
 static ft_status launch_fwd_mma(const FlashParams &p)
 {
     constexpr int BR = 16 * MT * MMA_WARPS;
     const size_t smem = (size_t)(BR + 4 * BC) * (D + 8) * sizeof(T); /* Q, 2 x K, 2 x V */
-    return flash_launch(flash_fwd_mma_kernel<T, D, BC, MT>, dim3((p.Nq + BR - 1) / BR, p.H, p.B),
+    return flash_launch(flash_fwd_mma_kernel<T, D, BC, MT, MOD>, dim3((p.Nq + BR - 1) / BR, p.H, p.B),
                         MMA_WARPS * FT_WARP, smem, p, "ft_attention_forward");
+}
+
+template <typename T, bool MOD>
+static ft_status launch_fwd_mma_mod(const FlashParams &p)
+{
+    if (p.d <= 64)
+        return launch_fwd_mma<T, 64, 64, 2, MOD>(p);
+    if (p.d <= 128)
+        return launch_fwd_mma<T, 128, 64, 2, MOD>(p);
+    return launch_fwd_mma<T, 256, 32, 1, MOD>(p);
 }
 
 template <typename T>
 static ft_status launch_fwd_mma_dtype(const FlashParams &p)
 {
-    if (p.d <= 64)
-        return launch_fwd_mma<T, 64, 64, 2>(p);
-    if (p.d <= 128)
-        return launch_fwd_mma<T, 128, 64, 2>(p);
-    return launch_fwd_mma<T, 256, 32, 1>(p);
+    return flash_has_score_mod(p) ? launch_fwd_mma_mod<T, true>(p) : launch_fwd_mma_mod<T, false>(p);
 }
 
 extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,

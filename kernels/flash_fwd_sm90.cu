@@ -13,7 +13,7 @@
 
 #include <math.h>
 
-template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS>
+template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool MOD>
 __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -50,6 +50,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
     const FullKeys full = flash_full_keys(p, wrow0, wrow0 + 16);
     const float sl2 = p.scale_log2;
+    const ScoreMod smod = flash_score_mod(p, b, h);
 
     /* the copies fill D columns (zeros past d): the products read no more */
     const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d),
@@ -102,6 +103,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     auto softmax = [&](int j) {
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
+        if (MOD)
+            mod_acc<BC / 2>(smod, s, wrow0, j0);
         if (full.masks(j0, j0 + BC)) {
             const KeyRange k0 = flash_keys(p, wrow0 + g), k1 = flash_keys(p, wrow0 + g + 8);
 #pragma unroll
@@ -207,12 +210,12 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 #endif
 }
 
-template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS>
+template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool MOD>
 static ft_status launch_fwd_wgmma(const FlashParams &p)
 {
     constexpr int BR = 64 * NWG;
     const size_t smem = 1024 + (size_t)(BR + 4 * BC) * FT_TW(D) * sizeof(T); /* Q, 2 x K, 2 x V */
-    return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS>,
+    return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS, MOD>,
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS, smem, p,
                         "ft_attention_forward");
 }
@@ -220,24 +223,27 @@ static ft_status launch_fwd_wgmma(const FlashParams &p)
 /* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
  * 128, 192 or 256, the columns Q K^T multiplies. Turns where they measured
  * faster (d = 96, 128; kernels/README.md, forward w7). */
-template <typename T> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
+template <typename T, bool MOD> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
-        return launch_fwd_wgmma<T, 32, 32, 64, 2, 2, false>(p);
+        return launch_fwd_wgmma<T, 32, 32, 64, 2, 2, false, MOD>(p);
     if (p.d <= 64)
-        return launch_fwd_wgmma<T, 64, 64, 64, 2, 2, false>(p);
+        return launch_fwd_wgmma<T, 64, 64, 64, 2, 2, false, MOD>(p);
     if (p.d <= 96)
-        return launch_fwd_wgmma<T, 128, 96, 128, 2, 1, true>(p);
+        return launch_fwd_wgmma<T, 128, 96, 128, 2, 1, true, MOD>(p);
     if (p.d <= 128)
-        return launch_fwd_wgmma<T, 128, 128, 128, 2, 1, true>(p);
+        return launch_fwd_wgmma<T, 128, 128, 128, 2, 1, true, MOD>(p);
     if (p.d <= 192)
-        return launch_fwd_wgmma<T, 256, 192, 64, 2, 1, false>(p);
-    return launch_fwd_wgmma<T, 256, 256, 64, 2, 1, false>(p);
+        return launch_fwd_wgmma<T, 256, 192, 64, 2, 1, false, MOD>(p);
+    return launch_fwd_wgmma<T, 256, 256, 64, 2, 1, false, MOD>(p);
 }
 
 /* f16/bf16, 16-byte aligned rows (the caller checks). */
 ft_status flash_fwd_sm90(const FlashParams &p)
 {
-    return p.dtype == FT_F16 ? launch_fwd_wgmma_dtype<__half>(p)
-                             : launch_fwd_wgmma_dtype<__nv_bfloat16>(p);
+    if (flash_has_score_mod(p))
+        return p.dtype == FT_F16 ? launch_fwd_wgmma_dtype<__half, true>(p)
+                                 : launch_fwd_wgmma_dtype<__nv_bfloat16, true>(p);
+    return p.dtype == FT_F16 ? launch_fwd_wgmma_dtype<__half, false>(p)
+                             : launch_fwd_wgmma_dtype<__nv_bfloat16, false>(p);
 }

@@ -5,7 +5,7 @@
  * c ^ (r % 8), chunks on 1024 bytes), m64nNk16 products with f32
  * accumulators, and what flash_fwd_sm90.cu and flash_bwd_sm90.cu share:
  * product_abt, product_fb, TileLoader, stages_ready, bar_sync, bar_arrive,
- * Turns, query_block, pin and ex2. Layouts and design: kernels/README.md.
+ * Turns, query_block and pin. Layouts and design: kernels/README.md.
  * Check: as the two kernels that use it (spec/cuda_attention_spec.lua).
  */
 #ifndef FT_FLASH_WGMMA_CUH
@@ -299,13 +299,6 @@ template <int N> __device__ __forceinline__ void pin_all(float *x)
 #pragma unroll
     for (int i = 0; i < N; i++)
         pin(x[i]);
-}
-
-__device__ __forceinline__ float ex2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 #endif

@@ -195,13 +195,12 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
                                         s->Nk, s->block_q, s->block_k));
         s->block_mask = p->block_mask;
     }
-    /* The variants the flash kernels do not run yet (they take windows, and
-     * varlen one sequence at a time). */
+    /* The variants the flash kernels do not run yet (they take windows,
+     * softcap, ALiBi slopes in f32 and f32 sinks, and varlen one sequence at
+     * a time). */
     const char *variant = NULL;
-    if (m->softcap > 0)
-        variant = "softcap";
-    else if (m->alibi)
-        variant = "ALiBi slopes";
+    if (m->alibi && p->alibi_slopes->dtype != FT_F32)
+        variant = "ALiBi slopes in f64";
     else if (m->sink && (p->sink->dtype != FT_F32 || (s->H > 1 && p->sink->stride[0] != 1)))
         variant = "sinks in f64 or strided";
     else if (m->dropout)

@@ -1,10 +1,12 @@
 -- Attention variants on CUDA (tag #gpu): windows, softcap, ALiBi, sinks,
 -- dropout and varlen, alone and combined, forward and backward, against the
 -- CPU's f64 tiled path (itself checked against a plain-Lua reference and
--- finite differences in variants_spec.lua), on fresh random inputs. So far
--- the naive path (cuBLAS and the row kernels of attention_naive.cu) runs
--- them on CUDA; impl = "auto" takes it, "flash" says it cannot. Dropout's
--- mask is the same bits on both devices. Pending, with the reason, where
+-- finite differences in variants_spec.lua), on fresh random inputs. The
+-- flash kernels run windows, softcap, ALiBi (f32 slopes), f32 sinks and
+-- varlen; the naive path (cuBLAS and the row kernels of attention_naive.cu)
+-- runs every variant, and impl = "auto" takes it for the rest (dropout),
+-- where "flash" says it cannot. Dropout's mask is the same bits on both
+-- devices. Pending, with the reason, where
 -- there is no GPU.
 local h = require "helper"
 local ft = h.ft
@@ -36,6 +38,20 @@ local function on_gpu(opts, dtype)
 end
 
 local function cpu64(x) return x:cpu():double() end
+
+--- FlashAttention's rule for every result the f64 reference has: the
+-- flash kernels' error at most twice the naive path's in the same dtype
+-- (plus a few 16-bit ulps at 1), and no NaN. label names the case.
+local function assert_2x_naive(label, flash, naive, want)
+  for _, f in ipairs(FIELDS) do
+    if want[f] then
+      local ef = ft.max_abs_diff(cpu64(flash[f]), want[f])
+      local en = ft.max_abs_diff(cpu64(naive[f]), want[f])
+      assert.is_true(ef == ef and ef <= 2 * en + 4 * 2 ^ -7,
+        ("%s %s: flash error %g, naive %g"):format(label, f, ef, en))
+    end
+  end
+end
 
 describe("attention variants on CUDA #gpu", function()
   local slopes = ft.tensor({ { 0.3, 0.2, 0.1, 0.05 }, { 0.7, 0.01, 0.4, 0.0 } }, { dtype = "f64" })
@@ -129,12 +145,7 @@ describe("attention variants on CUDA #gpu", function()
       local gopts = on_gpu(opts, dtype)
       local flash = run(g(q), g(k), g(v), g(dout), copy(gopts, { impl = "flash" }))
       local naive = run(g(q), g(k), g(v), g(dout), copy(gopts, { impl = "naive" }))
-      for _, f in ipairs { "out", "lse", "dq", "dk", "dv" } do
-        local ef = ft.max_abs_diff(cpu64(flash[f]), want[f])
-        local en = ft.max_abs_diff(cpu64(naive[f]), want[f])
-        assert.is_true(ef == ef and ef <= 2 * en + 4 * 2 ^ -7,
-          ("%s %s: flash error %g, naive %g"):format(dtype, f, ef, en))
-      end
+      assert_2x_naive(dtype, flash, naive, want)
     end
   end)
 
@@ -150,12 +161,37 @@ describe("attention variants on CUDA #gpu", function()
           local gs = s4:cuda()
           local flash = run(g(q), g(k), g(v), g(dout), copy(o, { impl = "flash", sink = gs }))
           local naive = run(g(q), g(k), g(v), g(dout), copy(o, { impl = "naive", sink = gs }))
-          for _, f in ipairs(FIELDS) do
-            local ef = ft.max_abs_diff(cpu64(flash[f]), want[f])
-            local en = ft.max_abs_diff(cpu64(naive[f]), want[f])
-            assert.is_true(ef == ef and ef <= 2 * en + 4 * 2 ^ -7,
-              ("%s d=%d %s: flash error %g, naive %g"):format(dtype, d, f, ef, en))
-          end
+          assert_2x_naive(("%s d=%d"):format(dtype, d), flash, naive, want)
+        end
+      end
+    end
+  end)
+
+  gpu_it("softcap and ALiBi on the flash kernels, by the 2x-naive rule: f16, bf16 and f32, head dims 32 to 256, with windows, sinks, GQA", function()
+    local s4, sl4 = sink:float(), slopes:float()
+    local mods = {
+      { softcap = 1.5 },
+      { softcap = 30, causal = true },
+      { alibi_slopes = sl4:select(1, 1):contiguous(), causal = true },
+      { alibi_slopes = sl4, window_left = 20, window_right = 3 },
+      { alibi_slopes = sl4:transpose():contiguous():transpose(), softcap = 2.0, sink = s4, causal = true },
+    }
+    for _, dtype in ipairs { "f16", "bf16", "f32" } do
+      for _, d in ipairs { 32, 64, 96, 128, 192, 256 } do
+        for mi, o in ipairs(mods) do
+          -- two shapes: Nq > Nk (rows that see no key under causal) and
+          -- several blocks each way
+          local sh = mi % 2 == 1 and { 70, 50 } or { 300, 333 }
+          local q, k, v = randn { 2, sh[1], 4, d }, randn { 2, sh[2], 2, d }, randn { 2, sh[2], 2, d }
+          local dout = randn { 2, sh[1], 4, d }
+          local cpu_o = {}
+          for key, val in pairs(o) do cpu_o[key] = ft.is_tensor(val) and val:double() or val end
+          local want = run(q, k, v, dout, copy(cpu_o, { impl = "tiled" }))
+          local function g(t) return t:to(dtype):cuda() end
+          local go = on_gpu(o, dtype)
+          local flash = run(g(q), g(k), g(v), g(dout), copy(go, { impl = "flash" }))
+          local naive = run(g(q), g(k), g(v), g(dout), copy(go, { impl = "naive" }))
+          assert_2x_naive(("%s d=%d case %d"):format(dtype, d, mi), flash, naive, want)
         end
       end
     end
@@ -180,10 +216,11 @@ describe("attention variants on CUDA #gpu", function()
 
   gpu_it("a variant with impl = 'flash' is a clear error, and auto runs it", function()
     local q = randn({ 1, 8, 2, 16 }):float():cuda()
-    local ok, e = pcall(ft.attention, q, q, q, { impl = "flash", softcap = 5 })
+    local o = { dropout_p = 0.25, seed = 3 }
+    local ok, e = pcall(ft.attention, q, q, q, copy(o, { impl = "flash" }))
     assert.is_false(ok)
-    assert.is_truthy(tostring(e):find("softcap: the flash kernels do not run them yet", 1, true), e)
-    local out = ft.attention(q, q, q, { softcap = 5 })
+    assert.is_truthy(tostring(e):find("dropout: the flash kernels do not run them yet", 1, true), e)
+    local out = ft.attention(q, q, q, o)
     assert.are.equal("cuda:0", out.device)
   end)
 end)
