@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dot_kernel(Fla
 {
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int row = blockIdx.x * SIMT_WARPS + warp, h = blockIdx.y, b = blockIdx.z;
+    flash_enter_seq(p, b);
     if (row >= p.Nq)
         return;
     const int64_t oo = row_offset(p.out, b, row, h), go = row_offset(p.dout, b, row, h);
@@ -28,7 +29,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dot_kernel(Fla
     for (int c = lane; c < p.d; c += FT_WARP)
         part += load_elem(p.out.data, oo + c, p.dtype) * load_elem(p.dout.data, go + c, p.dtype);
     part = warp_sum(part);
-    const int64_t i = ((int64_t)b * p.H + h) * p.Nq + row;
+    const int64_t i = flash_stat(p, b, h) + row;
     if (lane == 0)
         p.D[i] = part;
     if (lane == 0 && p.lse2) /* exp(s - lse) = exp2(s log2(e) - lse2); 0 for empty rows */
@@ -80,6 +81,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dkdv_simt_kern
 {
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int j = blockIdx.x * SIMT_WARPS + warp, hk = blockIdx.y, b = blockIdx.z;
+    flash_enter_seq(p, b);
     if (j >= p.Nk)
         return;
     const int G = p.H / p.Hk;
@@ -87,11 +89,11 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dkdv_simt_kern
           dv[FT_SIMT_MAX_COLS] = {0}, q[FT_SIMT_MAX_COLS], dO[FT_SIMT_MAX_COLS];
     load_row(k, p.k, b, j, hk, p, lane);
     load_row(v, p.v, b, j, hk, p, lane);
-    const bool mods = flash_has_score_mod(p);
+    const bool mods = p.mod.softcap > 0 || p.alibi; /* softcap or ALiBi */
     for (int h = hk * G; h < (hk + 1) * G; h++) {
         const ScoreMod smod = flash_score_mod(p, b, h);
-        const float *lse = p.lse + ((int64_t)b * p.H + h) * p.Nq;
-        const float *D = p.D + ((int64_t)b * p.H + h) * p.Nq;
+        const float *lse = p.lse + flash_stat(p, b, h);
+        const float *D = p.D + flash_stat(p, b, h);
         const int iend = flash_query_end(p, j);
         for (int i = flash_query_begin(p, j); i < iend; i++) {
             load_row(q, p.q, b, i, h, p, lane);
@@ -117,6 +119,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
 {
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int i = blockIdx.x * SIMT_WARPS + warp, h = blockIdx.y, b = blockIdx.z;
+    flash_enter_seq(p, b);
     if (i >= p.Nq)
         return;
     const int hk = h / (p.H / p.Hk);
@@ -124,9 +127,9 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
           k[FT_SIMT_MAX_COLS], v[FT_SIMT_MAX_COLS];
     load_row(q, p.q, b, i, h, p, lane);
     load_row(dO, p.dout, b, i, h, p, lane);
-    const float lse = p.lse[((int64_t)b * p.H + h) * p.Nq + i];
-    const float D = p.D[((int64_t)b * p.H + h) * p.Nq + i];
-    const bool mods = flash_has_score_mod(p);
+    const float lse = p.lse[flash_stat(p, b, h) + i];
+    const float D = p.D[flash_stat(p, b, h) + i];
+    const bool mods = p.mod.softcap > 0 || p.alibi; /* softcap or ALiBi */
     const ScoreMod smod = flash_score_mod(p, b, h);
     const int jend = flash_key_end(p, i);
     for (int j = flash_key_begin(p, i); j < jend; j++) {
@@ -157,7 +160,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
 
 #define BWD_BR 64 /* query rows per tile */
 
-template <typename T, int D, int BC, int DSPLIT, bool MOD>
+template <typename T, int D, int BC, int DSPLIT, bool EXT>
 __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     flash_bwd_dkdv_mma_kernel(FlashParams p)
 {
@@ -177,6 +180,11 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     const int kw = warp / DSPLIT, dpart = warp % DSPLIT; /* key slice, column part */
     const int g = lane / 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BC, hk = blockIdx.y, b = blockIdx.z;
+    if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
+        flash_enter_seq(p, b);
+        if (j0 >= p.Nk)
+            return;
+    }
     const int G = p.H / p.Hk, nk = min(BC, p.Nk - j0);
     const int key[2] = {j0 + kw * 16 + g, j0 + kw * 16 + g + 8};
     const FullKeys full = flash_full_queries(p, j0 + kw * 16, j0 + kw * 16 + 16);
@@ -196,8 +204,8 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
         T *q = sQ0 + buf * 2 * BWD_BR * LD;
         load_tile<T, BWD_BR, D, LD, THREADS>(q, p.q, b, h, i0, nq, p.d);
         load_tile<T, BWD_BR, D, LD, THREADS>(q + BWD_BR * LD, p.dout, b, h, i0, nq, p.d);
-        const float *lse = p.lse + ((int64_t)b * p.H + h) * p.Nq;
-        const float *Dh = p.D + ((int64_t)b * p.H + h) * p.Nq;
+        const float *lse = p.lse + flash_stat(p, b, h);
+        const float *Dh = p.D + flash_stat(p, b, h);
         float *sl = sL0 + buf * 2 * BWD_BR;
         for (int r = threadIdx.x; r < BWD_BR; r += THREADS) {
             const bool ok = r < nq && lse[i0 + r] != -INFINITY;
@@ -230,7 +238,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
             const int nq = min(BWD_BR, p.Nq - i0);
             const T *sQ = sQ0 + buf * 2 * BWD_BR * LD, *sdO = sQ + BWD_BR * LD;
             const float *sL = sL0 + buf * 2 * BWD_BR, *sD = sL + BWD_BR;
-            const ScoreMod smod = flash_score_mod(p, b, MOD ? hk * G + t / nqb : 0);
+            const ScoreMod smod = flash_score_mod(p, b, EXT ? hk * G + t / nqb : 0);
 
             /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys */
             float st[NT_Q][4], dpt[NT_Q][4];
@@ -260,9 +268,9 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
             }
             /* P^T from the LSE (masked entries 0), dS^T = P^T (dP^T - D);
              * the queries each key sees are worked out at an edge only.
-             * MOD: S^T modified first, and dP^T - D times its derivative
+             * EXT: S^T modified first, and dP^T - D times its derivative
              * (g (dP - D) in place of dP - D). */
-            if (MOD)
+            if (EXT)
                 mod_acc_with<NT_Q * 4, true>(smod, &st[0][0], j0 + kw * 16, i0,
                                              [&](int k, float d0, float d1) {
                                                  float *x = &dpt[0][0] + 2 * k;
@@ -283,7 +291,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                     const bool ok = !(e / 2 ? q1 : q0).hides(qi); /* qi < Nq among them */
                     const float pt = ok ? exp2f(st[n][e] * p.scale_log2 - sL[qc]) : 0.f;
                     st[n][e] = pt;
-                    dpt[n][e] = pt * (MOD ? dpt[n][e] : dpt[n][e] - sD[qc]);
+                    dpt[n][e] = pt * (EXT ? dpt[n][e] : dpt[n][e] - sD[qc]);
                 }
             /* dV += P^T dO, dK += dS^T Q over this warp's columns */
 #pragma unroll
@@ -333,7 +341,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     }
 }
 
-template <typename T, int D, int BC, bool MOD>
+template <typename T, int D, int BC, bool EXT>
 __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashParams p)
 {
     constexpr int LD = D + 8, THREADS = 4 * FT_WARP;
@@ -346,6 +354,11 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int g = lane / 4, t4 = lane % 4;
     const int i0 = blockIdx.x * BWD_BR, h = blockIdx.y, b = blockIdx.z;
+    if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
+        flash_enter_seq(p, b);
+        if (i0 >= p.Nq)
+            return;
+    }
     const int hk = h / (p.H / p.Hk), nq = min(BWD_BR, p.Nq - i0);
     const int row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
     const FullKeys full = flash_full_keys(p, i0 + warp * 16, i0 + warp * 16 + 16);
@@ -365,7 +378,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     float L[2], Dr[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const int64_t at = ((int64_t)b * p.H + h) * p.Nq + row[r];
+        const int64_t at = flash_stat(p, b, h) + row[r];
         const float l = row[r] < p.Nq ? p.lse[at] : -INFINITY;
         L[r] = l == -INFINITY ? INFINITY : l * FT_LOG2E; /* exp2(x - inf) = 0 */
         Dr[r] = row[r] < p.Nq ? p.D[at] : 0.f;
@@ -419,7 +432,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
             k0 = flash_keys(p, row[0]);
             k1 = flash_keys(p, row[1]);
         }
-        if (MOD) /* as in dK/dV: S modified, g (dP - D) in place of dP - D */
+        if (EXT) /* as in dK/dV: S modified, g (dP - D) in place of dP - D */
             mod_acc_with<NT_S * 4, false>(smod, &s[0][0], i0 + warp * 16, j0,
                                           [&](int k, float d0, float d1) {
                                               float *x = &dp[0][0] + 2 * k;
@@ -433,7 +446,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
                 const int r = e / 2, col = j0 + n * 8 + t4 * 2 + (e % 2);
                 const bool ok = !(r ? k1 : k0).hides(col);
                 const float pr = ok ? exp2f(s[n][e] * p.scale_log2 - L[r]) : 0.f;
-                dp[n][e] = pr * (MOD ? dp[n][e] : dp[n][e] - Dr[r]); /* dS */
+                dp[n][e] = pr * (EXT ? dp[n][e] : dp[n][e] - Dr[r]); /* dS */
             }
         /* dQ += dS K */
 #pragma unroll
@@ -472,7 +485,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     }
 }
 
-template <typename T, int D, int BC, int DSPLIT, bool MOD>
+template <typename T, int D, int BC, int DSPLIT, bool EXT>
 static ft_status launch_bwd_mma(const FlashParams &p)
 {
     const char *func = "ft_attention_backward";
@@ -482,27 +495,27 @@ static ft_status launch_bwd_mma(const FlashParams &p)
                            4 * BWD_BR * sizeof(float);
     const size_t smem_q = (size_t)(2 * BWD_BR + 4 * BC) * (D + 8) * sizeof(T);
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT, MOD>,
+        FT_TRY(flash_launch(flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT, EXT>,
                             dim3((p.Nk + BC - 1) / BC, p.Hk, p.B), (BC / 16) * DSPLIT * FT_WARP,
                             smem_kv, p, func));
-    return flash_launch(flash_bwd_dq_mma_kernel<T, D, BC, MOD>, dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B),
+    return flash_launch(flash_bwd_dq_mma_kernel<T, D, BC, EXT>, dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B),
                         4 * FT_WARP, smem_q, p, func);
 }
 
-template <typename T, bool MOD>
+template <typename T, bool EXT>
 static ft_status launch_bwd_mma_mod(const FlashParams &p)
 {
     if (p.d <= 64)
-        return launch_bwd_mma<T, 64, 64, 1, MOD>(p);
+        return launch_bwd_mma<T, 64, 64, 1, EXT>(p);
     if (p.d <= 128)
-        return launch_bwd_mma<T, 128, 64, 1, MOD>(p);
-    return launch_bwd_mma<T, 256, 32, 2, MOD>(p);
+        return launch_bwd_mma<T, 128, 64, 1, EXT>(p);
+    return launch_bwd_mma<T, 256, 32, 2, EXT>(p);
 }
 
 template <typename T>
 static ft_status launch_bwd_mma_dtype(const FlashParams &p)
 {
-    return flash_has_score_mod(p) ? launch_bwd_mma_mod<T, true>(p) : launch_bwd_mma_mod<T, false>(p);
+    return flash_extended(p) ? launch_bwd_mma_mod<T, true>(p) : launch_bwd_mma_mod<T, false>(p);
 }
 
 extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
@@ -524,8 +537,11 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
      * kernels LSE in log2 units) beside it */
     ft_tensor *lse_c = NULL, *D = NULL;
     FT_TRY(ft_contiguous(&lse_c, lse));
+    /* D (and lse2) laid out as LSE: [B, H, Nq], or [H, total_q] */
     int64_t dshape[4] = {sm90 ? 2 : 1, s->B, s->H, s->Nq};
-    ft_status st = ft_empty_named(&D, 4, dshape, FT_F32, q->device, func);
+    if (s->cu_q_dev)
+        dshape[1] = s->H, dshape[2] = q->shape[0];
+    ft_status st = ft_empty_named(&D, s->cu_q_dev ? 3 : 4, dshape, FT_F32, q->device, func);
     if (st != FT_OK) {
         ft_tensor_free(lse_c);
         return st;
@@ -536,7 +552,7 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     p.dk = flash_tensor(dk);
     p.dv = flash_tensor(dv);
     p.D = (float *)D->data;
-    p.lse2 = sm90 ? p.D + s->B * s->H * s->Nq : nullptr;
+    p.lse2 = sm90 ? p.D + ft_numel(lse_c) : nullptr;
     const dim3 block(SIMT_WARPS * FT_WARP);
     if (s->Nq > 0) {
         flash_bwd_dot_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B), block>>>(p);

@@ -120,7 +120,7 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
         const int tid = threadIdx.x;
         if (tid < 2 * BM) {
             const int r = tid % BM, row = i0 + r;
-            const float *src = (tid < BM ? p.lse2 : p.D) + ((int64_t)b * p.H + h) * p.Nq;
+            const float *src = (tid < BM ? p.lse2 : p.D) + flash_stat(p, b, h);
             cp_async_4((tid < BM ? sL : sD) + st * BM + r, src + (row < p.Nq ? row : 0),
                        row < p.Nq);
         }
@@ -156,7 +156,7 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = row0 + g + 8 * r;
-        const int64_t o = ((int64_t)b * p.H + h) * p.Nq + row;
+        const int64_t o = flash_stat(p, b, h) + row;
         lse[r] = row < p.Nq ? p.lse2[o] : INFINITY;
         Dr[r] = row < p.Nq ? p.D[o] : 0.f;
     }
@@ -165,15 +165,15 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
 /* dQ's dS = P (dP - D), in place of dp, for this thread's rows (row0 + g,
  * + 8) and N accumulator entries from key col0, P = exp2(S scale log2e -
  * LSE); in a block at an edge (keys [block_begin, block_end) not all in
- * `full`, the keys every row sees), hidden keys are zeroed. With MOD, S is
+ * `full`, the keys every row sees), hidden keys are zeroed. With EXT, S is
  * modified first and dS takes the modification's derivative. */
-template <int N, bool MOD>
+template <int N, bool EXT>
 __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod &smod, float *dp,
                                            float *s, const float *lse, const float *Dr,
                                            int row0, int col0, const FullKeys &full,
                                            int block_begin, int block_end)
 {
-    if (MOD) /* S modified, and g (dP - D) in place of dP - D */
+    if (EXT) /* S modified, and g (dP - D) in place of dP - D */
         mod_acc_with<N, false>(smod, s, row0, col0, [&](int k, float d0, float d1) {
             dp[2 * k] = d0 * (dp[2 * k] - Dr[k % 2]);
             dp[2 * k + 1] = d1 * (dp[2 * k + 1] - Dr[k % 2]);
@@ -186,7 +186,7 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod 
             for (int e = 0; e < 2; e++) {
                 const int idx = 4 * n + 2 * r + e;
                 dp[idx] = ex2(fmaf(s[idx], p.scale_log2, -lse[r])) *
-                          (MOD ? dp[idx] : dp[idx] - Dr[r]);
+                          (EXT ? dp[idx] : dp[idx] - Dr[r]);
             }
     if (full.masks(block_begin, block_end)) {
         const int row = row0 + (threadIdx.x % FT_WARP) / 4;
@@ -214,16 +214,16 @@ __device__ __forceinline__ void dq_prologue(const FlashParams &p, int b, int h, 
 
 /* ---- dK, dV ---- */
 
-/* With MOD, each thread keeps the modification's derivatives of one block
+/* With EXT, each thread keeps the modification's derivatives of one block
  * (BM / 2 entries, f16 pairs) in shared memory from P^T to dS^T, in a place
  * of its own (word k of thread t at k * THREADS + t): registers are what
  * these kernels run short of. Bytes after the query stream's stages. */
-template <int BM, int THREADS, bool MOD> constexpr size_t dkdv_mod_bytes()
+template <int BM, int THREADS, bool EXT> constexpr size_t dkdv_mod_bytes()
 {
-    return MOD ? (size_t)THREADS * (BM / 4) * sizeof(uint32_t) : 0;
+    return EXT ? (size_t)THREADS * (BM / 4) * sizeof(uint32_t) : 0;
 }
 
-template <typename T, int D, int DK, int BM, int NWG, bool TURNS, bool MOD>
+template <typename T, int D, int DK, int BM, int NWG, bool TURNS, bool EXT>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -236,6 +236,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
+        flash_enter_seq(p, b);
+        if (j0 >= p.Nk)
+            return;
+    }
     const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
     const FullKeys full = flash_full_queries(p, wkey0, wkey0 + 16);
     QueryStream<T, BM, D, THREADS, ST> qs(p, sV + KV_BYTES, j0, j0 + BN, hk);
@@ -271,14 +276,14 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     /* P^T (rows keys, columns queries) from S^T, straight into the A
      * fragments of dV += P^T dO; dS^T below takes P from them (rounded to
      * 16 bits, as the naive path rounds it), which keeps S^T and dP^T from
-     * being live together. With MOD, the modification's derivatives go to
+     * being live together. With EXT, the modification's derivatives go to
      * gmod. */
     auto probs = [&](int t) {
         pin_all<BM / 2>(s);
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t);
         const bool edge = full.masks(i0, i0 + BM);
-        if (MOD)
+        if (EXT)
             mod_acc_with<BM / 2, true>(flash_score_mod(p, b, qs.ch), s, wkey0, i0,
                                        [&](int k, float d0, float d1) {
                                            const __half2 g2 = __floats2half2_rn(d0, d1);
@@ -318,7 +323,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
                 const float2 d2 =
                     *reinterpret_cast<const float2 *>(Dq + 16 * kk + 8 * (w / 2) + 2 * t4);
                 const int idx = 8 * kk + 2 * w;
-                if (MOD) { /* entries idx, idx + 1: word idx / 2 */
+                if (EXT) { /* entries idx, idx + 1: word idx / 2 */
                     const uint32_t gw = gmod[(idx / 2) * THREADS];
                     const float2 g2 = __half22float2(*reinterpret_cast<const __half2 *>(&gw));
                     pp.x *= g2.x;
@@ -384,7 +389,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 
 /* ---- dQ ---- */
 
-template <typename T, int D, int DK, int BC, int NWG, bool TURNS, bool MOD>
+template <typename T, int D, int DK, int BC, int NWG, bool TURNS, bool EXT>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -397,7 +402,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
+    if (EXT) /* varlen: this CTA's sequence */
+        flash_enter_seq(p, blockIdx.z);
     const QueryBlock qblk = query_block<BR, BC>(p);
+    if (EXT && (qblk.i0 < 0 || qblk.i0 >= p.Nq))
+        return; /* past its end: nothing to do */
     const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
@@ -444,7 +453,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     auto elementwise = [&](int j) {
         pin_all<BC / 2>(s);
         pin_all<BC / 2>(dp);
-        dq_dscores<BC / 2, MOD>(p, smod, dp, s, lse, Dr, wrow0, j * BC, full, j * BC, (j + 1) * BC);
+        dq_dscores<BC / 2, EXT>(p, smod, dp, s, lse, Dr, wrow0, j * BC, full, j * BC, (j + 1) * BC);
     };
 
     const Turns<TURNS> turns(wg);
@@ -548,7 +557,7 @@ __device__ __forceinline__ void swap_halves(const float *x, float *mine, float *
         theirs[i] = xbuf[i * 2 * WG_THREADS + (1 - wg) * WG_THREADS + t];
 }
 
-template <typename T, int DK, bool MOD>
+template <typename T, int DK, bool EXT>
 __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -563,6 +572,11 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
+        flash_enter_seq(p, b);
+        if (j0 >= p.Nk)
+            return;
+    }
     const int wkey0 = j0 + wwarp * 16; /* this warp's first key */
     const FullKeys full = flash_full_queries(p, wkey0, wkey0 + 16);
     Stream qs(p, sdS + P_BYTES, j0, j0 + BN, hk);
@@ -572,7 +586,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
 #pragma unroll
     for (int i = 0; i < DK / 2; i++)
         grad[i] = 0.f;
-    const FlashTensor &gt = wg ? p.dk : p.dv;
+    const FlashTensor gt = wg ? p.dk : p.dv; /* a copy: p may be the kernel's own (varlen) */
     if (total == 0) {
         store_acc<T, DK>(gt, b, hk, wkey0, p.Nk, p.d, grad, 1.f);
         return;
@@ -608,8 +622,8 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         const int i0 = qs.next_i0(p);
         const float *L = qs.lse(t), *Dq = qs.D(t);
         const bool edge = full.masks(i0, i0 + BM);
-        float dmod[MOD ? 16 : 1]; /* the modification's derivatives */
-        if (MOD)
+        float dmod[EXT ? 16 : 1]; /* the modification's derivatives */
+        if (EXT)
             mod_acc<16, true>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
 #pragma unroll
         for (int n = 0; n < 4; n++)
@@ -622,7 +636,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
                     const int idx = 4 * n + 2 * r + e;
                     s[idx] = ex2(fmaf(s[idx], sl2, -lse));
                     dp[idx] = s[idx] * (dp[idx] - dd);
-                    if (MOD)
+                    if (EXT)
                         dp[idx] *= dmod[idx];
                 }
             }
@@ -651,7 +665,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
 #endif
 }
 
-template <typename T, int DK, bool MOD>
+template <typename T, int DK, bool EXT>
 __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -665,7 +679,11 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
+    if (EXT) /* varlen: this CTA's sequence */
+        flash_enter_seq(p, blockIdx.z);
     const QueryBlock qblk = query_block<BR, BC>(p);
+    if (EXT && (qblk.i0 < 0 || qblk.i0 >= p.Nq))
+        return; /* past its end: nothing to do */
     const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
     const int wrow0 = i0 + wwarp * 16;
@@ -713,7 +731,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        dq_dscores<16, MOD>(p, smod, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
+        dq_dscores<16, EXT>(p, smod, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
                             (j + 1) * BC);
         /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
         uint32_t df[2][4];
@@ -747,34 +765,34 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 
 /* ---- launch ---- */
 
-template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool MOD>
+template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool EXT>
 static ft_status launch_bwd_wgmma(const FlashParams &p)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES, TW = FT_TW(D);
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, MOD>,
+        FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, EXT>,
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
                             1024 + (size_t)2 * BN * TW * sizeof(T) +
                                 QueryStream<T, BM, D, NWG * WG_THREADS, ST>::BYTES +
-                                dkdv_mod_bytes<BM, NWG * WG_THREADS, MOD>(),
+                                dkdv_mod_bytes<BM, NWG * WG_THREADS, EXT>(),
                             p, func));
-    return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS, MOD>,
+    return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS, EXT>,
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS,
                         1024 + (size_t)(2 * BR + 2 * ST * BC) * TW * sizeof(T), p, func);
 }
 
-template <typename T, int DK, bool MOD> static ft_status launch_bwd_wide(const FlashParams &p)
+template <typename T, int DK, bool EXT> static ft_status launch_bwd_wide(const FlashParams &p)
 {
     constexpr int D = 256, ROWS = 64, THREADS = 2 * WG_THREADS;
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_wide_kernel<T, DK, MOD>, dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B),
+        FT_TRY(flash_launch(flash_bwd_dkdv_wide_kernel<T, DK, EXT>, dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B),
                             THREADS,
                             1024 + (size_t)2 * ROWS * D * sizeof(T) + 2 * ROWS * ROWS * sizeof(T) +
                                 QueryStream<T, ROWS, D, THREADS, 2>::BYTES,
                             p, func));
-    return flash_launch(flash_bwd_dq_wide_kernel<T, DK, MOD>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
+    return flash_launch(flash_bwd_dq_wide_kernel<T, DK, EXT>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
                         THREADS,
                         1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) +
                             2 * WG_THREADS * 16 * sizeof(float),
@@ -783,26 +801,26 @@ template <typename T, int DK, bool MOD> static ft_status launch_bwd_wide(const F
 
 /* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
  * 128, 192 or 256, the columns the score products multiply. */
-template <typename T, bool MOD> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
+template <typename T, bool EXT> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
-        return launch_bwd_wgmma<T, 32, 32, 128, 128, false, MOD>(p);
+        return launch_bwd_wgmma<T, 32, 32, 128, 128, false, EXT>(p);
     if (p.d <= 64)
-        return launch_bwd_wgmma<T, 64, 64, 128, 128, true, MOD>(p);
+        return launch_bwd_wgmma<T, 64, 64, 128, 128, true, EXT>(p);
     if (p.d <= 96)
-        return launch_bwd_wgmma<T, 128, 96, 64, 64, false, MOD>(p);
+        return launch_bwd_wgmma<T, 128, 96, 64, 64, false, EXT>(p);
     if (p.d <= 128)
-        return launch_bwd_wgmma<T, 128, 128, 64, 64, false, MOD>(p);
+        return launch_bwd_wgmma<T, 128, 128, 64, 64, false, EXT>(p);
     if (p.d <= 192)
-        return launch_bwd_wide<T, 192, MOD>(p);
-    return launch_bwd_wide<T, 256, MOD>(p);
+        return launch_bwd_wide<T, 192, EXT>(p);
+    return launch_bwd_wide<T, 256, EXT>(p);
 }
 
 /* dK, dV and dQ once D is in p.D: f16/bf16, rows aligned, Nq > 0 (the
  * caller checks). */
 ft_status flash_bwd_sm90(const FlashParams &p)
 {
-    if (flash_has_score_mod(p))
+    if (flash_extended(p))
         return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half, true>(p)
                                  : launch_bwd_wgmma_dtype<__nv_bfloat16, true>(p);
     return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half, false>(p)

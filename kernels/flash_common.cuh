@@ -6,7 +6,15 @@
  * softcap and ALiBi on the raw scores (ScoreMod).
  *
  *   q, dq, out, dout [B, Nq, H, d]   k, v, dk, dv [B, Nk, Hk, d]
- *   lse, D [B, H, Nq] contiguous f32
+ *   lse, D [B, H, Nq] f32, rows contiguous (stat_bs, stat_hs)
+ *
+ * Variable lengths run in one launch: the tensors are [total, heads, d]
+ * (batch stride 0), LSE and D [H, total_q], and cu_q, cu_k (device) give
+ * each sequence's rows; a kernel's first step, flash_enter_seq, turns its
+ * copy of the parameters into those of sequence blockIdx.z (sizes, row
+ * pointers), so the rest of the kernel sees one sequence as it sees a
+ * batch entry. B is then the number of sequences, Nq and Nk the longest
+ * (the grid's size); blocks past a sequence's end return at once.
  */
 #ifndef FT_FLASH_COMMON_CUH
 #define FT_FLASH_COMMON_CUH
@@ -32,6 +40,8 @@ struct FlashParams {
     float *lse;       /* [B, H, Nq] */
     float *D;         /* [B, H, Nq], backward: rowsum(dO * O) */
     float *lse2;      /* [B, H, Nq], backward (sm90): LSE log2(e), +inf for rows that saw no key */
+    int64_t stat_bs, stat_hs; /* lse's, D's and lse2's strides over batch and head */
+    const int *cu_q, *cu_k;   /* variable lengths: B + 1 row offsets each (device), or null */
     int B, H, Hk, Nq, Nk, d;
     int dtype;        /* ft_dtype of every tensor above but lse and D */
     int causal;
@@ -43,14 +53,56 @@ struct FlashParams {
     float scale_log2; /* scale * log2(e): exp(x * scale) = exp2(x * scale_log2) */
 };
 
+/* [B, N, heads, d], or a varlen [total, heads, d] (batch stride 0). */
 static inline FlashTensor flash_tensor(const ft_tensor *t)
 {
-    FlashTensor r;
-    r.data = t ? t->data : nullptr;
-    r.batch_stride = t ? t->stride[0] : 0;
-    r.row_stride = t ? t->stride[1] : 0;
-    r.head_stride = t ? t->stride[2] : 0;
+    FlashTensor r = {nullptr, 0, 0, 0};
+    if (t) {
+        const int o = t->ndim == 3 ? -1 : 0;
+        r.data = t->data;
+        r.batch_stride = o ? 0 : t->stride[0];
+        r.row_stride = t->stride[1 + o];
+        r.head_stride = t->stride[2 + o];
+    }
     return r;
+}
+
+/* Where row statistics (lse, D, lse2) of batch b, head h start. */
+__device__ __forceinline__ int64_t flash_stat(const FlashParams &p, int b, int h)
+{
+    return (int64_t)b * p.stat_bs + (int64_t)h * p.stat_hs;
+}
+
+__device__ __forceinline__ void flash_seq_rows(FlashTensor &t, int row0, int es)
+{
+    if (t.data)
+        t.data = (char *)t.data + (int64_t)row0 * t.row_stride * es;
+}
+
+/* A varlen call: p becomes the parameters of sequence b (its sizes, its
+ * rows of every tensor and statistic); otherwise nothing changes. */
+__device__ __forceinline__ void flash_enter_seq(FlashParams &p, int b)
+{
+    if (!p.cu_q)
+        return;
+    const int q0 = p.cu_q[b], k0 = p.cu_k[b];
+    const int es = p.dtype == FT_F32 ? 4 : 2;
+    p.Nq = p.cu_q[b + 1] - q0;
+    p.Nk = p.cu_k[b + 1] - k0;
+    flash_seq_rows(p.q, q0, es);
+    flash_seq_rows(p.out, q0, es);
+    flash_seq_rows(p.dout, q0, es);
+    flash_seq_rows(p.dq, q0, es);
+    flash_seq_rows(p.k, k0, es);
+    flash_seq_rows(p.v, k0, es);
+    flash_seq_rows(p.dk, k0, es);
+    flash_seq_rows(p.dv, k0, es);
+    if (p.lse)
+        p.lse += q0;
+    if (p.D)
+        p.D += q0;
+    if (p.lse2)
+        p.lse2 += q0;
 }
 
 /* Element offset of row `row` of head `head` in batch `b`. */
@@ -223,8 +275,9 @@ __device__ __forceinline__ float ex2(float x)
  * kernels' raw scores s = q.k, before the scale: the modified score comes
  * back in the same raw units (x' / scale, x' = ft_mod_score(scale s)), so
  * the online softmax and the saved LSE work as without. The kernels that
- * run a modification are instantiated with MOD = true (plain attention
- * keeps its own code); the rest of each kernel is the same.
+ * run a modification, or variable lengths in one launch, are instantiated
+ * with EXT = true (plain attention keeps its own code, with no register
+ * spent on either); the rest of each kernel is the same.
  *
  * tanh(y) = 1 - 2 / (1 + e^2y): two special-function instructions (ex2,
  * rcp) a score besides the softmax's exp2; a reciprocal by Newton's
@@ -270,10 +323,13 @@ struct ScoreMod {
     }
 };
 
-/* f(kind) with the kind of m: softcap with or without ALiBi, or ALiBi. */
+/* f(kind) with the kind of m: softcap with or without ALiBi, ALiBi, or
+ * none (a varlen call without modifications; a head of zero slope). */
 template <typename F> __device__ __forceinline__ void with_mod_kind(const struct ScoreMod &m, F f)
 {
-    if (m.cap2 == 0.f)
+    if (m.cap2 == 0.f && m.slope == 0.f)
+        f(ModKind<false, false>());
+    else if (m.cap2 == 0.f)
         f(ModKind<false, true>());
     else if (m.slope != 0.f)
         f(ModKind<true, true>());
@@ -292,10 +348,11 @@ __device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b,
     return m;
 }
 
-/* Whether a call modifies its scores (the MOD kernels run it). */
-__host__ __device__ inline bool flash_has_score_mod(const FlashParams &p)
+/* Whether a call needs the extended kernels (EXT = true): it modifies
+ * its scores, or runs variable lengths in one launch. */
+__host__ __device__ inline bool flash_extended(const FlashParams &p)
 {
-    return p.mod.softcap > 0 || p.alibi;
+    return p.mod.softcap > 0 || p.alibi || p.cu_q;
 }
 
 /* The modification over an accumulator fragment in the C layout of

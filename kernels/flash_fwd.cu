@@ -24,6 +24,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
 {
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int row = blockIdx.x * SIMT_WARPS + warp, h = blockIdx.y, b = blockIdx.z;
+    flash_enter_seq(p, b);
     if (row >= p.Nq)
         return;
     const int hk = h / (p.H / p.Hk);
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
         o[t] = 0.f;
     }
     float m = flash_sink_log2(p, h), l = flash_sink_sum(m, true); /* m in log2 units */
-    const bool mods = flash_has_score_mod(p);
+    const bool mods = p.mod.softcap > 0 || p.alibi; /* softcap or ALiBi */
     const ScoreMod smod = flash_score_mod(p, b, h);
     const int jend = flash_key_end(p, row);
     for (int j = flash_key_begin(p, row); j < jend; j++) {
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
             store_elem(p.out.data, oo + c, p.dtype, o[t] * inv);
     }
     if (lane == 0)
-        p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
+        p.lse[flash_stat(p, b, h) + row] =
             l > 0.f ? (m + log2f(l)) / FT_LOG2E : -INFINITY;
 }
 
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
  * per FLOP at MT = 2 (the limit at MT = 1 was ldmatrix, not the tensor
  * cores). K and V are double-buffered: the copy of block j+1 runs while
  * block j is multiplied. */
-template <typename T, int D, int BC, int MT, bool MOD>
+template <typename T, int D, int BC, int MT, bool EXT>
 __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(FlashParams p)
 {
     constexpr int LD = D + 8; /* padded row: conflict-free ldmatrix */
@@ -100,6 +101,11 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int g = lane / 4, t4 = lane % 4;
     const int i0 = blockIdx.x * BR, h = blockIdx.y, b = blockIdx.z;
+    if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
+        flash_enter_seq(p, b);
+        if (i0 >= p.Nq)
+            return;
+    }
     const int hk = h / (p.H / p.Hk);
     const int nq = min(BR, p.Nq - i0);
     /* the key blocks some row of this block sees: [jbegin, jend) */
@@ -167,7 +173,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
         }
 
         /* modify, scale into log2 units, mask where needed, online softmax */
-        if (MOD)
+        if (EXT)
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
                 mod_acc<NT_S * 4>(smod, &s[mt][0][0], wrow0 + mt * 16, j0);
@@ -267,6 +273,13 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
     p.v = flash_tensor(v);
     p.out = flash_tensor(out);
     p.lse = lse ? (float *)lse->data : nullptr;
+    /* [B, H, Nq] or a varlen [H, total_q]; rows contiguous */
+    if (lse) {
+        p.stat_bs = lse->ndim == 2 ? 0 : lse->stride[0];
+        p.stat_hs = lse->stride[lse->ndim - 2];
+    }
+    p.cu_q = s->cu_q_dev;
+    p.cu_k = s->cu_k_dev;
     p.B = (int)s->B, p.H = (int)s->H, p.Hk = (int)s->Hk;
     p.Nq = (int)s->Nq, p.Nk = (int)s->Nk, p.d = (int)s->d;
     p.dtype = q->dtype;
@@ -287,7 +300,9 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
     return p;
 }
 
-/* True when every tensor's rows start on 16 bytes, as cp.async needs. */
+/* True when every tensor's rows start on 16 bytes, as cp.async needs
+ * (every stride but the last, of a [B, N, heads, d] or a varlen
+ * [total, heads, d]). */
 bool flash_rows_aligned(const ft_tensor *const *ts, int n)
 {
     for (int i = 0; i < n; i++) {
@@ -295,7 +310,7 @@ bool flash_rows_aligned(const ft_tensor *const *ts, int n)
         const size_t es = ft_dtype_size(t->dtype);
         if ((uintptr_t)t->data % 16 != 0)
             return false;
-        for (int dim = 0; dim < 3; dim++)
+        for (int dim = 0; dim < t->ndim - 1; dim++)
             if ((t->stride[dim] * (int64_t)es) % 16 != 0 && t->shape[dim] > 1)
                 return false;
     }
@@ -323,29 +338,29 @@ bool flash_sm90_usable(int device)
 #endif
 }
 
-template <typename T, int D, int BC, int MT, bool MOD>
+template <typename T, int D, int BC, int MT, bool EXT>
 static ft_status launch_fwd_mma(const FlashParams &p)
 {
     constexpr int BR = 16 * MT * MMA_WARPS;
     const size_t smem = (size_t)(BR + 4 * BC) * (D + 8) * sizeof(T); /* Q, 2 x K, 2 x V */
-    return flash_launch(flash_fwd_mma_kernel<T, D, BC, MT, MOD>, dim3((p.Nq + BR - 1) / BR, p.H, p.B),
+    return flash_launch(flash_fwd_mma_kernel<T, D, BC, MT, EXT>, dim3((p.Nq + BR - 1) / BR, p.H, p.B),
                         MMA_WARPS * FT_WARP, smem, p, "ft_attention_forward");
 }
 
-template <typename T, bool MOD>
+template <typename T, bool EXT>
 static ft_status launch_fwd_mma_mod(const FlashParams &p)
 {
     if (p.d <= 64)
-        return launch_fwd_mma<T, 64, 64, 2, MOD>(p);
+        return launch_fwd_mma<T, 64, 64, 2, EXT>(p);
     if (p.d <= 128)
-        return launch_fwd_mma<T, 128, 64, 2, MOD>(p);
-    return launch_fwd_mma<T, 256, 32, 1, MOD>(p);
+        return launch_fwd_mma<T, 128, 64, 2, EXT>(p);
+    return launch_fwd_mma<T, 256, 32, 1, EXT>(p);
 }
 
 template <typename T>
 static ft_status launch_fwd_mma_dtype(const FlashParams &p)
 {
-    return flash_has_score_mod(p) ? launch_fwd_mma_mod<T, true>(p) : launch_fwd_mma_mod<T, false>(p);
+    return flash_extended(p) ? launch_fwd_mma_mod<T, true>(p) : launch_fwd_mma_mod<T, false>(p);
 }
 
 extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,

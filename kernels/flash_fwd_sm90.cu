@@ -13,7 +13,7 @@
 
 #include <math.h>
 
-template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool MOD>
+template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT>
 __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -35,7 +35,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4; /* warp in the warpgroup */
     const int g = lane / 4, t4 = lane % 4;
+    if (EXT) /* varlen: this CTA's sequence */
+        flash_enter_seq(p, blockIdx.z);
     const QueryBlock qblk = query_block<BR, BC>(p);
+    if (EXT && (qblk.i0 < 0 || qblk.i0 >= p.Nq))
+        return; /* past its end: nothing to do */
     const int i0 = qblk.i0, nq = qblk.nq, kb0 = qblk.kb0, nkb = qblk.nkb;
     const int h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.H / p.Hk);
@@ -44,7 +48,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         for (int idx = tid; idx < nq * p.d; idx += THREADS)
             store_elem(p.out.data, row_offset(p.out, b, i0 + idx / p.d, h) + idx % p.d, p.dtype, 0.f);
         for (int idx = tid; idx < nq; idx += THREADS)
-            p.lse[((int64_t)b * p.H + h) * p.Nq + i0 + idx] = sink2 / FT_LOG2E;
+            p.lse[flash_stat(p, b, h) + i0 + idx] = sink2 / FT_LOG2E;
         return;
     }
     const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
@@ -103,7 +107,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     auto softmax = [&](int j) {
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
-        if (MOD)
+        if (EXT)
             mod_acc<BC / 2>(smod, s, wrow0, j0);
         if (full.masks(j0, j0 + BC)) {
             const KeyRange k0 = flash_keys(p, wrow0 + g), k1 = flash_keys(p, wrow0 + g + 8);
@@ -210,12 +214,12 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 #endif
 }
 
-template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool MOD>
+template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT>
 static ft_status launch_fwd_wgmma(const FlashParams &p)
 {
     constexpr int BR = 64 * NWG;
     const size_t smem = 1024 + (size_t)(BR + 4 * BC) * FT_TW(D) * sizeof(T); /* Q, 2 x K, 2 x V */
-    return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS, MOD>,
+    return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS, EXT>,
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS, smem, p,
                         "ft_attention_forward");
 }
@@ -223,25 +227,25 @@ static ft_status launch_fwd_wgmma(const FlashParams &p)
 /* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
  * 128, 192 or 256, the columns Q K^T multiplies. Turns where they measured
  * faster (d = 96, 128; kernels/README.md, forward w7). */
-template <typename T, bool MOD> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
+template <typename T, bool EXT> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
 {
     if (p.d <= 32)
-        return launch_fwd_wgmma<T, 32, 32, 64, 2, 2, false, MOD>(p);
+        return launch_fwd_wgmma<T, 32, 32, 64, 2, 2, false, EXT>(p);
     if (p.d <= 64)
-        return launch_fwd_wgmma<T, 64, 64, 64, 2, 2, false, MOD>(p);
+        return launch_fwd_wgmma<T, 64, 64, 64, 2, 2, false, EXT>(p);
     if (p.d <= 96)
-        return launch_fwd_wgmma<T, 128, 96, 128, 2, 1, true, MOD>(p);
+        return launch_fwd_wgmma<T, 128, 96, 128, 2, 1, true, EXT>(p);
     if (p.d <= 128)
-        return launch_fwd_wgmma<T, 128, 128, 128, 2, 1, true, MOD>(p);
+        return launch_fwd_wgmma<T, 128, 128, 128, 2, 1, true, EXT>(p);
     if (p.d <= 192)
-        return launch_fwd_wgmma<T, 256, 192, 64, 2, 1, false, MOD>(p);
-    return launch_fwd_wgmma<T, 256, 256, 64, 2, 1, false, MOD>(p);
+        return launch_fwd_wgmma<T, 256, 192, 64, 2, 1, false, EXT>(p);
+    return launch_fwd_wgmma<T, 256, 256, 64, 2, 1, false, EXT>(p);
 }
 
 /* f16/bf16, 16-byte aligned rows (the caller checks). */
 ft_status flash_fwd_sm90(const FlashParams &p)
 {
-    if (flash_has_score_mod(p))
+    if (flash_extended(p))
         return p.dtype == FT_F16 ? launch_fwd_wgmma_dtype<__half, true>(p)
                                  : launch_fwd_wgmma_dtype<__nv_bfloat16, true>(p);
     return p.dtype == FT_F16 ? launch_fwd_wgmma_dtype<__half, false>(p)

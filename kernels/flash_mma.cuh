@@ -76,7 +76,7 @@ __device__ __forceinline__ void store_out_row(const FlashParams &p, int b, int h
                 MmaType<T>::pack(acc[4 * n + 2 * r] * inv, acc[4 * n + 2 * r + 1] * inv);
     }
     if (t4 == 0)
-        p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
+        p.lse[flash_stat(p, b, h) + row] =
             sum > 0.f ? (m_log2 + log2f(sum)) / FT_LOG2E : -INFINITY;
 }
 

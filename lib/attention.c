@@ -312,6 +312,7 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
 {
     char sa[SHAPE_TEXT], sb[SHAPE_TEXT];
     s->cu_q = s->cu_k = NULL;
+    s->cu_q_dev = s->cu_k_dev = NULL;
     if (!p)
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "params expected (ft_attn_params_init)");
     const int varlen = p->cu_seqlens_q || p->cu_seqlens_k;
@@ -507,6 +508,33 @@ static ft_tensor seq_lse(const ft_tensor *t, int64_t r0, int64_t n)
     return v;
 }
 
+/* Whether a varlen call runs in one launch: the flash kernels take every
+ * sequence at once; the other paths go sequence by sequence. */
+static int one_launch(ft_attn_impl impl, const ft_attn_shape *s, const ft_tensor *q)
+{
+#ifdef FT_HAVE_CUDA
+    return s->cu_q && q->device.type == FT_CUDA && !use_naive_cuda(impl, s);
+#else
+    (void)impl, (void)s, (void)q;
+    return 0;
+#endif
+}
+
+/* The offsets of a one-launch varlen call as the kernels read them: i32,
+ * contiguous, on q's device (dev[0] for q, dev[1] for k; the caller frees
+ * them). */
+static ft_status device_offsets(const ft_attn_params *p, const ft_tensor *q, ft_attn_shape *s,
+                                ft_tensor **dev)
+{
+    dev[0] = dev[1] = NULL;
+    ft_status st = ft_to(&dev[0], p->cu_seqlens_q, FT_I32, q->device);
+    if (st == FT_OK)
+        st = ft_to(&dev[1], p->cu_seqlens_k, FT_I32, q->device);
+    s->cu_q_dev = st == FT_OK ? dev[0]->data : NULL;
+    s->cu_k_dev = st == FT_OK ? dev[1]->data : NULL;
+    return st;
+}
+
 /* Sequence b of a varlen call as a call of its own. */
 static ft_attn_shape seq_shape(const ft_attn_shape *s, int64_t b)
 {
@@ -516,6 +544,7 @@ static ft_attn_shape seq_shape(const ft_attn_shape *s, int64_t b)
     one.Nk = s->cu_k[b + 1] - s->cu_k[b];
     one.batch0 = b;
     one.cu_q = one.cu_k = NULL;
+    one.cu_q_dev = one.cu_k_dev = NULL;
     return one;
 }
 
@@ -541,9 +570,15 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
         st = s.cu_q ? ft_empty_named(&l, 2, packed, lse_dtype(q->dtype), q->device, func)
                     : ft_empty_named(&l, 3, fixed, lse_dtype(q->dtype), q->device, func);
     }
-    if (st == FT_OK && !s.cu_q)
+    const int one = st == FT_OK && one_launch(p->impl, &s, q);
+    ft_tensor *offs[2] = {NULL, NULL};
+    if (one)
+        st = device_offsets(p, q, &s, offs);
+    if (st == FT_OK && (!s.cu_q || one))
         st = run_forward(p->impl, &s, q, k, v, o, l);
-    for (int64_t b = 0; st == FT_OK && s.cu_q && b < s.B; b++) {
+    ft_tensor_free(offs[0]);
+    ft_tensor_free(offs[1]);
+    for (int64_t b = 0; st == FT_OK && s.cu_q && !one && b < s.B; b++) {
         const ft_attn_shape one = seq_shape(&s, b);
         const int64_t iq = s.cu_q[b], ik = s.cu_k[b];
         ft_tensor qb = seq_rows(q, iq, one.Nq), kb = seq_rows(k, ik, one.Nk),
@@ -706,9 +741,15 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     }
     for (int i = 0; i < 3 && st == FT_OK; i++)
         st = ft_empty_named(&g[i], like[i]->ndim, like[i]->shape, q->dtype, q->device, func);
-    if (st == FT_OK && !s.cu_q)
+    const int one = st == FT_OK && one_launch(p->impl, &s, q);
+    ft_tensor *offs[2] = {NULL, NULL};
+    if (one)
+        st = device_offsets(p, q, &s, offs);
+    if (st == FT_OK && (!s.cu_q || one))
         st = run_backward(p->impl, &s, dout, q, k, v, out, lse, g[0], g[1], g[2]);
-    for (int64_t b = 0; st == FT_OK && s.cu_q && b < s.B; b++) {
+    ft_tensor_free(offs[0]);
+    ft_tensor_free(offs[1]);
+    for (int64_t b = 0; st == FT_OK && s.cu_q && !one && b < s.B; b++) {
         const ft_attn_shape one = seq_shape(&s, b);
         const int64_t iq = s.cu_q[b], ik = s.cu_k[b];
         ft_tensor qb = seq_rows(q, iq, one.Nq), kb = seq_rows(k, ik, one.Nk),

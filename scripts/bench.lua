@@ -29,8 +29,11 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
   --seqlen LIST      sequence lengths (default 1024,4096,16384 | 256,1024)
   --causal LIST      false, true (default false,true)
   --variant LIST     none, window:W (window_left = W), alibi (the paper's
-                     slopes), softcap:C, sink, dropout:P (default none);
-                     TFLOP/s count the visible scores only
+                     slopes), softcap:C, sink, dropout:P, varlen (16
+                     sequences of mixed length, N / 32 to 4 N, 16 N tokens
+                     in all, packed with cu_seqlens; compare with none at
+                     --tokens 16N) (default none); TFLOP/s count the
+                     visible scores only
   --pass LIST        fwd, bwd (default fwd,bwd)
   --tokens N         batch = tokens / seqlen (default 16384 | 2048)
   --width N          heads = width / head dim (default 2048 | 256)
@@ -158,12 +161,12 @@ local hdims = list("hdim", "a positive integer", positive_int)
 local seqlens = list("seqlen", "a positive integer", positive_int)
 local causals = list("causal", "true or false", bool)
 --- A variant: {name =, value =} from "none", "window:W", "alibi",
--- "softcap:C", "sink" or "dropout:P".
+-- "softcap:C", "sink", "dropout:P" or "varlen".
 local function variant_of(x)
   local name, value = x:match("^(%a+):(.+)$")
   name = name or x
   local n = value and tonumber(value)
-  if name == "none" or name == "alibi" or name == "sink" then
+  if name == "none" or name == "alibi" or name == "sink" or name == "varlen" then
     if value == nil then return { name = name, label = name } end
   elseif name == "window" then
     if is_int(n) and n >= 0 then return { name = name, value = n, label = x } end
@@ -173,7 +176,7 @@ local function variant_of(x)
     if n and n > 0 and n < 1 then return { name = name, value = n, label = x } end
   end
 end
-local variants = list("variant", "a variant (none, window:W, alibi, softcap:C, sink, dropout:P)",
+local variants = list("variant", "a variant (none, window:W, alibi, softcap:C, sink, dropout:P, varlen)",
   variant_of)
 local passes = list("pass", "fwd or bwd", one_of("fwd", "bwd"))
 local tokens = list("tokens", "a positive integer", positive_int)[1]
@@ -344,11 +347,94 @@ local function check(impl, dtype, q, k, v, dout, causal, pass, var)
   end
 end
 
-local function shape_of(d, N)
-  return math.max(1, math.floor(tokens / N)), math.max(1, math.floor(width / d))
+local function shape_of(d, N, var)
+  local B = var and var.name == "varlen" and 16 or math.max(1, math.floor(tokens / N))
+  return B, math.max(1, math.floor(width / d))
+end
+
+--- The varlen variant's 16 lengths for a mean of N: from N / 32 to 4 N
+-- (64 to 8192 at N = 2048), 16 N tokens in all.
+local VARLEN_SHAPE = { 4096, 3072, 2048, 1536, 1280, 1024, 768, 640, 512, 384, 320, 256, 192,
+                       160, 64, 32 } -- in 1/1024ths of N; they add up to 16384
+local function varlen_lengths(N)
+  local lens, total = {}, 0
+  for i, x in ipairs(VARLEN_SHAPE) do
+    lens[i] = math.max(1, math.floor(x * N / 1024))
+    total = total + lens[i]
+  end
+  lens[1] = lens[1] + 16 * N - total -- the rounding, on the longest
+  return lens
+end
+
+--- cu_seqlens for lengths (i32, on the device), and the visible pairs.
+local function varlen_offsets(lens, causal, var)
+  local off, pairs_n = { 0 }, 0
+  for i, n in ipairs(lens) do
+    off[i + 1] = off[i] + n
+    pairs_n = pairs_n + visible_pairs(n, causal, var)
+  end
+  return ft.tensor(off, { dtype = "i32", device = device }), pairs_n
+end
+
+--- measure for the varlen variant: q, k, v [16 N, H, d] packed.
+local function measure_varlen(impl, dtype, d, N, causal, pass, var)
+  local B, H = shape_of(d, N, var)
+  local lens = varlen_lengths(N)
+  local cu, visible = varlen_offsets(lens, causal, { name = "none" })
+  local total = 16 * N
+  local seed = 1
+  local function input()
+    seed = seed + 1
+    return ft.randn({ total, H, d }, { dtype = dtype, seed = seed, device = device })
+  end
+  local q, k, v, dout = input(), input(), input(), input()
+  local o = { impl = impl, causal = causal, cu_seqlens_q = cu, cu_seqlens_k = cu }
+  local row = { impl = impl, dtype = dtype, B = B, H = H, N = N, d = d, causal = causal, pass = pass,
+                variant = var.label }
+  if opts.check and impl ~= "naive" then
+    -- the first four sequences (the longest), two heads, against naive
+    local n4, hq = 0, math.min(H, 2)
+    for i = 1, 4 do n4 = n4 + lens[i] end
+    local sub = { 0 }
+    for i = 1, 4 do sub[i + 1] = sub[i] + lens[i] end
+    local so = { causal = causal, cu_seqlens_q = ft.tensor(sub, { dtype = "i32", device = device }) }
+    so.cu_seqlens_k = so.cu_seqlens_q
+    local function cut(t) return t:narrow(1, 1, n4):narrow(2, 1, hq) end
+    local function run(which, dt)
+      so.impl = which
+      local a, b, c = cut(q):to(dt), cut(k):to(dt), cut(v):to(dt)
+      local out, lse = ft.attention(a, b, c, so)
+      if pass == "fwd" then return { out } end
+      return { ft.attention_backward(cut(dout):to(dt), a, b, c, out, lse, so) }
+    end
+    local wide = dtype == "f32" and "f64" or "f32"
+    local ref, got, base = run("naive", wide), run(impl, dtype), run("naive", dtype)
+    for i = 1, #ref do
+      local e = ft.max_abs_diff(got[i]:to(wide), ref[i])
+      local eb = ft.max_abs_diff(base[i]:to(wide), ref[i])
+      if e ~= e or e > 2 * eb + 4 * (FLOOR[dtype] or 0) then
+        row.error = ("error %.3e > 2 x naive's %.3e (output %d)"):format(e, eb, i)
+        return row
+      end
+    end
+  end
+  local out, lse = ft.attention(q, k, v, o)
+  local fn
+  if pass == "fwd" then
+    fn = function() return ft.attention(q, k, v, o) end
+  else
+    fn = function() return ft.attention_backward(dout, q, k, v, out, lse, o) end
+  end
+  row.peak = peak_extra(fn)
+  local r = bench.run(fn, timing)
+  row.ms = r.median
+  row.tflops = bench.tflops(bench.attention_flops(1, H, 1, 1, d, false, pass) * visible, r.median)
+  for _, t in ipairs { q, k, v, dout, out, lse, cu } do t:free() end
+  return row
 end
 
 local function measure(impl, dtype, d, N, causal, pass, var)
+  if var.name == "varlen" then return measure_varlen(impl, dtype, d, N, causal, pass, var) end
   local B, H = shape_of(d, N)
   local seed = 1
   local function input(shape)
@@ -414,7 +500,7 @@ for _, impl in ipairs(impls) do
           for _, N in ipairs(seqlens) do
             local ok_row, row = pcall(measure, impl, dtype, d, N, causal, pass, var)
             if not ok_row then
-              local B, H = shape_of(d, N)
+              local B, H = shape_of(d, N, var)
               row = { impl = impl, dtype = dtype, d = d, N = N, causal = causal, pass = pass,
                       B = B, H = H, variant = var.label, error = tostring(row) }
             end

@@ -3,7 +3,7 @@
 -- CPU's f64 tiled path (itself checked against a plain-Lua reference and
 -- finite differences in variants_spec.lua), on fresh random inputs. The
 -- flash kernels run windows, softcap, ALiBi (f32 slopes), f32 sinks and
--- varlen; the naive path (cuBLAS and the row kernels of attention_naive.cu)
+-- varlen (every sequence in one launch); the naive path (cuBLAS and the row kernels of attention_naive.cu)
 -- runs every variant, and impl = "auto" takes it for the rest (dropout),
 -- where "flash" says it cannot. Dropout's mask is the same bits on both
 -- devices. Pending, with the reason, where
@@ -128,24 +128,38 @@ describe("attention variants on CUDA #gpu", function()
     end
   end)
 
-  gpu_it("varlen on the flash kernels (one sequence at a time), f16 and bf16, with a window", function()
+  gpu_it("varlen on the flash kernels (one launch), f16, bf16 and f32, head dims 32 to 256, with windows, softcap, ALiBi per sequence, sinks", function()
     local lens = { { 70, 90 }, { 0, 5 }, { 9, 0 }, { 1, 1 }, { 200, 130 }, { 33, 64 } }
     local tq, tk, offq, offk = 0, 0, { 0 }, { 0 }
     for b, l in ipairs(lens) do
       tq, tk = tq + l[1], tk + l[2]
       offq[b + 1], offk[b + 1] = tq, tk
     end
-    local q, k, v, dout = randn { tq, 4, 64 }, randn { tk, 2, 64 }, randn { tk, 2, 64 }, randn { tq, 4, 64 }
-    local opts = { causal = true, window_left = 40,
-                   cu_seqlens_q = ft.tensor(offq, { dtype = "i32" }),
-                   cu_seqlens_k = ft.tensor(offk, { dtype = "i32" }) }
-    local want = run(q, k, v, dout, copy(opts, { impl = "tiled" }))
-    for _, dtype in ipairs { "f16", "bf16" } do
-      local function g(t) return t:to(dtype):cuda() end
-      local gopts = on_gpu(opts, dtype)
-      local flash = run(g(q), g(k), g(v), g(dout), copy(gopts, { impl = "flash" }))
-      local naive = run(g(q), g(k), g(v), g(dout), copy(gopts, { impl = "naive" }))
-      assert_2x_naive(dtype, flash, naive, want)
+    local per_seq = {}
+    for b = 1, #lens do per_seq[b] = { 0.5 / b, 0.25, 0.1 * b, 0.0 } end
+    local slopes6 = ft.tensor(per_seq, { dtype = "f32" })
+    local cases = {
+      { causal = true, window_left = 40 },
+      { alibi_slopes = slopes6, softcap = 5.0, sink = sink:float(), window_right = 17 },
+    }
+    for _, d in ipairs { 32, 64, 128, 256 } do
+      local q, k, v, dout = randn { tq, 4, d }, randn { tk, 2, d }, randn { tk, 2, d }, randn { tq, 4, d }
+      for ci, o in ipairs(cases) do
+        local opts = copy(o, { cu_seqlens_q = ft.tensor(offq, { dtype = "i32" }),
+                               cu_seqlens_k = ft.tensor(offk, { dtype = "i32" }) })
+        local cpu_o = {}
+        for key, val in pairs(opts) do
+          cpu_o[key] = ft.is_tensor(val) and val.dtype == "f32" and val:double() or val
+        end
+        local want = run(q, k, v, dout, copy(cpu_o, { impl = "tiled" }))
+        for _, dtype in ipairs { "f16", "bf16", "f32" } do
+          local function g(t) return t:to(dtype):cuda() end
+          local gopts = on_gpu(opts, dtype)
+          local flash = run(g(q), g(k), g(v), g(dout), copy(gopts, { impl = "flash" }))
+          local naive = run(g(q), g(k), g(v), g(dout), copy(gopts, { impl = "naive" }))
+          assert_2x_naive(("%s d=%d case %d"):format(dtype, d, ci), flash, naive, want)
+        end
+      end
     end
   end)
 
