@@ -102,10 +102,13 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dkdv_simt_kern
             if (mods)
                 x = smod.apply(x, smod.pos(i), (float)j, &grad);
             const float pij = prob(x, lse[i], p);
-            const float ds = pij * (row_dot(dO, v) - D[i]) * grad;
+            /* dropout: dV takes the kept probabilities, dS = P (Z dP - D) */
+            const float z = p.mod.dropout ? (flash_keep(p, b, h, i, j) ? (float)p.mod.drop_scale : 0.f)
+                                          : 1.f;
+            const float ds = pij * (z * row_dot(dO, v) - D[i]) * grad;
 #pragma unroll
             for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++) {
-                dv[c8] += pij * dO[c8];
+                dv[c8] += pij * z * dO[c8];
                 dk[c8] += ds * q[c8];
             }
         }
@@ -139,7 +142,9 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
         if (mods)
             x = smod.apply(x, smod.pos(i), (float)j, &grad);
         const float pij = prob(x, lse, p);
-        const float ds = pij * (row_dot(dO, v) - D) * grad;
+        const float z = p.mod.dropout ? (flash_keep(p, b, h, i, j) ? (float)p.mod.drop_scale : 0.f)
+                                      : 1.f;
+        const float ds = pij * (z * row_dot(dO, v) - D) * grad;
 #pragma unroll
         for (int c8 = 0; c8 < FT_SIMT_MAX_COLS; c8++)
             dq[c8] += ds * k[c8];
@@ -238,7 +243,11 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
             const int nq = min(BWD_BR, p.Nq - i0);
             const T *sQ = sQ0 + buf * 2 * BWD_BR * LD, *sdO = sQ + BWD_BR * LD;
             const float *sL = sL0 + buf * 2 * BWD_BR, *sD = sL + BWD_BR;
-            const ScoreMod smod = flash_score_mod(p, b, EXT ? hk * G + t / nqb : 0);
+            const int hcur = hk * G + t / nqb;
+            const ScoreMod smod = flash_score_mod(p, b, EXT ? hcur : 0);
+            /* dropout's keep bits of st's entries */
+            const uint64_t kbits =
+                EXT && p.mod.dropout ? keep_bits<NT_Q * 4, true>(p, b, hcur, j0 + kw * 16, i0) : 0;
 
             /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys */
             float st[NT_Q][4], dpt[NT_Q][4];
@@ -275,8 +284,11 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                                              [&](int k, float d0, float d1) {
                                                  float *x = &dpt[0][0] + 2 * k;
                                                  const float *dd = sD + 8 * (k / 2) + 2 * t4;
-                                                 x[0] = d0 * (x[0] - dd[0]);
-                                                 x[1] = d1 * (x[1] - dd[1]);
+                                                 const bool drop = p.mod.dropout;
+                                                 const float z0 = drop ? drop_factor(p, kbits, 2 * k) : 1.f;
+                                                 const float z1 = drop ? drop_factor(p, kbits, 2 * k + 1) : 1.f;
+                                                 x[0] = d0 * (z0 * x[0] - dd[0]);
+                                                 x[1] = d1 * (z1 * x[1] - dd[1]);
                                              });
             QueryRange q0 = {0, p.Nq}, q1 = {0, p.Nq};
             if (full.masks(i0, i0 + BWD_BR)) {
@@ -290,8 +302,9 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                     const int qc = n * 8 + t4 * 2 + (e % 2), qi = i0 + qc;
                     const bool ok = !(e / 2 ? q1 : q0).hides(qi); /* qi < Nq among them */
                     const float pt = ok ? exp2f(st[n][e] * p.scale_log2 - sL[qc]) : 0.f;
-                    st[n][e] = pt;
                     dpt[n][e] = pt * (EXT ? dpt[n][e] : dpt[n][e] - sD[qc]);
+                    /* dV takes the kept probabilities */
+                    st[n][e] = EXT && p.mod.dropout ? pt * drop_factor(p, kbits, 4 * n + e) : pt;
                 }
             /* dV += P^T dO, dK += dS^T Q over this warp's columns */
 #pragma unroll
@@ -432,12 +445,17 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
             k0 = flash_keys(p, row[0]);
             k1 = flash_keys(p, row[1]);
         }
-        if (EXT) /* as in dK/dV: S modified, g (dP - D) in place of dP - D */
+        const uint64_t kbits =
+            EXT && p.mod.dropout ? keep_bits<NT_S * 4>(p, b, h, i0 + warp * 16, j0) : 0;
+        if (EXT) /* as in dK/dV: S modified, g (Z dP - D) in place of dP - D */
             mod_acc_with<NT_S * 4, false>(smod, &s[0][0], i0 + warp * 16, j0,
                                           [&](int k, float d0, float d1) {
                                               float *x = &dp[0][0] + 2 * k;
-                                              x[0] = d0 * (x[0] - Dr[k % 2]);
-                                              x[1] = d1 * (x[1] - Dr[k % 2]);
+                                              const bool drop = p.mod.dropout;
+                                              const float z0 = drop ? drop_factor(p, kbits, 2 * k) : 1.f;
+                                              const float z1 = drop ? drop_factor(p, kbits, 2 * k + 1) : 1.f;
+                                              x[0] = d0 * (z0 * x[0] - Dr[k % 2]);
+                                              x[1] = d1 * (z1 * x[1] - Dr[k % 2]);
                                           });
 #pragma unroll
         for (int n = 0; n < NT_S; n++)

@@ -168,15 +168,20 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
  * `full`, the keys every row sees), hidden keys are zeroed. With EXT, S is
  * modified first and dS takes the modification's derivative. */
 template <int N, bool EXT>
-__device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod &smod, float *dp,
-                                           float *s, const float *lse, const float *Dr,
-                                           int row0, int col0, const FullKeys &full,
-                                           int block_begin, int block_end)
+__device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod &smod, int b,
+                                           int h, float *dp, float *s, const float *lse,
+                                           const float *Dr, int row0, int col0,
+                                           const FullKeys &full, int block_begin, int block_end)
 {
-    if (EXT) /* S modified, and g (dP - D) in place of dP - D */
-        mod_acc_with<N, false>(smod, s, row0, col0, [&](int k, float d0, float d1) {
-            dp[2 * k] = d0 * (dp[2 * k] - Dr[k % 2]);
-            dp[2 * k + 1] = d1 * (dp[2 * k + 1] - Dr[k % 2]);
+    if (EXT) /* S modified, and g (Z dP - D) in place of dP - D */
+        with_dropout(p, [&](auto drop) {
+            const uint64_t bits = decltype(drop)::value ? keep_bits<N>(p, b, h, row0, col0) : 0;
+            mod_acc_with<N, false>(smod, s, row0, col0, [&](int k, float d0, float d1) {
+                const float z0 = decltype(drop)::value ? drop_factor(p, bits, 2 * k) : 1.f;
+                const float z1 = decltype(drop)::value ? drop_factor(p, bits, 2 * k + 1) : 1.f;
+                dp[2 * k] = d0 * (z0 * dp[2 * k] - Dr[k % 2]);
+                dp[2 * k + 1] = d1 * (z1 * dp[2 * k + 1] - Dr[k % 2]);
+            });
         });
 #pragma unroll
     for (int n = 0; n < N / 4; n++)
@@ -262,6 +267,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     float s[BM / 2], dp[BM / 2];
     uint32_t pf[BM / 16][4], df[BM / 16][4];
     uint32_t *const gmod = reinterpret_cast<uint32_t *>(sV + KV_BYTES + decltype(qs)::BYTES) + tid;
+    uint64_t kbits = 0; /* EXT, dropout: the keep bits of this block's entries */
     const uint32_t k_addr = smem_addr(sK) + wg * 64 * 128, v_addr = smem_addr(sV) + wg * 64 * 128;
     const float sl2 = p.scale_log2;
 
@@ -308,29 +314,51 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
             const QueryRange q0 = flash_queries(p, key), q1 = flash_queries(p, key + 8);
             mask_acc<BM / 2>(s, i0, [&](int r, int qi) { return r ? q1.hides(qi) : q0.hides(qi); });
         }
+        /* EXT: gmod gets P g as dS^T takes it (16 bits, as pf), and under
+         * dropout dV takes the kept probabilities */
+        if (EXT)
+            with_dropout(p, [&](auto drop) {
+                kbits = decltype(drop)::value ? keep_bits<BM / 2, true>(p, b, qs.ch, wkey0, i0) : 0;
+#pragma unroll
+                for (int k = 0; k < BM / 4; k++) {
+                    const uint32_t gw = gmod[k * THREADS];
+                    const float2 g2 = __half22float2(*reinterpret_cast<const __half2 *>(&gw));
+                    gmod[k * THREADS] = MmaType<T>::pack(s[2 * k] * g2.x, s[2 * k + 1] * g2.y);
+                    if (decltype(drop)::value) {
+                        s[2 * k] *= drop_factor(p, kbits, 2 * k);
+                        s[2 * k + 1] *= drop_factor(p, kbits, 2 * k + 1);
+                    }
+                }
+            });
         pack_frags<T, BM>(pf, s);
     };
     /* dS^T = P^T (dP^T - D) into the A fragments of dK += dS^T Q */
     auto dscores = [&](int t) {
         pin_all<BM / 2>(dp);
         const float *Dq = qs.D(t);
+        auto body = [&](auto drop) {
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; kk++)
+            for (int kk = 0; kk < BM / 16; kk++)
 #pragma unroll
-            for (int w = 0; w < 4; w++) {
-                /* fragment register w: row g + 8 (w % 2), columns 16 kk + 8 (w / 2) + 2 t4 */
-                float2 pp = MmaType<T>::unpack(pf[kk][w]);
-                const float2 d2 =
-                    *reinterpret_cast<const float2 *>(Dq + 16 * kk + 8 * (w / 2) + 2 * t4);
-                const int idx = 8 * kk + 2 * w;
-                if (EXT) { /* entries idx, idx + 1: word idx / 2 */
-                    const uint32_t gw = gmod[(idx / 2) * THREADS];
-                    const float2 g2 = __half22float2(*reinterpret_cast<const __half2 *>(&gw));
-                    pp.x *= g2.x;
-                    pp.y *= g2.y;
+                for (int w = 0; w < 4; w++) {
+                    /* fragment register w: row g + 8 (w % 2), columns 16 kk + 8 (w / 2) + 2 t4;
+                     * EXT: P g of entries idx, idx + 1 in gmod's word idx / 2 */
+                    const int idx = 8 * kk + 2 * w;
+                    const float2 pp = MmaType<T>::unpack(EXT ? gmod[(idx / 2) * THREADS] : pf[kk][w]);
+                    const float2 d2 =
+                        *reinterpret_cast<const float2 *>(Dq + 16 * kk + 8 * (w / 2) + 2 * t4);
+                    float x0 = dp[idx], x1 = dp[idx + 1];
+                    if (decltype(drop)::value) {
+                        x0 *= drop_factor(p, kbits, idx);
+                        x1 *= drop_factor(p, kbits, idx + 1);
+                    }
+                    df[kk][w] = MmaType<T>::pack(pp.x * (x0 - d2.x), pp.y * (x1 - d2.y));
                 }
-                df[kk][w] = MmaType<T>::pack(pp.x * (dp[idx] - d2.x), pp.y * (dp[idx + 1] - d2.y));
-            }
+        };
+        if (EXT)
+            with_dropout(p, body);
+        else
+            body(Bool<false>());
     };
 
     /* Block t: S^T_t with dK += dS^T_{t-1} Q_{t-1} (P^T_t computed meanwhile),
@@ -453,7 +481,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     auto elementwise = [&](int j) {
         pin_all<BC / 2>(s);
         pin_all<BC / 2>(dp);
-        dq_dscores<BC / 2, EXT>(p, smod, dp, s, lse, Dr, wrow0, j * BC, full, j * BC, (j + 1) * BC);
+        dq_dscores<BC / 2, EXT>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full, j * BC,
+                                (j + 1) * BC);
     };
 
     const Turns<TURNS> turns(wg);
@@ -625,21 +654,33 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         float dmod[EXT ? 16 : 1]; /* the modification's derivatives */
         if (EXT)
             mod_acc<16, true>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
+        auto body = [&](auto drop) {
+            const uint64_t bits =
+                decltype(drop)::value ? keep_bits<16, true>(p, b, qs.ch, wkey0, i0 + wg * 32) : 0;
 #pragma unroll
-        for (int n = 0; n < 4; n++)
+            for (int n = 0; n < 4; n++)
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int col = wg * 32 + n * 8 + t4 * 2 + e;
-                const float lse = L[col], dd = Dq[col];
+                for (int e = 0; e < 2; e++) {
+                    const int col = wg * 32 + n * 8 + t4 * 2 + e;
+                    const float lse = L[col], dd = Dq[col];
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    const int idx = 4 * n + 2 * r + e;
-                    s[idx] = ex2(fmaf(s[idx], sl2, -lse));
-                    dp[idx] = s[idx] * (dp[idx] - dd);
-                    if (EXT)
-                        dp[idx] *= dmod[idx];
+                    for (int r = 0; r < 2; r++) {
+                        const int idx = 4 * n + 2 * r + e;
+                        s[idx] = ex2(fmaf(s[idx], sl2, -lse));
+                        /* dropout: dV takes P Z, dS = P (Z dP - D) */
+                        const float z = decltype(drop)::value ? drop_factor(p, bits, idx) : 1.f;
+                        dp[idx] = s[idx] * (z * dp[idx] - dd);
+                        if (EXT)
+                            dp[idx] *= dmod[idx];
+                        if (decltype(drop)::value)
+                            s[idx] *= z;
+                    }
                 }
-            }
+        };
+        if (EXT)
+            with_dropout(p, body);
+        else
+            body(Bool<false>());
         if (edge) {
             const int key = wkey0 + lane / 4;
             const QueryRange q0 = flash_queries(p, key), q1 = flash_queries(p, key + 8);
@@ -731,7 +772,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        dq_dscores<16, EXT>(p, smod, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
+        dq_dscores<16, EXT>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
                             (j + 1) * BC);
         /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
         uint32_t df[2][4];

@@ -349,10 +349,92 @@ __device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b,
 }
 
 /* Whether a call needs the extended kernels (EXT = true): it modifies
- * its scores, or runs variable lengths in one launch. */
+ * its scores, drops probabilities, or runs variable lengths in one
+ * launch. */
 __host__ __device__ inline bool flash_extended(const FlashParams &p)
 {
-    return p.mod.softcap > 0 || p.alibi || p.cu_q;
+    return p.mod.softcap > 0 || p.alibi || p.mod.dropout || p.cu_q;
+}
+
+/* Dropout (lib/attn_mod.h's rule, as ft_mod_keep): the Philox words of
+ * query i's keys 4 (j / 4) .. 4 (j / 4) + 3 in batch b, head h. */
+__device__ __forceinline__ ft_philox4 flash_drop_words(const FlashParams &p, int b, int h, int i,
+                                                       int j)
+{
+    const uint32_t counter[4] = {(uint32_t)j >> 2, (uint32_t)i, (uint32_t)(b * p.H + h),
+                                 p.mod.offset | 0x80000000u};
+    const uint32_t key[2] = {(uint32_t)p.mod.seed, (uint32_t)(p.mod.seed >> 32)};
+    return ft_philox4x32_10(counter, key);
+}
+
+/* A flag fixed at compile time, and f(Bool<p's dropout>()): loops with
+ * and without dropout compiled apart (as with_mod_kind does for the score
+ * modifications). */
+template <bool V> struct Bool {
+    static constexpr bool value = V;
+};
+template <typename F> __device__ __forceinline__ void with_dropout(const FlashParams &p, F f)
+{
+    if (p.mod.dropout)
+        f(Bool<true>());
+    else
+        f(Bool<false>());
+}
+
+/* Whether dropout keeps (i, j). */
+__device__ __forceinline__ bool flash_keep(const FlashParams &p, int b, int h, int i, int j)
+{
+    const ft_philox4 r = flash_drop_words(p, b, h, i, j);
+    const uint32_t w = j & 2 ? (j & 1 ? r.v[3] : r.v[2]) : (j & 1 ? r.v[1] : r.v[0]);
+    return w >= p.mod.drop_threshold;
+}
+
+/* The keep bits of keys j and j + 1 (j even) of query i, bits 0 and 1:
+ * one Philox call for both. */
+__device__ __forceinline__ uint32_t flash_keep2(const FlashParams &p, int b, int h, int i, int j)
+{
+    const ft_philox4 r = flash_drop_words(p, b, h, i, j);
+    const uint32_t w0 = j & 2 ? r.v[2] : r.v[0], w1 = j & 2 ? r.v[3] : r.v[1];
+    return (uint32_t)(w0 >= p.mod.drop_threshold) | ((uint32_t)(w1 >= p.mod.drop_threshold) << 1);
+}
+
+/* Dropout's keep bits of an accumulator fragment in mod_acc's layout: bit
+ * i for entry i (N <= 64); KEY_ROWS: rows are keys (one Philox call an
+ * entry), else queries (one a pair of entries). A rolled loop, one call at
+ * a time: unrolled, the calls' registers were live together and the
+ * kernels spilled. */
+template <int N, bool KEY_ROWS = false>
+__device__ __forceinline__ uint64_t keep_bits(const FlashParams &p, int b, int h, int row0,
+                                              int col0)
+{
+    const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+    uint64_t bits = 0;
+#pragma unroll 1
+    for (int k = 0; k < N / 2; k++) {
+        const int row = row0 + g + 8 * (k % 2), col = col0 + 8 * (k / 2) + 2 * t4;
+        const uint32_t two = KEY_ROWS ? (uint32_t)flash_keep(p, b, h, col, row) |
+                                            (uint32_t)flash_keep(p, b, h, col + 1, row) << 1
+                                      : flash_keep2(p, b, h, row, col);
+        bits |= (uint64_t)two << (2 * k);
+    }
+    return bits;
+}
+
+/* Entry i's dropout factor: 1 / (1 - p) where kept, else 0. */
+__device__ __forceinline__ float drop_factor(const FlashParams &p, uint64_t bits, int i)
+{
+    return (bits >> i) & 1 ? (float)p.mod.drop_scale : 0.f;
+}
+
+/* Dropout over an accumulator fragment of probabilities (rows queries). */
+template <int N>
+__device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, float *acc, int row0,
+                                         int col0)
+{
+    const uint64_t bits = keep_bits<N>(p, b, h, row0, col0);
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        acc[i] *= drop_factor(p, bits, i);
 }
 
 /* The modification over an accumulator fragment in the C layout of

@@ -59,11 +59,14 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
         const float m_new = fmaxf(m, s);
         const float alpha = exp2f(m - m_new), pj = exp2f(s - m_new);
         l = l * alpha + pj;
+        /* dropout: O takes the kept probabilities, the sum all of them */
+        const float pv = p.mod.dropout ? (flash_keep(p, b, h, row, j) ? pj * (float)p.mod.drop_scale : 0.f)
+                                       : pj;
 #pragma unroll
         for (int t = 0; t < FT_SIMT_MAX_COLS; t++) {
             const int c = lane + FT_WARP * t;
             if (c < p.d)
-                o[t] = o[t] * alpha + pj * load_elem(p.v.data, vo + c, p.dtype);
+                o[t] = o[t] * alpha + pv * load_elem(p.v.data, vo + c, p.dtype);
         }
         m = m_new;
     }
@@ -218,6 +221,11 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
                     o[mt][n][2 * r + 1] *= alpha;
                 }
             }
+
+        if (EXT && p.mod.dropout) /* P V takes the kept probabilities; the sums all */
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                drop_acc<NT_S * 4>(p, b, h, &s[mt][0][0], wrow0 + mt * 16, j0);
 
         cp_async_wait<1>(); /* V_j landed; K_{j+1} may be in flight */
         __syncthreads();    /* ... for every thread; V_{j-1}'s buffer is free */

@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
      * V's columns DK .. DK+7 hold ones and P V's column DK is P's row sum:
      * added up by the tensor cores and rescaled with O, no per-score add
      * (d = 96, 128-key blocks, measured slower with it and keeps the adds). */
-    constexpr bool ONES = DK < TW && BC == 64;
+    constexpr bool ONES = !EXT && DK < TW && BC == 64; /* EXT: dropout drops from P V, not the sum */
     constexpr int DO = ONES && DK + 8 > D ? DK + 8 : D; /* the width of P V */
     constexpr int NT_S = BC / 8, NT_O = DO / 8;
     extern __shared__ unsigned char smem_raw[];
@@ -148,6 +148,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
                 l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
             m[r] = m_new;
         }
+        /* dropout: P V takes the kept probabilities, scaled; the sum (and
+         * LSE) all of them */
+        if (EXT && p.mod.dropout)
+            drop_acc<BC / 2>(p, b, h, s, wrow0, j0);
     };
     /* O *= alpha, and P (16 bits) from S: S's accumulators are P's A fragments */
     auto rescale_pack = [&]() {

@@ -195,17 +195,14 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
                                         s->Nk, s->block_q, s->block_k));
         s->block_mask = p->block_mask;
     }
-    /* The variants the flash kernels do not run yet (they take windows,
-     * softcap, ALiBi slopes in f32 and f32 sinks, and varlen one sequence at
-     * a time). */
+    /* What the flash kernels do not run (they take windows, softcap, ALiBi
+     * slopes in f32, f32 sinks, dropout and varlen). */
     const char *variant = NULL;
     if (m->alibi && p->alibi_slopes->dtype != FT_F32)
         variant = "ALiBi slopes in f64";
     else if (m->sink && (p->sink->dtype != FT_F32 || (s->H > 1 && p->sink->stride[0] != 1)))
         variant = "sinks in f64 or strided";
-    else if (m->dropout)
-        variant = "dropout";
-    /* On CUDA the naive path runs every variant; "auto" takes it for them. */
+    /* On CUDA the naive path runs them; "auto" takes it for them. */
     if (variant && q->device.type == FT_CUDA && p->impl == FT_ATTN_FLASH)
         return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
                        "%s: the flash kernels do not run them yet (impl = 'naive' or 'auto' "
@@ -407,8 +404,8 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
 }
 
 #ifdef FT_HAVE_CUDA
-/* On CUDA, "auto" is flash but for f64 and the variants, which only the
- * naive path takes so far. */
+/* On CUDA, "auto" is flash but for f64 and the forms of a variant only
+ * the naive path takes (f64 slopes, f64 or strided sinks). */
 static int use_naive_cuda(ft_attn_impl impl, const ft_attn_shape *s)
 {
     return impl == FT_ATTN_NAIVE || (impl == FT_ATTN_AUTO && (s->dtype == FT_F64 || s->variant));

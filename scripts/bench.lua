@@ -352,6 +352,24 @@ local function shape_of(d, N, var)
   return B, math.max(1, math.floor(width / d))
 end
 
+--- Times one pass of ft.attention (opts o) into row: peak memory, the
+-- median milliseconds, and TFLOP/s for flops.
+local function time_pass(row, q, k, v, dout, o, pass, flops)
+  local out, lse = ft.attention(q, k, v, o)
+  local fn
+  if pass == "fwd" then
+    fn = function() return ft.attention(q, k, v, o) end
+  else
+    fn = function() return ft.attention_backward(dout, q, k, v, out, lse, o) end
+  end
+  row.peak = peak_extra(fn)
+  local r = bench.run(fn, timing)
+  row.ms = r.median
+  row.tflops = bench.tflops(flops, r.median)
+  out:free()
+  lse:free()
+end
+
 --- The varlen variant's 16 lengths for a mean of N: from N / 32 to 4 N
 -- (64 to 8192 at N = 2048), 16 N tokens in all.
 local VARLEN_SHAPE = { 4096, 3072, 2048, 1536, 1280, 1024, 768, 640, 512, 384, 320, 256, 192,
@@ -418,18 +436,8 @@ local function measure_varlen(impl, dtype, d, N, causal, pass, var)
       end
     end
   end
-  local out, lse = ft.attention(q, k, v, o)
-  local fn
-  if pass == "fwd" then
-    fn = function() return ft.attention(q, k, v, o) end
-  else
-    fn = function() return ft.attention_backward(dout, q, k, v, out, lse, o) end
-  end
-  row.peak = peak_extra(fn)
-  local r = bench.run(fn, timing)
-  row.ms = r.median
-  row.tflops = bench.tflops(bench.attention_flops(1, H, 1, 1, d, false, pass) * visible, r.median)
-  for _, t in ipairs { q, k, v, dout, out, lse, cu } do t:free() end
+  time_pass(row, q, k, v, dout, o, pass, bench.attention_flops(1, H, 1, 1, d, false, pass) * visible)
+  for _, t in ipairs { q, k, v, dout, cu } do t:free() end
   return row
 end
 
@@ -449,18 +457,8 @@ local function measure(impl, dtype, d, N, causal, pass, var)
     local bad = check(impl, dtype, q, k, v, dout, causal, pass, var)
     if bad then row.error = bad return row end
   end
-  local out, lse = ft.attention(q, k, v, o)
-  local fn
-  if pass == "fwd" then
-    fn = function() return ft.attention(q, k, v, o) end
-  else
-    fn = function() return ft.attention_backward(dout, q, k, v, out, lse, o) end
-  end
-  row.peak = peak_extra(fn)
-  local r = bench.run(fn, timing)
-  row.ms = r.median
-  local flops = bench.attention_flops(B, H, N, N, d, false, pass) * visible_pairs(N, causal, var) / (N * N)
-  row.tflops = bench.tflops(flops, r.median)
+  time_pass(row, q, k, v, dout, o, pass,
+    bench.attention_flops(B, H, N, N, d, false, pass) * visible_pairs(N, causal, var) / (N * N))
   local rf, proxy, rc
   if var.name == "none" then
     rf, proxy = ref_tflops("flash", dtype, N, d, causal, pass)
@@ -469,7 +467,7 @@ local function measure(impl, dtype, d, N, causal, pass, var)
   row.ref_flash = rf and row.tflops / rf or nil
   row.ref_cudnn = rc and row.tflops / rc or nil
   row.proxy = proxy
-  for _, t in ipairs { q, k, v, dout, out, lse } do t:free() end
+  for _, t in ipairs { q, k, v, dout } do t:free() end
   return row
 end
 

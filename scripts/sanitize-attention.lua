@@ -2,9 +2,12 @@
 -- compute-sanitizer (scripts/gpu-check runs it under memcheck, racecheck,
 -- synccheck and initcheck, and once more with FT_NO_WGMMA=1 for the
 -- mma.sync kernels): flash forward and backward for f16, bf16 (head dims 32
--- to 256, causal or not, GQA, odd lengths, Nq != Nk) and f32, the naive
--- cuBLAS path with every attention variant at once (f32, bf16, f64), the
--- dropout mask kernel, and the tensor ops they use. Checks each flash
+-- to 256, causal or not, GQA, odd lengths, Nq != Nk) and f32; the flash
+-- kernels' variants (windows with sinks on the plain kernels; softcap and
+-- ALiBi, and varlen in one launch with empty and length-1 sequences, on the
+-- extended ones); the naive cuBLAS path with every attention variant at
+-- once (f32, bf16, f64), the dropout mask kernel, and the tensor ops they
+-- use. Checks each flash
 -- result against the naive path loosely (the specs check accuracy); prints
 -- one line, and one per configuration on stderr when FT_SANITIZE_VERBOSE
 -- is set.
@@ -54,6 +57,43 @@ for _, dtype in ipairs { "f16", "bf16" } do
   end
 end
 run("f16", 40, 65, 65, 2, 2, true)    -- a padded head dim
+
+-- the flash kernels' variants: plain kernels with a window and sinks; the
+-- extended ones with softcap and ALiBi, and with variable lengths
+local sink4 = ft.tensor({ 0.5, -1, 2, 0 }, { dtype = "f32", device = "cuda" })
+local lens = { { 70, 90 }, { 0, 5 }, { 9, 0 }, { 1, 1 }, { 130, 67 } }
+local offq, offk = { 0 }, { 0 }
+for b, l in ipairs(lens) do offq[b + 1], offk[b + 1] = offq[b] + l[1], offk[b] + l[2] end
+local cu_q = ft.tensor(offq, { dtype = "i32", device = "cuda" })
+local cu_k = ft.tensor(offk, { dtype = "i32", device = "cuda" })
+local slopes_bh = ft.tensor({ { 0.5, 0.25, 0.1, 0 }, { 0.3, 0.2, 0.1, 0.05 }, { 0, 0, 0, 0 },
+                              { 1, 1, 1, 1 }, { 0.01, 0.02, 0.03, 0.04 } },
+                            { dtype = "f32", device = "cuda" })
+local function run_flash(dtype, d, q, k, v, opts)
+  opts.impl = "flash"
+  local out, lse = ft.attention(q, k, v, opts)
+  local g = { ft.attention_backward(input(out.shape, dtype), q, k, v, out, lse, opts) }
+  opts.impl = "naive"
+  local ref = ft.attention(q, k, v, opts)
+  local diff = ft.max_abs_diff(out:float(), ref:float())
+  if not (diff < 0.1) then error(("%s d=%d variants: |flash - naive| = %g"):format(dtype, d, diff)) end
+  assert(g[1].dtype == dtype)
+  calls = calls + 1
+end
+for _, dtype in ipairs { "f16", "bf16", "f32" } do
+  for _, d in ipairs { 32, 128, 256 } do
+    local q = input({ 2, 77, 4, d }, dtype)
+    local k, v = input({ 2, 90, 2, d }, dtype), input({ 2, 90, 2, d }, dtype)
+    run_flash(dtype, d, q, k, v, { window_left = 20, window_right = 5, sink = sink4 })
+    run_flash(dtype, d, q, k, v, { causal = true, softcap = 4, alibi_slopes = sink4:abs() })
+    local tq, tk = offq[#offq], offk[#offk]
+    q, k, v = input({ tq, 4, d }, dtype), input({ tk, 2, d }, dtype), input({ tk, 2, d }, dtype)
+    run_flash(dtype, d, q, k, v, { cu_seqlens_q = cu_q, cu_seqlens_k = cu_k, causal = true,
+                                   window_left = 30, softcap = 6, alibi_slopes = slopes_bh,
+                                   sink = sink4 })
+    run_flash(dtype, d, q, k, v, { cu_seqlens_q = cu_q, cu_seqlens_k = cu_k })
+  end
+end
 -- the variants (the naive path runs them on CUDA), every one at once
 local slopes = ft.tensor({ 0.5, 0.25, 0.125, 0.0625 }, { dtype = "f32", device = "cuda" })
 local sink = ft.tensor({ 0.5, -1, 2, 0 }, { dtype = "f32", device = "cuda" })

@@ -2,12 +2,13 @@
 -- dropout and varlen, alone and combined, forward and backward, against the
 -- CPU's f64 tiled path (itself checked against a plain-Lua reference and
 -- finite differences in variants_spec.lua), on fresh random inputs. The
--- flash kernels run windows, softcap, ALiBi (f32 slopes), f32 sinks and
--- varlen (every sequence in one launch); the naive path (cuBLAS and the row kernels of attention_naive.cu)
--- runs every variant, and impl = "auto" takes it for the rest (dropout),
--- where "flash" says it cannot. Dropout's mask is the same bits on both
--- devices. Pending, with the reason, where
--- there is no GPU.
+-- flash kernels run every variant (windows, softcap, ALiBi with f32 slopes,
+-- f32 sinks, dropout, varlen in one launch), checked by FlashAttention's
+-- rule against the naive path (cuBLAS and the row kernels of
+-- attention_naive.cu), which runs them all and the rest (f64 slopes, f64
+-- or strided sinks: impl = "auto" takes it for them, "flash" says it
+-- cannot). Dropout's mask is the same bits on both devices and on every
+-- path. Pending, with the reason, where there is no GPU.
 local h = require "helper"
 local ft = h.ft
 
@@ -38,6 +39,15 @@ local function on_gpu(opts, dtype)
 end
 
 local function cpu64(x) return x:cpu():double() end
+
+--- opts for the f64 cpu reference: float tensors in f64.
+local function on_cpu64(opts)
+  local r = {}
+  for key, val in pairs(opts) do
+    r[key] = ft.is_tensor(val) and (val.dtype == "f32" or val.dtype == "f64") and val:double() or val
+  end
+  return r
+end
 
 --- FlashAttention's rule for every result the f64 reference has: the
 -- flash kernels' error at most twice the naive path's in the same dtype
@@ -128,7 +138,7 @@ describe("attention variants on CUDA #gpu", function()
     end
   end)
 
-  gpu_it("varlen on the flash kernels (one launch), f16, bf16 and f32, head dims 32 to 256, with windows, softcap, ALiBi per sequence, sinks", function()
+  gpu_it("varlen on the flash kernels (one launch), f16, bf16 and f32, head dims 32 to 256, with windows, softcap, ALiBi per sequence, sinks, dropout", function()
     local lens = { { 70, 90 }, { 0, 5 }, { 9, 0 }, { 1, 1 }, { 200, 130 }, { 33, 64 } }
     local tq, tk, offq, offk = 0, 0, { 0 }, { 0 }
     for b, l in ipairs(lens) do
@@ -141,17 +151,14 @@ describe("attention variants on CUDA #gpu", function()
     local cases = {
       { causal = true, window_left = 40 },
       { alibi_slopes = slopes6, softcap = 5.0, sink = sink:float(), window_right = 17 },
+      { dropout_p = 0.15, seed = 21, causal = true },
     }
     for _, d in ipairs { 32, 64, 128, 256 } do
       local q, k, v, dout = randn { tq, 4, d }, randn { tk, 2, d }, randn { tk, 2, d }, randn { tq, 4, d }
       for ci, o in ipairs(cases) do
         local opts = copy(o, { cu_seqlens_q = ft.tensor(offq, { dtype = "i32" }),
                                cu_seqlens_k = ft.tensor(offk, { dtype = "i32" }) })
-        local cpu_o = {}
-        for key, val in pairs(opts) do
-          cpu_o[key] = ft.is_tensor(val) and val.dtype == "f32" and val:double() or val
-        end
-        local want = run(q, k, v, dout, copy(cpu_o, { impl = "tiled" }))
+        local want = run(q, k, v, dout, copy(on_cpu64(opts), { impl = "tiled" }))
         for _, dtype in ipairs { "f16", "bf16", "f32" } do
           local function g(t) return t:to(dtype):cuda() end
           local gopts = on_gpu(opts, dtype)
@@ -181,7 +188,7 @@ describe("attention variants on CUDA #gpu", function()
     end
   end)
 
-  gpu_it("softcap and ALiBi on the flash kernels, by the 2x-naive rule: f16, bf16 and f32, head dims 32 to 256, with windows, sinks, GQA", function()
+  gpu_it("softcap, ALiBi and dropout on the flash kernels, by the 2x-naive rule: f16, bf16 and f32, head dims 32 to 256, with windows, sinks, GQA", function()
     local s4, sl4 = sink:float(), slopes:float()
     local mods = {
       { softcap = 1.5 },
@@ -189,6 +196,9 @@ describe("attention variants on CUDA #gpu", function()
       { alibi_slopes = sl4:select(1, 1):contiguous(), causal = true },
       { alibi_slopes = sl4, window_left = 20, window_right = 3 },
       { alibi_slopes = sl4:transpose():contiguous():transpose(), softcap = 2.0, sink = s4, causal = true },
+      { dropout_p = 0.2, seed = 11, offset = 5 },
+      { dropout_p = 0.1, seed = 2 ^ 40 + 7, causal = true, window_left = 50, softcap = 3.0,
+        alibi_slopes = sl4, sink = s4 },
     }
     for _, dtype in ipairs { "f16", "bf16", "f32" } do
       for _, d in ipairs { 32, 64, 96, 128, 192, 256 } do
@@ -198,9 +208,7 @@ describe("attention variants on CUDA #gpu", function()
           local sh = mi % 2 == 1 and { 70, 50 } or { 300, 333 }
           local q, k, v = randn { 2, sh[1], 4, d }, randn { 2, sh[2], 2, d }, randn { 2, sh[2], 2, d }
           local dout = randn { 2, sh[1], 4, d }
-          local cpu_o = {}
-          for key, val in pairs(o) do cpu_o[key] = ft.is_tensor(val) and val:double() or val end
-          local want = run(q, k, v, dout, copy(cpu_o, { impl = "tiled" }))
+          local want = run(q, k, v, dout, copy(on_cpu64(o), { impl = "tiled" }))
           local function g(t) return t:to(dtype):cuda() end
           local go = on_gpu(o, dtype)
           local flash = run(g(q), g(k), g(v), g(dout), copy(go, { impl = "flash" }))
@@ -230,10 +238,10 @@ describe("attention variants on CUDA #gpu", function()
 
   gpu_it("a variant with impl = 'flash' is a clear error, and auto runs it", function()
     local q = randn({ 1, 8, 2, 16 }):float():cuda()
-    local o = { dropout_p = 0.25, seed = 3 }
+    local o = { alibi_slopes = ft.tensor({ 0.5, 0.25 }, { dtype = "f64", device = "cuda" }) }
     local ok, e = pcall(ft.attention, q, q, q, copy(o, { impl = "flash" }))
     assert.is_false(ok)
-    assert.is_truthy(tostring(e):find("dropout: the flash kernels do not run them yet", 1, true), e)
+    assert.is_truthy(tostring(e):find("ALiBi slopes in f64: the flash kernels do not run them yet", 1, true), e)
     local out = ft.attention(q, q, q, o)
     assert.are.equal("cuda:0", out.device)
   end)
