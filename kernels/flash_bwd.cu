@@ -540,64 +540,44 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
                                                       const ft_tensor *dout,
                                                       const ft_tensor *q, const ft_tensor *k,
                                                       const ft_tensor *v, const ft_tensor *out,
-                                                      const ft_tensor *lse, ft_tensor *dq,
-                                                      ft_tensor *dk, ft_tensor *dv)
+                                                      const ft_tensor *lse, ft_tensor *work,
+                                                      ft_tensor *dq, ft_tensor *dk, ft_tensor *dv)
 {
     const char *func = "ft_attention_backward";
     FT_TRY(ft_cuda_use_device(q->device.index, func));
-    if (s->B == 0 || s->H == 0)
+    if (s->B == 0 || s->H == 0 || s->Nq == 0)
         return FT_OK;
     const ft_tensor *ts[8] = {q, k, v, out, dout, dq, dk, dv};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 8);
-    const bool sm90 = mma && s->Nq > 0 && flash_sm90_usable(q->device.index);
-    /* LSE as the kernels read it: contiguous f32; D (and for the sm90
-     * kernels LSE in log2 units) beside it */
-    ft_tensor *lse_c = NULL, *D = NULL;
-    FT_TRY(ft_contiguous(&lse_c, lse));
-    /* D (and lse2) laid out as LSE: [B, H, Nq], or [H, total_q] */
-    int64_t dshape[4] = {sm90 ? 2 : 1, s->B, s->H, s->Nq};
-    if (s->cu_q_dev)
-        dshape[1] = s->H, dshape[2] = q->shape[0];
-    ft_status st = ft_empty_named(&D, s->cu_q_dev ? 3 : 4, dshape, FT_F32, q->device, func);
-    if (st != FT_OK) {
-        ft_tensor_free(lse_c);
-        return st;
-    }
-    FlashParams p = flash_params(s, q, k, v, out, lse_c);
+    const bool sm90 = mma && flash_sm90_usable(q->device.index);
+    /* LSE contiguous f32; D and the sm90 kernels' LSE in log2 units in
+     * work, laid out as LSE */
+    FlashParams p = flash_params(s, q, k, v, out, lse);
     p.dout = flash_tensor(dout);
     p.dq = flash_tensor(dq);
     p.dk = flash_tensor(dk);
     p.dv = flash_tensor(dv);
-    p.D = (float *)D->data;
-    p.lse2 = sm90 ? p.D + ft_numel(lse_c) : nullptr;
+    p.D = (float *)work->data;
+    p.lse2 = sm90 ? p.D + ft_numel(lse) : nullptr;
     const dim3 block(SIMT_WARPS * FT_WARP);
-    if (s->Nq > 0) {
-        flash_bwd_dot_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B), block>>>(p);
-        st = ft_cuda_check_launch(func, __FILE__, __LINE__);
-    }
+    flash_bwd_dot_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B), block>>>(p);
+    ft_status st = ft_cuda_check_launch(func, __FILE__, __LINE__);
     if (st == FT_OK && sm90) {
         st = flash_bwd_sm90(p);
-    } else if (st == FT_OK && s->Nq > 0 && mma) {
+    } else if (st == FT_OK && mma) {
         st = q->dtype == FT_F16 ? launch_bwd_mma_dtype<__half>(p)
                                 : launch_bwd_mma_dtype<__nv_bfloat16>(p);
-    } else if (st == FT_OK && mma) {
-        /* no queries: dK = dV = 0 */
-        st = ft_fill(dk, 0.0);
-        if (st == FT_OK)
-            st = ft_fill(dv, 0.0);
     }
     if (!mma && st == FT_OK && s->Nk > 0) {
         flash_bwd_dkdv_simt_kernel<<<dim3((p.Nk + SIMT_WARPS - 1) / SIMT_WARPS, p.Hk, p.B),
                                      block>>>(p);
         st = ft_cuda_check_launch(func, __FILE__, __LINE__);
     }
-    if (!mma && st == FT_OK && s->Nq > 0) {
+    if (!mma && st == FT_OK) {
         flash_bwd_dq_simt_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B),
                                    block>>>(p);
         st = ft_cuda_check_launch(func, __FILE__, __LINE__);
     }
-    ft_tensor_free(lse_c);
-    ft_tensor_free(D);
     return st;
 }

@@ -99,11 +99,14 @@ ft_status ft_attention_dropout_mask_cuda(ft_tensor *mask, const ft_attn_mod *m);
 ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s, const ft_tensor *q,
                                           const ft_tensor *k, const ft_tensor *v,
                                           ft_tensor *out, ft_tensor *lse);
+/* The flash backward, prepared by lib/attention.c: lse contiguous f32,
+ * work f32 [2, lse's shape] (D = rowsum(dO * O), and LSE in log2 units),
+ * Nq > 0 (with no query lib/ fills dK and dV with zeros itself). */
 ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s, const ft_tensor *dout,
                                            const ft_tensor *q, const ft_tensor *k,
                                            const ft_tensor *v, const ft_tensor *out,
-                                           const ft_tensor *lse, ft_tensor *dq,
-                                           ft_tensor *dk, ft_tensor *dv);
+                                           const ft_tensor *lse, ft_tensor *work,
+                                           ft_tensor *dq, ft_tensor *dk, ft_tensor *dv);
 
 #ifdef __cplusplus
 }

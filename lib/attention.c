@@ -426,6 +426,35 @@ static ft_status run_forward(ft_attn_impl impl, const ft_attn_shape *s,
     return ft_attention_forward_cpu(impl, s, q, k, v, out, lse);
 }
 
+#ifdef FT_HAVE_CUDA
+/* The flash backward's preparation: LSE contiguous, the kernels' work
+ * space (D and LSE in log2 units, laid out as LSE), and with no query
+ * dK = dV = 0 without a launch. */
+static ft_status backward_flash_cuda(const ft_attn_shape *s, const ft_tensor *dout,
+                                     const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
+                                     const ft_tensor *out, const ft_tensor *lse, ft_tensor *dq,
+                                     ft_tensor *dk, ft_tensor *dv)
+{
+    static const char func[] = "ft_attention_backward";
+    if (s->Nq == 0 || s->B == 0 || s->H == 0) {
+        FT_TRY(ft_fill(dk, 0.0));
+        return ft_fill(dv, 0.0);
+    }
+    ft_tensor *lse_c = NULL, *work = NULL;
+    FT_TRY(ft_contiguous(&lse_c, lse));
+    int64_t shape[FT_MAX_DIMS + 1];
+    shape[0] = 2;
+    for (int i = 0; i < lse->ndim; i++)
+        shape[i + 1] = lse->shape[i];
+    ft_status st = ft_empty_named(&work, lse->ndim + 1, shape, FT_F32, q->device, func);
+    if (st == FT_OK)
+        st = ft_attention_backward_flash_cuda(s, dout, q, k, v, out, lse_c, work, dq, dk, dv);
+    ft_tensor_free(lse_c);
+    ft_tensor_free(work);
+    return st;
+}
+#endif
+
 static ft_status run_backward(ft_attn_impl impl, const ft_attn_shape *s,
                               const ft_tensor *dout, const ft_tensor *q,
                               const ft_tensor *k, const ft_tensor *v,
@@ -436,7 +465,7 @@ static ft_status run_backward(ft_attn_impl impl, const ft_attn_shape *s,
     if (q->device.type == FT_CUDA)
         return use_naive_cuda(impl, s)
                    ? ft_attention_backward_naive_cuda(s, dout, q, k, v, out, lse, dq, dk, dv)
-                   : ft_attention_backward_flash_cuda(s, dout, q, k, v, out, lse, dq, dk, dv);
+                   : backward_flash_cuda(s, dout, q, k, v, out, lse, dq, dk, dv);
 #endif
     return ft_attention_backward_cpu(impl, s, dout, q, k, v, out, lse, dq, dk, dv);
 }
