@@ -165,21 +165,32 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
 
 #define BWD_BR 64 /* query rows per tile */
 
+/* The two kernels' shared memory, for the kernels and their launcher.
+ * dK/dV: K, V [BC][LD]; then two buffers of (Q, dO) [BWD_BR][LD]; then two
+ * buffers of (lse * log2(e), D) [BWD_BR] floats. dQ: Q, dO [BWD_BR][LD],
+ * then two buffers of (K, V) [BC][LD]. Offsets in elements of T. */
+template <typename T, int D, int BC> struct MmaBwdSmem {
+    static constexpr int LD = D + 8;
+    static constexpr int KV_V = BC * LD, KV_Q = 2 * BC * LD, KV_STATS = KV_Q + 4 * BWD_BR * LD;
+    static constexpr size_t kv_bytes = (size_t)KV_STATS * sizeof(T) + 4 * BWD_BR * sizeof(float);
+    static constexpr int Q_DO = BWD_BR * LD, Q_K = 2 * BWD_BR * LD;
+    static constexpr size_t q_bytes = (size_t)(Q_K + 4 * BC * LD) * sizeof(T);
+};
+
 template <typename T, int D, int BC, int DSPLIT, bool EXT>
 __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     flash_bwd_dkdv_mma_kernel(FlashParams p)
 {
-    constexpr int LD = D + 8, THREADS = (BC / 16) * DSPLIT * FT_WARP;
+    using SL = MmaBwdSmem<T, D, BC>;
+    constexpr int LD = SL::LD, THREADS = (BC / 16) * DSPLIT * FT_WARP;
     constexpr int NT_Q = BWD_BR / 8;        /* n-tiles of S^T over queries */
     constexpr int DW = D / DSPLIT;          /* head-dim columns this warp accumulates */
     constexpr int NT_D = DW / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    /* K, V [BC][LD]; then two buffers of (Q, dO) [BWD_BR][LD]; then two
-     * buffers of (lse * log2(e), D) [BWD_BR] floats */
     T *sK = reinterpret_cast<T *>(smem_raw);
-    T *sV = sK + BC * LD;
-    T *const sQ0 = sV + BC * LD;
-    float *const sL0 = reinterpret_cast<float *>(sQ0 + 4 * BWD_BR * LD);
+    T *sV = sK + SL::KV_V;
+    T *const sQ0 = sK + SL::KV_Q;
+    float *const sL0 = reinterpret_cast<float *>(sK + SL::KV_STATS);
 
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int kw = warp / DSPLIT, dpart = warp % DSPLIT; /* key slice, column part */
@@ -357,12 +368,13 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
 template <typename T, int D, int BC, bool EXT>
 __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashParams p)
 {
-    constexpr int LD = D + 8, THREADS = 4 * FT_WARP;
+    using SL = MmaBwdSmem<T, D, BC>;
+    constexpr int LD = SL::LD, THREADS = 4 * FT_WARP;
     constexpr int NT_S = BC / 8, NT_D = D / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *sQ = reinterpret_cast<T *>(smem_raw);
-    T *sdO = sQ + BWD_BR * LD;
-    T *const sK0 = sdO + BWD_BR * LD; /* two buffers of (K, V) [BC][LD] */
+    T *sdO = sQ + SL::Q_DO;
+    T *const sK0 = sQ + SL::Q_K; /* two buffers of (K, V) [BC][LD] */
 
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int g = lane / 4, t4 = lane % 4;
@@ -507,27 +519,22 @@ template <typename T, int D, int BC, int DSPLIT, bool EXT>
 static ft_status launch_bwd_mma(const FlashParams &p)
 {
     const char *func = "ft_attention_backward";
-    /* dK/dV: K, V and two (Q, dO) buffers, two (lse, D) buffers;
-     * dQ: Q, dO and two (K, V) buffers */
-    const size_t smem_kv = (size_t)(2 * BC + 4 * BWD_BR) * (D + 8) * sizeof(T) +
-                           4 * BWD_BR * sizeof(float);
-    const size_t smem_q = (size_t)(2 * BWD_BR + 4 * BC) * (D + 8) * sizeof(T);
+    using L = MmaBwdSmem<T, D, BC>;
     if (p.Nk > 0)
         FT_TRY(flash_launch(flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT, EXT>,
                             dim3((p.Nk + BC - 1) / BC, p.Hk, p.B), (BC / 16) * DSPLIT * FT_WARP,
-                            smem_kv, p, func));
+                            L::kv_bytes, p, func));
     return flash_launch(flash_bwd_dq_mma_kernel<T, D, BC, EXT>, dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B),
-                        4 * FT_WARP, smem_q, p, func);
+                        4 * FT_WARP, L::q_bytes, p, func);
 }
 
 template <typename T, bool EXT>
 static ft_status launch_bwd_mma_mod(const FlashParams &p)
 {
-    if (p.d <= 64)
-        return launch_bwd_mma<T, 64, 64, 1, EXT>(p);
-    if (p.d <= 128)
-        return launch_bwd_mma<T, 128, 64, 1, EXT>(p);
-    return launch_bwd_mma<T, 256, 32, 2, EXT>(p);
+    return flash_pick(MMA_BWD_TILES, p.d, [&](auto row) {
+        constexpr MmaBwdTile c = MMA_BWD_TILES[decltype(row)::value];
+        return launch_bwd_mma<T, c.D, c.BC, c.DSPLIT, EXT>(p);
+    });
 }
 
 template <typename T>

@@ -217,6 +217,24 @@ __device__ __forceinline__ void dq_prologue(const FlashParams &p, int b, int h, 
     cp_async_commit();
 }
 
+/* ---- shared memory ----
+ *
+ * Each kernel's layout, for the kernel and its launcher, in bytes after up
+ * to 1024 bytes of alignment (the swizzle is on address bits), rows TW wide
+ * (16-bit, swizzled).
+ * dK/dV: K, V [BN], the query stream's stages, then (EXT) each thread's
+ * words of the modification's derivatives (dkdv_mod_bytes).
+ * dQ: Q, dO [BR], then ST stages of K, then ST of V [BC].
+ * Wide dK/dV: K, V [64][256], P and dS [64][64], the query stream's stages.
+ * Wide dQ: Q, dO [64][256], two stages of K and of V, then the swap's
+ * buffer (2 x 128 threads x 16 floats). */
+template <int D, int BR, int BC, int ST> struct Sm90DqSmem {
+    static constexpr int TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
+    static constexpr int DO = Q_BYTES, K = 2 * Q_BYTES, V = K + ST * KV_BYTES;
+    static constexpr int END = V + ST * KV_BYTES;
+    static constexpr size_t bytes = 1024 + (size_t)END;
+};
+
 /* ---- dK, dV ---- */
 
 /* With EXT, each thread keeps the modification's derivatives of one block
@@ -228,15 +246,36 @@ template <int BM, int THREADS, bool EXT> constexpr size_t dkdv_mod_bytes()
     return EXT ? (size_t)THREADS * (BM / 4) * sizeof(uint32_t) : 0;
 }
 
+template <typename T, int D, int BM, int NWG, bool EXT> struct Sm90DkdvSmem {
+    static constexpr int BN = 64 * NWG, THREADS = NWG * WG_THREADS, ST = BWD_STAGES;
+    using Stream = QueryStream<T, BM, D, THREADS, ST>;
+    static constexpr int KV_BYTES = BN * FT_TW(D) * 2;
+    static constexpr int V = KV_BYTES, STREAM = 2 * KV_BYTES;
+    static constexpr size_t MOD = STREAM + Stream::BYTES;
+    static constexpr size_t bytes = 1024 + MOD + dkdv_mod_bytes<BM, THREADS, EXT>();
+};
+
+template <typename T> struct Sm90WideDkdvSmem {
+    static constexpr int KV_BYTES = 64 * 256 * 2, P_BYTES = 64 * 64 * 2;
+    using Stream = QueryStream<T, 64, 256, 2 * WG_THREADS, 2>;
+    static constexpr int V = KV_BYTES, P = 2 * KV_BYTES, DS = P + P_BYTES, STREAM = DS + P_BYTES;
+    static constexpr size_t bytes = 1024 + STREAM + Stream::BYTES;
+};
+
+/* the wide dQ: the swap's buffer after the dQ layout */
+using Sm90WideDqSmem = Sm90DqSmem<256, 64, 64, 2>;
+static constexpr size_t SM90_WIDE_DQ_BYTES =
+    Sm90WideDqSmem::bytes + 2 * WG_THREADS * 16 * sizeof(float);
+
 template <typename T, int D, int DK, int BM, int NWG, bool TURNS, bool EXT>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BN = 64 * NWG, THREADS = NWG * WG_THREADS, ST = BWD_STAGES;
-    constexpr int TW = FT_TW(D), KV_BYTES = BN * TW * 2;
+    using L = Sm90DkdvSmem<T, D, BM, NWG, EXT>;
+    constexpr int BN = L::BN, THREADS = L::THREADS;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sK = smem, *const sV = sK + KV_BYTES;
+    unsigned char *const sK = smem, *const sV = smem + L::V;
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
@@ -248,7 +287,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     }
     const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
     const FullKeys full = flash_full_queries(p, wkey0, wkey0 + 16);
-    QueryStream<T, BM, D, THREADS, ST> qs(p, sV + KV_BYTES, j0, j0 + BN, hk);
+    typename L::Stream qs(p, smem + L::STREAM, j0, j0 + BN, hk);
     const int total = qs.total;
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -266,7 +305,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 
     float s[BM / 2], dp[BM / 2];
     uint32_t pf[BM / 16][4], df[BM / 16][4];
-    uint32_t *const gmod = reinterpret_cast<uint32_t *>(sV + KV_BYTES + decltype(qs)::BYTES) + tid;
+    uint32_t *const gmod = reinterpret_cast<uint32_t *>(smem + L::MOD) + tid;
     uint64_t kbits = 0; /* EXT, dropout: the keep bits of this block's entries */
     const uint32_t k_addr = smem_addr(sK) + wg * 64 * 128, v_addr = smem_addr(sV) + wg * 64 * 128;
     const float sl2 = p.scale_log2;
@@ -422,11 +461,12 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BR = 64 * NWG, THREADS = NWG * WG_THREADS, ST = BWD_STAGES;
-    constexpr int TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
+    using L = Sm90DqSmem<D, BR, BC, ST>;
+    constexpr int KV_BYTES = L::KV_BYTES;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
-    unsigned char *const sV = sK + ST * KV_BYTES;
+    unsigned char *const sQ = smem, *const sdO = smem + L::DO, *const sK = smem + L::K;
+    unsigned char *const sV = smem + L::V;
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
@@ -590,13 +630,13 @@ template <typename T, int DK, bool EXT>
 __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int D = 256, BN = 64, BM = 64, THREADS = 2 * WG_THREADS, ST = 2;
-    constexpr int KV_BYTES = BN * D * 2, P_BYTES = BN * BM * 2;
-    using Stream = QueryStream<T, BM, D, THREADS, ST>;
+    constexpr int D = 256, BN = 64, BM = 64, THREADS = 2 * WG_THREADS;
+    using L = Sm90WideDkdvSmem<T>;
+    using Stream = typename L::Stream;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sK = smem, *const sV = sK + KV_BYTES, *const sP = sV + KV_BYTES;
-    unsigned char *const sdS = sP + P_BYTES;
+    unsigned char *const sK = smem, *const sV = smem + L::V, *const sP = smem + L::P;
+    unsigned char *const sdS = smem + L::DS;
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
@@ -608,7 +648,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     }
     const int wkey0 = j0 + wwarp * 16; /* this warp's first key */
     const FullKeys full = flash_full_queries(p, wkey0, wkey0 + 16);
-    Stream qs(p, sdS + P_BYTES, j0, j0 + BN, hk);
+    Stream qs(p, smem + L::STREAM, j0, j0 + BN, hk);
     const int total = qs.total;
     /* warpgroup 0 accumulates dV, warpgroup 1 dK, both DK columns wide */
     float grad[DK / 2];
@@ -711,12 +751,13 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int D = 256, BR = 64, BC = 64, THREADS = 2 * WG_THREADS, ST = 2;
-    constexpr int Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
+    using L = Sm90WideDqSmem;
+    constexpr int KV_BYTES = L::KV_BYTES;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sQ = smem, *const sdO = sQ + Q_BYTES, *const sK = sdO + Q_BYTES;
-    unsigned char *const sV = sK + ST * KV_BYTES;
-    float *const xbuf = reinterpret_cast<float *>(sV + ST * KV_BYTES); /* swap_halves */
+    unsigned char *const sQ = smem, *const sdO = smem + L::DO, *const sK = smem + L::K;
+    unsigned char *const sV = smem + L::V;
+    float *const xbuf = reinterpret_cast<float *>(smem + L::END); /* swap_halves */
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
@@ -809,52 +850,38 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool EXT>
 static ft_status launch_bwd_wgmma(const FlashParams &p)
 {
-    constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES, TW = FT_TW(D);
+    constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
         FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, EXT>,
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
-                            1024 + (size_t)2 * BN * TW * sizeof(T) +
-                                QueryStream<T, BM, D, NWG * WG_THREADS, ST>::BYTES +
-                                dkdv_mod_bytes<BM, NWG * WG_THREADS, EXT>(),
-                            p, func));
+                            Sm90DkdvSmem<T, D, BM, NWG, EXT>::bytes, p, func));
     return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS, EXT>,
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS,
-                        1024 + (size_t)(2 * BR + 2 * ST * BC) * TW * sizeof(T), p, func);
+                        Sm90DqSmem<D, BR, BC, ST>::bytes, p, func);
 }
 
 template <typename T, int DK, bool EXT> static ft_status launch_bwd_wide(const FlashParams &p)
 {
-    constexpr int D = 256, ROWS = 64, THREADS = 2 * WG_THREADS;
+    constexpr int ROWS = 64, THREADS = 2 * WG_THREADS;
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
         FT_TRY(flash_launch(flash_bwd_dkdv_wide_kernel<T, DK, EXT>, dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B),
-                            THREADS,
-                            1024 + (size_t)2 * ROWS * D * sizeof(T) + 2 * ROWS * ROWS * sizeof(T) +
-                                QueryStream<T, ROWS, D, THREADS, 2>::BYTES,
-                            p, func));
+                            THREADS, Sm90WideDkdvSmem<T>::bytes, p, func));
     return flash_launch(flash_bwd_dq_wide_kernel<T, DK, EXT>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
-                        THREADS,
-                        1024 + (size_t)(2 + 2 * 2) * ROWS * D * sizeof(T) +
-                            2 * WG_THREADS * 16 * sizeof(float),
-                        p, func);
+                        THREADS, SM90_WIDE_DQ_BYTES, p, func);
 }
 
-/* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
- * 128, 192 or 256, the columns the score products multiply. */
+/* The row of SM90_BWD_TILES (flash_tiles.cuh) that takes the head dim. */
 template <typename T, bool EXT> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
 {
-    if (p.d <= 32)
-        return launch_bwd_wgmma<T, 32, 32, 128, 128, false, EXT>(p);
-    if (p.d <= 64)
-        return launch_bwd_wgmma<T, 64, 64, 128, 128, true, EXT>(p);
-    if (p.d <= 96)
-        return launch_bwd_wgmma<T, 128, 96, 64, 64, false, EXT>(p);
-    if (p.d <= 128)
-        return launch_bwd_wgmma<T, 128, 128, 64, 64, false, EXT>(p);
-    if (p.d <= 192)
-        return launch_bwd_wide<T, 192, EXT>(p);
-    return launch_bwd_wide<T, 256, EXT>(p);
+    return flash_pick(SM90_BWD_TILES, p.d, [&](auto row) {
+        constexpr Sm90BwdTile c = SM90_BWD_TILES[decltype(row)::value];
+        if constexpr (c.wide)
+            return launch_bwd_wide<T, c.DK, EXT>(p);
+        else
+            return launch_bwd_wgmma<T, c.D, c.DK, c.BM, c.BC, c.turns, EXT>(p);
+    });
 }
 
 /* dK, dV and dQ once D is in p.D: f16/bf16, rows aligned, Nq > 0 (the

@@ -20,6 +20,7 @@
 #define FT_FLASH_COMMON_CUH
 
 #include "kernels.h"
+#include "flash_tiles.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -90,16 +90,24 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
  * per FLOP at MT = 2 (the limit at MT = 1 was ldmatrix, not the tensor
  * cores). K and V are double-buffered: the copy of block j+1 runs while
  * block j is multiplied. */
+/* The kernel's shared memory, for the kernel and its launcher: Q [BR][LD],
+ * then K buffers 0 and 1, then V buffers 0 and 1 [BC][LD] (offsets in
+ * elements of T; rows padded to LD for conflict-free ldmatrix). */
+template <typename T, int D, int BC, int MT> struct MmaFwdSmem {
+    static constexpr int LD = D + 8, BR = 16 * MT * MMA_WARPS;
+    static constexpr int K = BR * LD, V = K + 2 * BC * LD;
+    static constexpr size_t bytes = (size_t)(V + 2 * BC * LD) * sizeof(T);
+};
+
 template <typename T, int D, int BC, int MT, bool EXT>
 __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(FlashParams p)
 {
-    constexpr int LD = D + 8; /* padded row: conflict-free ldmatrix */
-    constexpr int BR = 16 * MT * MMA_WARPS, THREADS = MMA_WARPS * FT_WARP;
+    using L = MmaFwdSmem<T, D, BC, MT>;
+    constexpr int LD = L::LD, BR = L::BR, THREADS = MMA_WARPS * FT_WARP;
     constexpr int NT_S = BC / 8, NT_O = D / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    /* Q [BR][LD], then K buffers 0 and 1, then V buffers 0 and 1 [BC][LD] */
     T *sQ = reinterpret_cast<T *>(smem_raw);
-    T *const sK = sQ + BR * LD, *const sV = sK + 2 * BC * LD;
+    T *const sK = sQ + L::K, *const sV = sQ + L::V;
 
     const int lane = threadIdx.x % FT_WARP, warp = threadIdx.x / FT_WARP;
     const int g = lane / 4, t4 = lane % 4;
@@ -349,20 +357,19 @@ bool flash_sm90_usable(int device)
 template <typename T, int D, int BC, int MT, bool EXT>
 static ft_status launch_fwd_mma(const FlashParams &p)
 {
-    constexpr int BR = 16 * MT * MMA_WARPS;
-    const size_t smem = (size_t)(BR + 4 * BC) * (D + 8) * sizeof(T); /* Q, 2 x K, 2 x V */
-    return flash_launch(flash_fwd_mma_kernel<T, D, BC, MT, EXT>, dim3((p.Nq + BR - 1) / BR, p.H, p.B),
-                        MMA_WARPS * FT_WARP, smem, p, "ft_attention_forward");
+    using L = MmaFwdSmem<T, D, BC, MT>;
+    return flash_launch(flash_fwd_mma_kernel<T, D, BC, MT, EXT>,
+                        dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), MMA_WARPS * FT_WARP, L::bytes,
+                        p, "ft_attention_forward");
 }
 
 template <typename T, bool EXT>
 static ft_status launch_fwd_mma_mod(const FlashParams &p)
 {
-    if (p.d <= 64)
-        return launch_fwd_mma<T, 64, 64, 2, EXT>(p);
-    if (p.d <= 128)
-        return launch_fwd_mma<T, 128, 64, 2, EXT>(p);
-    return launch_fwd_mma<T, 256, 32, 1, EXT>(p);
+    return flash_pick(MMA_FWD_TILES, p.d, [&](auto row) {
+        constexpr MmaFwdTile c = MMA_FWD_TILES[decltype(row)::value];
+        return launch_fwd_mma<T, c.D, c.BC, c.MT, EXT>(p);
+    });
 }
 
 template <typename T>

@@ -13,12 +13,24 @@
 
 #include <math.h>
 
+/* The kernel's shared memory, for the kernel and its launcher, in bytes:
+ * Q [BR], then K stages 0 and 1, then V stages 0 and 1 [BC], rows TW wide
+ * (16-bit, swizzled), after up to 1024 bytes of alignment (the swizzle is
+ * on address bits: chunks start on 1024 bytes). */
+template <int D, int BC, int NWG> struct Sm90FwdSmem {
+    static constexpr int BR = 64 * NWG, TW = FT_TW(D);
+    static constexpr int Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
+    static constexpr int K = Q_BYTES, V = K + 2 * KV_BYTES;
+    static constexpr size_t bytes = 1024 + (size_t)V + 2 * KV_BYTES;
+};
+
 template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT>
 __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BR = 64 * NWG, THREADS = NWG * WG_THREADS;
-    constexpr int TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
+    using L = Sm90FwdSmem<D, BC, NWG>;
+    constexpr int BR = L::BR, THREADS = NWG * WG_THREADS;
+    constexpr int TW = L::TW, KV_BYTES = L::KV_BYTES;
     /* When the tiles are wider than the score products' DK columns (d = 32
      * in 64-wide rows, d = 192 in D = 256) and the blocks have 64 keys,
      * V's columns DK .. DK+7 hold ones and P V's column DK is P's row sum:
@@ -30,7 +42,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     extern __shared__ unsigned char smem_raw[];
     /* the swizzle is on address bits: chunks must start on 1024 bytes */
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sQ = smem, *const sK = sQ + Q_BYTES, *const sV = sK + 2 * KV_BYTES;
+    unsigned char *const sQ = smem, *const sK = smem + L::K, *const sV = smem + L::V;
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4; /* warp in the warpgroup */
@@ -221,29 +233,20 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT>
 static ft_status launch_fwd_wgmma(const FlashParams &p)
 {
-    constexpr int BR = 64 * NWG;
-    const size_t smem = 1024 + (size_t)(BR + 4 * BC) * FT_TW(D) * sizeof(T); /* Q, 2 x K, 2 x V */
+    using L = Sm90FwdSmem<D, BC, NWG>;
+    static_assert(sizeof(T) == 2, "the wgmma kernels take 16-bit elements");
     return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS, EXT>,
-                        dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS, smem, p,
+                        dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), NWG * WG_THREADS, L::bytes, p,
                         "ft_attention_forward");
 }
 
-/* D: the head dim rounded up to 32, 64, 128 or 256; DK: to 32, 64, 96,
- * 128, 192 or 256, the columns Q K^T multiplies. Turns where they measured
- * faster (d = 96, 128; kernels/README.md, forward w7). */
+/* The row of SM90_FWD_TILES (flash_tiles.cuh) that takes the head dim. */
 template <typename T, bool EXT> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
 {
-    if (p.d <= 32)
-        return launch_fwd_wgmma<T, 32, 32, 64, 2, 2, false, EXT>(p);
-    if (p.d <= 64)
-        return launch_fwd_wgmma<T, 64, 64, 64, 2, 2, false, EXT>(p);
-    if (p.d <= 96)
-        return launch_fwd_wgmma<T, 128, 96, 128, 2, 1, true, EXT>(p);
-    if (p.d <= 128)
-        return launch_fwd_wgmma<T, 128, 128, 128, 2, 1, true, EXT>(p);
-    if (p.d <= 192)
-        return launch_fwd_wgmma<T, 256, 192, 64, 2, 1, false, EXT>(p);
-    return launch_fwd_wgmma<T, 256, 256, 64, 2, 1, false, EXT>(p);
+    return flash_pick(SM90_FWD_TILES, p.d, [&](auto row) {
+        constexpr Sm90FwdTile c = SM90_FWD_TILES[decltype(row)::value];
+        return launch_fwd_wgmma<T, c.D, c.DK, c.BC, c.NWG, c.MINB, c.turns, EXT>(p);
+    });
 }
 
 /* f16/bf16, 16-byte aligned rows (the caller checks). */

@@ -195,19 +195,8 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
                                         s->Nk, s->block_q, s->block_k));
         s->block_mask = p->block_mask;
     }
-    /* What the flash kernels do not run (they take windows, softcap, ALiBi
-     * slopes in f32, f32 sinks, dropout and varlen). */
-    const char *variant = NULL;
-    if (m->alibi && p->alibi_slopes->dtype != FT_F32)
-        variant = "ALiBi slopes in f64";
-    else if (m->sink && (p->sink->dtype != FT_F32 || (s->H > 1 && p->sink->stride[0] != 1)))
-        variant = "sinks in f64 or strided";
-    /* On CUDA the naive path runs them; "auto" takes it for them. */
-    if (variant && q->device.type == FT_CUDA && p->impl == FT_ATTN_FLASH)
-        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
-                       "%s: the flash kernels do not run them yet (impl = 'naive' or 'auto' "
-                       "does, on CUDA)", variant);
-    s->variant = variant != NULL;
+    /* The flash kernels run every variant (slopes and sinks in other
+     * forms are converted for them: flash_inputs). */
     return FT_OK;
 }
 
@@ -404,16 +393,49 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
 }
 
 #ifdef FT_HAVE_CUDA
-/* On CUDA, "auto" is flash but for f64 and the forms of a variant only
- * the naive path takes (f64 slopes, f64 or strided sinks). */
+/* On CUDA, "auto" is flash but for f64. */
 static int use_naive_cuda(ft_attn_impl impl, const ft_attn_shape *s)
 {
-    return impl == FT_ATTN_NAIVE || (impl == FT_ATTN_AUTO && (s->dtype == FT_F64 || s->variant));
+    return impl == FT_ATTN_NAIVE || (impl == FT_ATTN_AUTO && s->dtype == FT_F64);
 }
 #endif
 
 /* The implementation for the device: the cpu's naive or tiled code, or
  * the CUDA naive (cuBLAS) or flash kernels. */
+#ifdef FT_HAVE_CUDA
+/* The flash kernels read ALiBi slopes in f32 (any strides) and sinks in
+ * f32, contiguous: fs is s with other forms converted into tmp[0] and
+ * tmp[1] (freed by the caller, also after a failure). */
+static ft_status flash_inputs(const ft_attn_shape *s, ft_attn_shape *fs, ft_tensor **tmp)
+{
+    *fs = *s;
+    tmp[0] = tmp[1] = NULL;
+    if (s->alibi && s->alibi->dtype != FT_F32) {
+        FT_TRY(ft_to(&tmp[0], s->alibi, FT_F32, s->alibi->device));
+        fs->alibi = tmp[0];
+    }
+    if (s->sink && (s->sink->dtype != FT_F32 || !ft_is_contiguous(s->sink))) {
+        FT_TRY(ft_to(&tmp[1], s->sink, FT_F32, s->sink->device));
+        fs->sink = tmp[1];
+    }
+    return FT_OK;
+}
+
+static ft_status forward_flash_cuda(const ft_attn_shape *s, const ft_tensor *q,
+                                    const ft_tensor *k, const ft_tensor *v, ft_tensor *out,
+                                    ft_tensor *lse)
+{
+    ft_attn_shape fs;
+    ft_tensor *tmp[2];
+    ft_status st = flash_inputs(s, &fs, tmp);
+    if (st == FT_OK)
+        st = ft_attention_forward_flash_cuda(&fs, q, k, v, out, lse);
+    ft_tensor_free(tmp[0]);
+    ft_tensor_free(tmp[1]);
+    return st;
+}
+#endif
+
 static ft_status run_forward(ft_attn_impl impl, const ft_attn_shape *s,
                              const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
                              ft_tensor *out, ft_tensor *lse)
@@ -421,7 +443,7 @@ static ft_status run_forward(ft_attn_impl impl, const ft_attn_shape *s,
 #ifdef FT_HAVE_CUDA
     if (q->device.type == FT_CUDA)
         return use_naive_cuda(impl, s) ? ft_attention_forward_naive_cuda(s, q, k, v, out, lse)
-                                       : ft_attention_forward_flash_cuda(s, q, k, v, out, lse);
+                                       : forward_flash_cuda(s, q, k, v, out, lse);
 #endif
     return ft_attention_forward_cpu(impl, s, q, k, v, out, lse);
 }
@@ -440,17 +462,23 @@ static ft_status backward_flash_cuda(const ft_attn_shape *s, const ft_tensor *do
         FT_TRY(ft_fill(dk, 0.0));
         return ft_fill(dv, 0.0);
     }
-    ft_tensor *lse_c = NULL, *work = NULL;
-    FT_TRY(ft_contiguous(&lse_c, lse));
+    ft_attn_shape fs;
+    ft_tensor *lse_c = NULL, *work = NULL, *tmp[2];
+    ft_status st = flash_inputs(s, &fs, tmp);
+    if (st == FT_OK)
+        st = ft_contiguous(&lse_c, lse);
     int64_t shape[FT_MAX_DIMS + 1];
     shape[0] = 2;
     for (int i = 0; i < lse->ndim; i++)
         shape[i + 1] = lse->shape[i];
-    ft_status st = ft_empty_named(&work, lse->ndim + 1, shape, FT_F32, q->device, func);
     if (st == FT_OK)
-        st = ft_attention_backward_flash_cuda(s, dout, q, k, v, out, lse_c, work, dq, dk, dv);
+        st = ft_empty_named(&work, lse->ndim + 1, shape, FT_F32, q->device, func);
+    if (st == FT_OK)
+        st = ft_attention_backward_flash_cuda(&fs, dout, q, k, v, out, lse_c, work, dq, dk, dv);
     ft_tensor_free(lse_c);
     ft_tensor_free(work);
+    ft_tensor_free(tmp[0]);
+    ft_tensor_free(tmp[1]);
     return st;
 }
 #endif

@@ -324,7 +324,6 @@ typedef struct ft_attn_shape {
     int64_t batch0;
     const int64_t *cu_q, *cu_k;  /* varlen: B + 1 offsets each (host copies) */
     const int32_t *cu_q_dev, *cu_k_dev; /* the same on q's device (the flash kernels' one launch) */
-    int variant;                 /* any variant on (CUDA runs them naive) */
     const ft_attn_mods *mods;    /* or NULL; with the tensors it reads */
     const ft_tensor *const *mod_tensors;
     int *mod_fault;              /* set when a mod read out of range */

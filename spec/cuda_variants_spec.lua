@@ -2,13 +2,12 @@
 -- dropout and varlen, alone and combined, forward and backward, against the
 -- CPU's f64 tiled path (itself checked against a plain-Lua reference and
 -- finite differences in variants_spec.lua), on fresh random inputs. The
--- flash kernels run every variant (windows, softcap, ALiBi with f32 slopes,
--- f32 sinks, dropout, varlen in one launch), checked by FlashAttention's
--- rule against the naive path (cuBLAS and the row kernels of
--- attention_naive.cu), which runs them all and the rest (f64 slopes, f64
--- or strided sinks: impl = "auto" takes it for them, "flash" says it
--- cannot). Dropout's mask is the same bits on both devices and on every
--- path. Pending, with the reason, where there is no GPU.
+-- flash kernels run every variant (windows, softcap, ALiBi, sinks, dropout,
+-- varlen in one launch; slopes and sinks converted to contiguous f32 for
+-- them), checked by FlashAttention's rule against the naive path (cuBLAS
+-- and the row kernels of attention_naive.cu), which runs them all too.
+-- Dropout's mask is the same bits on both devices and on every path.
+-- Pending, with the reason, where there is no GPU.
 local h = require "helper"
 local ft = h.ft
 
@@ -236,13 +235,20 @@ describe("attention variants on CUDA #gpu", function()
     end
   end)
 
-  gpu_it("a variant with impl = 'flash' is a clear error, and auto runs it", function()
-    local q = randn({ 1, 8, 2, 16 }):float():cuda()
-    local o = { alibi_slopes = ft.tensor({ 0.5, 0.25 }, { dtype = "f64", device = "cuda" }) }
-    local ok, e = pcall(ft.attention, q, q, q, copy(o, { impl = "flash" }))
-    assert.is_false(ok)
-    assert.is_truthy(tostring(e):find("ALiBi slopes in f64: the flash kernels do not run them yet", 1, true), e)
-    local out = ft.attention(q, q, q, o)
-    assert.are.equal("cuda:0", out.device)
+  gpu_it("f64 slopes and f64 or strided sinks reach the flash kernels (as f32), for auto and flash alike", function()
+    local q, k, v = randn { 2, 40, 4, 32 }, randn { 2, 50, 2, 32 }, randn { 2, 50, 2, 32 }
+    local dout = randn { 2, 40, 4, 32 }
+    local sl = ft.tensor({ { 0.3, 0.2, 0.1, 0.05 }, { 0.7, 0.01, 0.4, 0.0 } }, { dtype = "f64" })
+    local sk = ft.tensor({ { 0.5, 9 }, { -1.0, 9 }, { 2.0, 9 }, { 0.0, 9 } }, { dtype = "f64" }):select(2, 1)
+    local o = { alibi_slopes = sl, sink = sk, causal = true }
+    local want = run(q, k, v, dout, copy(o, { impl = "tiled" }))
+    local go = { alibi_slopes = sl:cuda(), sink = sk:cuda(), causal = true }
+    local function g(t) return t:half():cuda() end
+    local naive = run(g(q), g(k), g(v), g(dout), copy(go, { impl = "naive" }))
+    for _, impl in ipairs { "flash", "auto" } do
+      local got = run(g(q), g(k), g(v), g(dout), copy(go, { impl = impl }))
+      assert_2x_naive("f16 " .. impl, got, naive, want)
+      assert.are.equal("f64", got.dsink.dtype)
+    end
   end)
 end)
