@@ -1,6 +1,6 @@
 /*
  * cublas_util.h - flashtile's one cuBLAS module (matmul.cu), for the .cu
- * files that call cuBLAS (matmul.cu, attention_naive.cu): one handle per
+ * files that call cuBLAS (matmul.cu, attention/naive.cu): one handle per
  * device, kept for the process, and one way to turn a cuBLAS failure into
  * an ft_status. C++ only; lib/ never sees cuBLAS.
  */

@@ -76,7 +76,7 @@ ft_status ft_cuda_matmul(ft_tensor *out, const ft_tensor *a, const ft_tensor *b)
  * costs one branch. */
 void ft_cuda_mark_written(const void *p, size_t bytes);
 
-/* ---- attention_naive.cu: S and P materialised, through cuBLAS ---- */
+/* ---- attention/naive.cu: S and P materialised, through cuBLAS ---- */
 
 ft_status ft_attention_forward_naive_cuda(const ft_attn_shape *s, const ft_tensor *q,
                                           const ft_tensor *k, const ft_tensor *v,

@@ -5,7 +5,7 @@
 -- flash kernels run every variant (windows, softcap, ALiBi, sinks, dropout,
 -- varlen in one launch; slopes and sinks converted to contiguous f32 for
 -- them), checked by FlashAttention's rule against the naive path (cuBLAS
--- and the row kernels of attention_naive.cu), which runs them all too.
+-- and the row kernels of attention/naive.cu), which runs them all too.
 -- Dropout's mask is the same bits on both devices and on every path.
 -- Pending, with the reason, where there is no GPU.
 local h = require "helper"

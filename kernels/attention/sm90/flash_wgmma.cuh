@@ -11,7 +11,7 @@
 #ifndef FT_FLASH_WGMMA_CUH
 #define FT_FLASH_WGMMA_CUH
 
-#include "flash_mma.cuh"
+#include "../flash_mma.cuh"
 
 /* Descriptor of a tile at shared address `addr` (1024-aligned chunks),
  * in two halves: the low word holds the start address (and LBO), so an

@@ -1,5 +1,5 @@
 /*
- * attention_naive.cu - the traditional attention on CUDA, the baseline the
+ * attention/naive.cu - the traditional attention on CUDA, the baseline the
  * flash kernels are measured against: S and P of every (batch, head)
  * materialised in device memory (O(B * H * Nq * Nk), counted by the pool's
  * statistics) and every product done by cuBLAS. f64, f32, f16, bf16.
