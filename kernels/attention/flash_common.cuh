@@ -390,33 +390,45 @@ __device__ __forceinline__ bool flash_keep(const FlashParams &p, int b, int h, i
     return w >= p.mod.drop_threshold;
 }
 
-/* The keep bits of keys j and j + 1 (j even) of query i, bits 0 and 1:
- * one Philox call for both. */
-__device__ __forceinline__ uint32_t flash_keep2(const FlashParams &p, int b, int h, int i, int j)
-{
-    const ft_philox4 r = flash_drop_words(p, b, h, i, j);
-    const uint32_t w0 = j & 2 ? r.v[2] : r.v[0], w1 = j & 2 ? r.v[3] : r.v[1];
-    return (uint32_t)(w0 >= p.mod.drop_threshold) | ((uint32_t)(w1 >= p.mod.drop_threshold) << 1);
-}
-
 /* Dropout's keep bits of an accumulator fragment in mod_acc's layout: bit
- * i for entry i (N <= 64); KEY_ROWS: rows are keys (one Philox call an
- * entry), else queries (one a pair of entries). A rolled loop, one call at
- * a time: unrolled, the calls' registers were live together and the
- * kernels spilled. */
+ * i for entry i (N <= 64). Rows queries: one Philox call gives a query's
+ * four keys 4 (j / 4) .. + 3, which two neighbouring lanes hold (t even and
+ * odd), two each, for rows g and g + 8: so the even lane draws row g, the
+ * odd one row g + 8, and each hands the other the bits of its half (one
+ * call a pair of lanes and a row, every word used). KEY_ROWS (rows keys,
+ * the dK/dV kernels): one call an entry. A rolled loop, one call at a
+ * time: unrolled, the calls' registers were live together and the kernels
+ * spilled. Every lane of the warp calls it. */
 template <int N, bool KEY_ROWS = false>
 __device__ __forceinline__ uint64_t keep_bits(const FlashParams &p, int b, int h, int row0,
                                               int col0)
 {
     const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
     uint64_t bits = 0;
+    if (KEY_ROWS) {
 #pragma unroll 1
-    for (int k = 0; k < N / 2; k++) {
-        const int row = row0 + g + 8 * (k % 2), col = col0 + 8 * (k / 2) + 2 * t4;
-        const uint32_t two = KEY_ROWS ? (uint32_t)flash_keep(p, b, h, col, row) |
-                                            (uint32_t)flash_keep(p, b, h, col + 1, row) << 1
-                                      : flash_keep2(p, b, h, row, col);
-        bits |= (uint64_t)two << (2 * k);
+        for (int k = 0; k < N / 2; k++) {
+            const int row = row0 + g + 8 * (k % 2), col = col0 + 8 * (k / 2) + 2 * t4;
+            const uint32_t two = (uint32_t)flash_keep(p, b, h, col, row) |
+                                 (uint32_t)flash_keep(p, b, h, col + 1, row) << 1;
+            bits |= (uint64_t)two << (2 * k);
+        }
+        return bits;
+    }
+    const int r = t4 & 1; /* the row this lane draws */
+    const uint32_t thr = p.mod.drop_threshold;
+#pragma unroll 1
+    for (int n = 0; n < N / 4; n++) {
+        const int col = col0 + 8 * n + 2 * t4;
+        const ft_philox4 w = flash_drop_words(p, b, h, row0 + g + 8 * r, col);
+        const bool hi = col & 2; /* this lane's keys are words 2, 3 (else 0, 1) */
+        const uint32_t mine = (uint32_t)((hi ? w.v[2] : w.v[0]) >= thr) |
+                              (uint32_t)((hi ? w.v[3] : w.v[1]) >= thr) << 1;
+        const uint32_t other = (uint32_t)((hi ? w.v[0] : w.v[2]) >= thr) |
+                               (uint32_t)((hi ? w.v[1] : w.v[3]) >= thr) << 1;
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, other, 1); /* row 1 - r, my keys */
+        bits |= (uint64_t)mine << (2 * (2 * n + r));
+        bits |= (uint64_t)got << (2 * (2 * n + (r ^ 1)));
     }
     return bits;
 }
