@@ -137,22 +137,28 @@ static void FN(scores)(ACC *S, ACC *G, const ACC *Q, const ACC *Kt, int64_t nr, 
     const double slope = ft_attn_slope(s, b, h);
     FN(mm_abt)(S, Q, Kt, nr, nc, s->d);
     for (int64_t r = 0; r < nr; r++) {
-        /* row i0 + r sees the keys [kb, ke): columns [cb, ce) here */
-        const int64_t cb = key_begin(s, i0 + r) - j0, ce = key_end(s, i0 + r) - j0;
-        for (int64_t c = 0; c < nc; c++) {
-            ACC *x = S + r * nc + c;
-            if (c < cb || c >= ce) {
-                *x = (ACC)-INFINITY;
-                if (G)
-                    G[r * nc + c] = 0;
-                continue;
-            }
-            *x *= scale;
-            if (G)
-                G[r * nc + c] = (ACC)ft_mod_score_grad(m, (double)*x);
-            if (modified)
-                *x = (ACC)ft_mod_score(m, slope, s->Nq, s->Nk, i0 + r, j0 + c, (double)*x);
+        /* row i0 + r sees the keys [kb, ke): columns [cb, ce) here; each
+         * part in a loop of its own (the scaling one vectorises) */
+        const int64_t cb = imin(imax(key_begin(s, i0 + r) - j0, 0), nc);
+        const int64_t ce = imax(imin(key_end(s, i0 + r) - j0, nc), cb);
+        ACC *x = S + r * nc, *g = G ? G + r * nc : NULL;
+        for (int64_t c = 0; c < cb; c++)
+            x[c] = (ACC)-INFINITY;
+        for (int64_t c = ce; c < nc; c++)
+            x[c] = (ACC)-INFINITY;
+        for (int64_t c = cb; c < ce; c++)
+            x[c] *= scale;
+        if (g) {
+            for (int64_t c = 0; c < cb; c++)
+                g[c] = 0;
+            for (int64_t c = ce; c < nc; c++)
+                g[c] = 0;
+            for (int64_t c = cb; c < ce; c++)
+                g[c] = m->softcap > 0 ? (ACC)ft_mod_score_grad(m, (double)x[c]) : (ACC)1;
         }
+        if (modified)
+            for (int64_t c = cb; c < ce; c++)
+                x[c] = (ACC)ft_mod_score(m, slope, s->Nq, s->Nk, i0 + r, j0 + c, (double)x[c]);
     }
     if (X) /* the scores the mods take, for their tensors' gradients */
         memcpy(X, S, (size_t)(nr * nc) * sizeof *X);
@@ -386,11 +392,9 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
             ACC *o = O + r * d, sum = 0;
             for (int64_t j = 0; j < d; j++)
                 o[j] *= alpha;
-            for (int64_t c = 0; c < nc; c++) {
-                const ACC p = ACC_EXP(srow[c] - m_new);
-                sum += p; /* the softmax's sum is of the undropped P */
-                srow[c] = p;
-            }
+            ACC_EXP_ROW(srow, nc, m_new);
+            for (int64_t c = 0; c < nc; c++)
+                sum += srow[c]; /* the softmax's sum is of the undropped P */
             if (s->mod.dropout)
                 for (int64_t c = 0; c < nc; c++)
                     srow[c] *= (ACC)keep_scale(s, b, h, i0 + r, j0 + c);
@@ -481,12 +485,12 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
                 for (int64_t r = 0; r < nr; r++)
                     L[r] = (ACC)lse_load(lse, b, h, i0 + r);
                 FN(scores)(P, SG, Q, Kt, nr, nc, i0, j0, s, b, h, X, skip_mods);
-                for (int64_t r = 0; r < nr; r++)
-                    for (int64_t c = 0; c < nc; c++) {
-                        ACC *p = P + r * nc + c;
-                        *p = *p == (ACC)-INFINITY || L[r] == (ACC)-INFINITY
-                                 ? 0 : ACC_EXP(*p - L[r]);
-                    }
+                for (int64_t r = 0; r < nr; r++) { /* a row that saw no key: P = 0 */
+                    if (L[r] == (ACC)-INFINITY)
+                        memset(P + r * nc, 0, (size_t)nc * sizeof *P);
+                    else
+                        ACC_EXP_ROW(P + r * nc, nc, L[r]);
+                }
                 FN(mm_abt)(dS, dO, Vt, nr, nc, d); /* dP = dO V^T */
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++) {
