@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dkdv_simt_kern
           dv[FT_SIMT_MAX_COLS] = {0}, q[FT_SIMT_MAX_COLS], dO[FT_SIMT_MAX_COLS];
     load_row(k, p.k, b, j, hk, p, lane);
     load_row(v, p.v, b, j, hk, p, lane);
-    const bool mods = p.mod.softcap > 0 || p.alibi; /* softcap or ALiBi */
+    const bool mods = flash_score_modified(p);
     for (int h = hk * G; h < (hk + 1) * G; h++) {
         const ScoreMod smod = flash_score_mod(p, b, h);
         const float *lse = p.lse + flash_stat(p, b, h);
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
     load_row(dO, p.dout, b, i, h, p, lane);
     const float lse = p.lse[flash_stat(p, b, h) + i];
     const float D = p.D[flash_stat(p, b, h) + i];
-    const bool mods = p.mod.softcap > 0 || p.alibi; /* softcap or ALiBi */
+    const bool mods = flash_score_modified(p);
     const ScoreMod smod = flash_score_mod(p, b, h);
     const int jend = flash_key_end(p, i);
     for (int j = flash_key_begin(p, i); j < jend; j++) {
@@ -528,19 +528,16 @@ static ft_status launch_bwd_mma(const FlashParams &p)
                         4 * FT_WARP, L::q_bytes, p, func);
 }
 
-template <typename T, bool EXT>
-static ft_status launch_bwd_mma_mod(const FlashParams &p)
+/* The row of MMA_BWD_TILES that takes the head dim, for p's dtype and kind. */
+static ft_status launch_bwd_mma_any(const FlashParams &p)
 {
-    return flash_pick(MMA_BWD_TILES, p.d, [&](auto row) {
-        constexpr MmaBwdTile c = MMA_BWD_TILES[decltype(row)::value];
-        return launch_bwd_mma<T, c.D, c.BC, c.DSPLIT, EXT>(p);
+    return flash_dispatch(p, [&](auto type, auto ext) {
+        using T = typename decltype(type)::type;
+        return flash_pick(MMA_BWD_TILES, p.d, [&](auto row) {
+            constexpr MmaBwdTile c = MMA_BWD_TILES[decltype(row)::value];
+            return launch_bwd_mma<T, c.D, c.BC, c.DSPLIT, decltype(ext)::value>(p);
+        });
     });
-}
-
-template <typename T>
-static ft_status launch_bwd_mma_dtype(const FlashParams &p)
-{
-    return flash_extended(p) ? launch_bwd_mma_mod<T, true>(p) : launch_bwd_mma_mod<T, false>(p);
 }
 
 extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
@@ -573,8 +570,7 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     if (st == FT_OK && sm90) {
         st = flash_bwd_sm90(p);
     } else if (st == FT_OK && mma) {
-        st = q->dtype == FT_F16 ? launch_bwd_mma_dtype<__half>(p)
-                                : launch_bwd_mma_dtype<__nv_bfloat16>(p);
+        st = launch_bwd_mma_any(p);
     }
     if (!mma && st == FT_OK && s->Nk > 0) {
         flash_bwd_dkdv_simt_kernel<<<dim3((p.Nk + SIMT_WARPS - 1) / SIMT_WARPS, p.Hk, p.B),

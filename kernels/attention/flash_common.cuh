@@ -349,12 +349,18 @@ __device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b,
     return m;
 }
 
+/* Whether a call modifies its scores (softcap or ALiBi). */
+__host__ __device__ inline bool flash_score_modified(const FlashParams &p)
+{
+    return p.mod.softcap > 0 || p.alibi;
+}
+
 /* Whether a call needs the extended kernels (EXT = true): it modifies
  * its scores, drops probabilities, or runs variable lengths in one
  * launch. */
 __host__ __device__ inline bool flash_extended(const FlashParams &p)
 {
-    return p.mod.softcap > 0 || p.alibi || p.mod.dropout || p.cu_q;
+    return flash_score_modified(p) || p.mod.dropout || p.cu_q;
 }
 
 /* Dropout (lib/attn_mod.h's rule, as ft_mod_keep): the Philox words of
@@ -380,6 +386,21 @@ template <typename F> __device__ __forceinline__ void with_dropout(const FlashPa
         f(Bool<true>());
     else
         f(Bool<false>());
+}
+
+/* f(TypeOf<T>(), Bool<EXT>()) for p's element type (f16 or bf16) and
+ * whether it needs the extended kernels: the one place the tensor-core
+ * launchers turn a call into template arguments. */
+template <typename T> struct TypeOf {
+    using type = T;
+};
+template <typename F> static ft_status flash_dispatch(const FlashParams &p, F f)
+{
+    if (flash_extended(p))
+        return p.dtype == FT_F16 ? f(TypeOf<__half>(), Bool<true>())
+                                 : f(TypeOf<__nv_bfloat16>(), Bool<true>());
+    return p.dtype == FT_F16 ? f(TypeOf<__half>(), Bool<false>())
+                             : f(TypeOf<__nv_bfloat16>(), Bool<false>());
 }
 
 /* Whether dropout keeps (i, j). */

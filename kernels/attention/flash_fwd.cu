@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
         o[t] = 0.f;
     }
     float m = flash_sink_log2(p, h), l = flash_sink_sum(m, true); /* m in log2 units */
-    const bool mods = p.mod.softcap > 0 || p.alibi; /* softcap or ALiBi */
+    const bool mods = flash_score_modified(p);
     const ScoreMod smod = flash_score_mod(p, b, h);
     const int jend = flash_key_end(p, row);
     for (int j = flash_key_begin(p, row); j < jend; j++) {
@@ -363,19 +363,16 @@ static ft_status launch_fwd_mma(const FlashParams &p)
                         p, "ft_attention_forward");
 }
 
-template <typename T, bool EXT>
-static ft_status launch_fwd_mma_mod(const FlashParams &p)
+/* The row of MMA_FWD_TILES that takes the head dim, for p's dtype and kind. */
+static ft_status launch_fwd_mma_any(const FlashParams &p)
 {
-    return flash_pick(MMA_FWD_TILES, p.d, [&](auto row) {
-        constexpr MmaFwdTile c = MMA_FWD_TILES[decltype(row)::value];
-        return launch_fwd_mma<T, c.D, c.BC, c.MT, EXT>(p);
+    return flash_dispatch(p, [&](auto type, auto ext) {
+        using T = typename decltype(type)::type;
+        return flash_pick(MMA_FWD_TILES, p.d, [&](auto row) {
+            constexpr MmaFwdTile c = MMA_FWD_TILES[decltype(row)::value];
+            return launch_fwd_mma<T, c.D, c.BC, c.MT, decltype(ext)::value>(p);
+        });
     });
-}
-
-template <typename T>
-static ft_status launch_fwd_mma_dtype(const FlashParams &p)
-{
-    return flash_extended(p) ? launch_fwd_mma_mod<T, true>(p) : launch_fwd_mma_mod<T, false>(p);
 }
 
 extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
@@ -393,8 +390,7 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     if (mma && flash_sm90_usable(q->device.index))
         return flash_fwd_sm90(p);
     if (mma)
-        return q->dtype == FT_F16 ? launch_fwd_mma_dtype<__half>(p)
-                                  : launch_fwd_mma_dtype<__nv_bfloat16>(p);
+        return launch_fwd_mma_any(p);
     dim3 grid((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B);
     flash_fwd_simt_kernel<<<grid, SIMT_WARPS * FT_WARP>>>(p);
     FT_CUDA_CHECK_LAUNCH("ft_attention_forward");

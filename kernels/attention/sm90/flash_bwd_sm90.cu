@@ -872,25 +872,20 @@ template <typename T, int DK, bool EXT> static ft_status launch_bwd_wide(const F
                         THREADS, SM90_WIDE_DQ_BYTES, p, func);
 }
 
-/* The row of SM90_BWD_TILES (flash_tiles.cuh) that takes the head dim. */
-template <typename T, bool EXT> static ft_status launch_bwd_wgmma_dtype(const FlashParams &p)
-{
-    return flash_pick(SM90_BWD_TILES, p.d, [&](auto row) {
-        constexpr Sm90BwdTile c = SM90_BWD_TILES[decltype(row)::value];
-        if constexpr (c.wide)
-            return launch_bwd_wide<T, c.DK, EXT>(p);
-        else
-            return launch_bwd_wgmma<T, c.D, c.DK, c.BM, c.BC, c.turns, EXT>(p);
-    });
-}
-
 /* dK, dV and dQ once D is in p.D: f16/bf16, rows aligned, Nq > 0 (the
- * caller checks). */
+ * caller checks); the row of SM90_BWD_TILES (flash_tiles.cuh) that takes
+ * the head dim. */
 ft_status flash_bwd_sm90(const FlashParams &p)
 {
-    if (flash_extended(p))
-        return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half, true>(p)
-                                 : launch_bwd_wgmma_dtype<__nv_bfloat16, true>(p);
-    return p.dtype == FT_F16 ? launch_bwd_wgmma_dtype<__half, false>(p)
-                             : launch_bwd_wgmma_dtype<__nv_bfloat16, false>(p);
+    return flash_dispatch(p, [&](auto type, auto ext) {
+        using T = typename decltype(type)::type;
+        constexpr bool EXT = decltype(ext)::value;
+        return flash_pick(SM90_BWD_TILES, p.d, [&](auto row) {
+            constexpr Sm90BwdTile c = SM90_BWD_TILES[decltype(row)::value];
+            if constexpr (c.wide)
+                return launch_bwd_wide<T, c.DK, EXT>(p);
+            else
+                return launch_bwd_wgmma<T, c.D, c.DK, c.BM, c.BC, c.turns, EXT>(p);
+        });
+    });
 }

@@ -240,21 +240,16 @@ static ft_status launch_fwd_wgmma(const FlashParams &p)
                         "ft_attention_forward");
 }
 
-/* The row of SM90_FWD_TILES (flash_tiles.cuh) that takes the head dim. */
-template <typename T, bool EXT> static ft_status launch_fwd_wgmma_dtype(const FlashParams &p)
-{
-    return flash_pick(SM90_FWD_TILES, p.d, [&](auto row) {
-        constexpr Sm90FwdTile c = SM90_FWD_TILES[decltype(row)::value];
-        return launch_fwd_wgmma<T, c.D, c.DK, c.BC, c.NWG, c.MINB, c.turns, EXT>(p);
-    });
-}
-
-/* f16/bf16, 16-byte aligned rows (the caller checks). */
+/* f16/bf16, 16-byte aligned rows (the caller checks): the row of
+ * SM90_FWD_TILES (flash_tiles.cuh) that takes the head dim. */
 ft_status flash_fwd_sm90(const FlashParams &p)
 {
-    if (flash_extended(p))
-        return p.dtype == FT_F16 ? launch_fwd_wgmma_dtype<__half, true>(p)
-                                 : launch_fwd_wgmma_dtype<__nv_bfloat16, true>(p);
-    return p.dtype == FT_F16 ? launch_fwd_wgmma_dtype<__half, false>(p)
-                             : launch_fwd_wgmma_dtype<__nv_bfloat16, false>(p);
+    return flash_dispatch(p, [&](auto type, auto ext) {
+        using T = typename decltype(type)::type;
+        return flash_pick(SM90_FWD_TILES, p.d, [&](auto row) {
+            constexpr Sm90FwdTile c = SM90_FWD_TILES[decltype(row)::value];
+            return launch_fwd_wgmma<T, c.D, c.DK, c.BC, c.NWG, c.MINB, c.turns,
+                                    decltype(ext)::value>(p);
+        });
+    });
 }
