@@ -291,7 +291,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
              * EXT: S^T modified first, and dP^T - D times its derivative
              * (g (dP - D) in place of dP - D). */
             if (EXT)
-                mod_acc_with<NT_Q * 4, true>(smod, &st[0][0], j0 + kw * 16, i0,
+                mod_acc_with<NT_Q * 4, true, fast_tanh<T>()>(smod, &st[0][0], j0 + kw * 16, i0,
                                              [&](int k, float d0, float d1) {
                                                  float *x = &dpt[0][0] + 2 * k;
                                                  const float *dd = sD + 8 * (k / 2) + 2 * t4;
@@ -460,7 +460,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
         const uint64_t kbits =
             EXT && p.mod.dropout ? keep_bits<NT_S * 4>(p, b, h, i0 + warp * 16, j0) : 0;
         if (EXT) /* as in dK/dV: S modified, g (Z dP - D) in place of dP - D */
-            mod_acc_with<NT_S * 4, false>(smod, &s[0][0], i0 + warp * 16, j0,
+            mod_acc_with<NT_S * 4, false, fast_tanh<T>()>(smod, &s[0][0], i0 + warp * 16, j0,
                                           [&](int k, float d0, float d1) {
                                               float *x = &dp[0][0] + 2 * k;
                                               const bool drop = p.mod.dropout;

@@ -26,6 +26,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <type_traits>
 
 #define FT_LOG2E 1.4426950408889634f
 #define FT_WARP 32
@@ -282,7 +283,12 @@ __device__ __forceinline__ float ex2(float x)
  *
  * tanh(y) = 1 - 2 / (1 + e^2y): two special-function instructions (ex2,
  * rcp) a score besides the softmax's exp2; a reciprocal by Newton's
- * method on the FMA units instead measured the same on the H200. ALiBi's
+ * method on the FMA units instead measured the same on the H200 (the
+ * softmax of one warpgroup, while the other multiplies, is bound by the
+ * special-function unit's 4 lanes a clock and the FMA unit's 16 in
+ * turn). The bf16 kernels take tanh.approx (one instruction; relative
+ * error below 2^-10.9, under bf16's rounding of P, 2^-9): FAST kinds.
+ * f16 keeps the exact form, its rounding being 2^-12. ALiBi's
  * distance is taken between positions held as floats (exact below 2^24):
  * an integer conversion per score would take the special-function unit's
  * rate too. Loops over fragments are compiled per ModKind, without a
@@ -290,9 +296,23 @@ __device__ __forceinline__ float ex2(float x)
 /* Which modifications a loop applies, fixed at compile time: each loop
  * over a fragment is compiled once per kind (with_mod_kind picks it once
  * per call), so no score waits on a branch of its own. */
-template <bool CAP, bool ALIBI> struct ModKind {
-    static constexpr bool cap = CAP, alibi = ALIBI;
+template <bool CAP, bool ALIBI, bool FAST = false> struct ModKind {
+    static constexpr bool cap = CAP, alibi = ALIBI, fast = FAST;
 };
+
+/* Whether the kernels of element type T take tanh.approx for the softcap. */
+template <typename T> __host__ __device__ constexpr bool fast_tanh()
+{
+    return std::is_same<T, __nv_bfloat16>::value;
+}
+
+/* tanh.approx: one special-function instruction. */
+__device__ __forceinline__ float tanh_approx(float x)
+{
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 struct ScoreMod {
     float cap2;  /* 2 log2(e) scale / softcap: e^2y = 2^(cap2 s); 0: off */
@@ -308,7 +328,9 @@ struct ScoreMod {
     {
         *grad = 1.f;
         if (K::cap) {
-            const float t = 1.f - __fdividef(2.f, 1.f + ex2(cap2 * s));
+            /* y = scale s / softcap = cap2 s / (2 log2 e) */
+            const float t = K::fast ? tanh_approx(s * (cap2 * (0.5f / FT_LOG2E)))
+                                    : 1.f - __fdividef(2.f, 1.f + ex2(cap2 * s));
             s = cap * t;
             *grad = fmaf(-t, t, 1.f);
         }
@@ -326,16 +348,17 @@ struct ScoreMod {
 
 /* f(kind) with the kind of m: softcap with or without ALiBi, ALiBi, or
  * none (a varlen call without modifications; a head of zero slope). */
-template <typename F> __device__ __forceinline__ void with_mod_kind(const struct ScoreMod &m, F f)
+template <bool FAST = false, typename F>
+__device__ __forceinline__ void with_mod_kind(const struct ScoreMod &m, F f)
 {
     if (m.cap2 == 0.f && m.slope == 0.f)
         f(ModKind<false, false>());
     else if (m.cap2 == 0.f)
         f(ModKind<false, true>());
     else if (m.slope != 0.f)
-        f(ModKind<true, true>());
+        f(ModKind<true, true, FAST>());
     else
-        f(ModKind<true, false>());
+        f(ModKind<true, false, FAST>());
 }
 
 __device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b, int h)
@@ -477,7 +500,7 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
  * queries and columns keys, or (KEY_ROWS) the transposed products of the
  * dK/dV kernels. sink(k, d0, d1) takes the derivatives of entries 2 k and
  * 2 k + 1 (a row's neighbours); mod_acc drops them or stores them in grad. */
-template <int N, bool KEY_ROWS, typename Sink>
+template <int N, bool KEY_ROWS, bool FAST = false, typename Sink>
 __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int row0, int col0,
                                              Sink sink)
 {
@@ -488,7 +511,7 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
     for (int r = 0; r < 2; r++)
         rpos[r] = KEY_ROWS ? (float)(row0 + g + 8 * r) : m.pos(row0 + g + 8 * r);
     const float cbase = KEY_ROWS ? m.pos(col0 + 2 * t4) : (float)(col0 + 2 * t4);
-    with_mod_kind(m, [&](auto kind) {
+    with_mod_kind<FAST>(m, [&](auto kind) {
 #pragma unroll
         for (int k = 0; k < N / 2; k++) {
             float d[2];
@@ -504,11 +527,11 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
     });
 }
 
-template <int N, bool KEY_ROWS = false>
+template <int N, bool KEY_ROWS = false, bool FAST = false>
 __device__ __forceinline__ void mod_acc(const ScoreMod &m, float *acc, int row0, int col0,
                                         float *grad = nullptr)
 {
-    mod_acc_with<N, KEY_ROWS>(m, acc, row0, col0, [&](int k, float d0, float d1) {
+    mod_acc_with<N, KEY_ROWS, FAST>(m, acc, row0, col0, [&](int k, float d0, float d1) {
         if (grad) {
             grad[2 * k] = d0;
             grad[2 * k + 1] = d1;

@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
         if (EXT)
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
-                mod_acc<NT_S * 4>(smod, &s[mt][0][0], wrow0 + mt * 16, j0);
+                mod_acc<NT_S * 4, false, fast_tanh<T>()>(smod, &s[mt][0][0], wrow0 + mt * 16, j0);
         const bool edge = full.masks(j0, j0 + BC);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)

@@ -167,7 +167,7 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
  * LSE); in a block at an edge (keys [block_begin, block_end) not all in
  * `full`, the keys every row sees), hidden keys are zeroed. With EXT, S is
  * modified first and dS takes the modification's derivative. */
-template <int N, bool EXT>
+template <typename T, int N, bool EXT>
 __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod &smod, int b,
                                            int h, float *dp, float *s, const float *lse,
                                            const float *Dr, int row0, int col0,
@@ -176,7 +176,7 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod 
     if (EXT) /* S modified, and g (Z dP - D) in place of dP - D */
         with_dropout(p, [&](auto drop) {
             const uint64_t bits = decltype(drop)::value ? keep_bits<N>(p, b, h, row0, col0) : 0;
-            mod_acc_with<N, false>(smod, s, row0, col0, [&](int k, float d0, float d1) {
+            mod_acc_with<N, false, fast_tanh<T>()>(smod, s, row0, col0, [&](int k, float d0, float d1) {
                 const float z0 = decltype(drop)::value ? drop_factor(p, bits, 2 * k) : 1.f;
                 const float z1 = decltype(drop)::value ? drop_factor(p, bits, 2 * k + 1) : 1.f;
                 dp[2 * k] = d0 * (z0 * dp[2 * k] - Dr[k % 2]);
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         const float *L = qs.lse(t);
         const bool edge = full.masks(i0, i0 + BM);
         if (EXT)
-            mod_acc_with<BM / 2, true>(flash_score_mod(p, b, qs.ch), s, wkey0, i0,
+            mod_acc_with<BM / 2, true, fast_tanh<T>()>(flash_score_mod(p, b, qs.ch), s, wkey0, i0,
                                        [&](int k, float d0, float d1) {
                                            const __half2 g2 = __floats2half2_rn(d0, d1);
                                            gmod[k * THREADS] = *reinterpret_cast<const uint32_t *>(&g2);
@@ -521,7 +521,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     auto elementwise = [&](int j) {
         pin_all<BC / 2>(s);
         pin_all<BC / 2>(dp);
-        dq_dscores<BC / 2, EXT>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full, j * BC,
+        dq_dscores<T, BC / 2, EXT>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full, j * BC,
                                 (j + 1) * BC);
     };
 
@@ -693,7 +693,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         const bool edge = full.masks(i0, i0 + BM);
         float dmod[EXT ? 16 : 1]; /* the modification's derivatives */
         if (EXT)
-            mod_acc<16, true>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
+            mod_acc<16, true, fast_tanh<T>()>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
         auto body = [&](auto drop) {
             const uint64_t bits =
                 decltype(drop)::value ? keep_bits<16, true>(p, b, qs.ch, wkey0, i0 + wg * 32) : 0;
@@ -813,7 +813,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        dq_dscores<16, EXT>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
+        dq_dscores<T, 16, EXT>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
                             (j + 1) * BC);
         /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
         uint32_t df[2][4];
