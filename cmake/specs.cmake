@@ -41,7 +41,9 @@ endif()
 # ASan runtime has to be loaded first. libgomp is preloaded too: it keeps a
 # small allocation from its start-up that LeakSanitizer would report once
 # the Lua state unloads the module (and libgomp with it) at exit.
-set(FT_SPEC_ENV "")
+# The specs' compiled mods (kernels/attention/rtc.cu) go to the build tree's
+# cache, not the user's.
+set(FT_SPEC_ENV "FT_CACHE_DIR=${CMAKE_BINARY_DIR}/rtc-cache")
 set(FT_SANITIZER_ENV "")
 if(FT_SANITIZE)
   execute_process(COMMAND ${CMAKE_C_COMPILER} -print-file-name=libasan.so
@@ -74,7 +76,7 @@ endforeach()
 if(FT_CUDA_ENABLED)
   set(FT_MMA_ENV ${FT_SPEC_ENV})
   list(APPEND FT_MMA_ENV "FT_NO_WGMMA=1")
-  foreach(name cuda_attention_spec cuda_variants_spec)
+  foreach(name cuda_attention_spec cuda_variants_spec cuda_mods_spec)
     add_test(NAME ${name}_mma
       COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
               --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/${name}.lua

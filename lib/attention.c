@@ -137,6 +137,45 @@ static ft_status check_dropout(const char *func, int ap, const ft_attn_params *p
 }
 
 /* The variant options into s->mod (s's sizes are set). */
+/* Mods on CUDA run in the flash kernels compiled for them (their
+ * tensor-core path); what those take. */
+static ft_status check_cuda_mods(const char *func, int ap, const ft_tensor *q,
+                                 const ft_attn_params *p, const ft_attn_shape *s)
+{
+    if (p->impl == FT_ATTN_NAIVE)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "mods on CUDA run in the flash kernels: impl 'flash' or 'auto', not "
+                       "'naive'");
+    if (q->dtype != FT_F16 && q->dtype != FT_BF16)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 1,
+                       "mods on CUDA take f16 or bf16 tensors (the flash kernels' tensor-core "
+                       "path), got %s; use the cpu for f32 and f64",
+                       ft_dtype_name(q->dtype));
+    if (s->d % 8 != 0)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 1,
+                       "mods on CUDA need head_dim a multiple of 8, got %lld", (long long)s->d);
+    if (p->mod_ntensors > FT_RTC_MAX_TENSORS)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "mods on CUDA read at most %d tensors, these read %d", FT_RTC_MAX_TENSORS,
+                       p->mod_ntensors);
+    for (int t = 0; t < p->mod_ntensors; t++) {
+        const ft_tensor *x = p->mod_tensors[t];
+        if (x->ndim > 4)
+            return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                           "mods on CUDA read tensors of at most 4 dims; tensor %d has %d", t + 1,
+                           x->ndim);
+        for (int d = 0; d < x->ndim; d++)
+            if (x->shape[d] > INT32_MAX)
+                return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                               "mods on CUDA read tensors of sizes below 2^31; tensor %d has "
+                               "%lld", t + 1, (long long)x->shape[d]);
+    }
+    if (p->block_mask)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "block_mask on CUDA: not supported yet (the cpu takes it)");
+    return FT_OK;
+}
+
 static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
                                const ft_attn_params *p, ft_attn_shape *s)
 {
@@ -174,13 +213,12 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
     s->mod_scratch = NULL, s->mod_scratch_per_thread = 0;
     s->mod_gacc = NULL, s->mod_gbuf = NULL, s->mod_gbuf_per_task = 0, s->mod_goff = NULL;
     if (p->mods) {
-        if (q->device.type == FT_CUDA)
-            return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
-                           "mods on CUDA tensors: not supported yet (the cpu runs them)");
         if (p->mod_ntensors > 0 && !p->mod_tensors)
             return ft_fail(FT_ERR_ARGUMENT, func, ap, "mod_tensors is NULL");
         FT_TRY(ft_attn_mods_check_tensors(p->mods, func, ap, p->mod_ntensors, p->mod_tensors,
                                           q->device));
+        if (q->device.type == FT_CUDA)
+            FT_TRY(check_cuda_mods(func, ap, q, p, s));
         s->mods = p->mods;
         s->mod_tensors = p->mod_tensors;
     }
@@ -779,6 +817,13 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     s.mod_fault = &fault;
     if (st == FT_OK)
         st = check_backward_inputs(func, &s, dout, q, out, lse);
+    for (int t = 0; st == FT_OK && q->device.type == FT_CUDA && t < ngrad; t++)
+        if (ft_dtype_is_float(s.mod_tensors[t]->dtype))
+            st = ft_fail(FT_ERR_UNSUPPORTED, func, 7,
+                         "the gradients of the float tensors mods read (tensor %d) are computed "
+                         "on the cpu only yet; leave mod_grads NULL (Lua: mod_grads = false) to "
+                         "skip them on CUDA",
+                         t + 1);
     ft_tensor *g[3] = {NULL, NULL, NULL}, *ds = NULL;
     const ft_tensor *like[3] = {q, k, v};
     /* the mods' float tensors' gradients: f64 running sums, then tensors */

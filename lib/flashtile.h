@@ -356,6 +356,16 @@ FT_API void ft_attn_mods_eval_point(const ft_attn_mods *m, const ft_tensor *cons
                                     int *fault);
 FT_API const char *ft_mod_op_name(int op);
 
+/* On CUDA, a call with mods runs the flash kernels compiled for them at
+ * run time (NVRTC), kept in memory and in a cache on disk: what that took
+ * since the process started (all zero without CUDA). */
+typedef struct ft_rtc_stats {
+    int64_t compiles, disk_loads, memory_hits;
+    double compile_s, load_s;           /* totals, seconds */
+    double last_compile_s, last_load_s; /* the latest of each */
+} ft_rtc_stats;
+FT_API void ft_cuda_mods_stats(ft_rtc_stats *out);
+
 /* A block mask (FlexAttention's BlockMask): the mods' mask evaluated
  * once for every tile of block_q x block_k of a [B, H, Nq, Nk] call, so
  * that the tiled path skips the tiles it hides wholly and skips the mask
@@ -408,7 +418,8 @@ typedef struct ft_attn_params {
     const ft_tensor *const *mod_tensors;
     /* Backward with mods: mod_ntensors slots (NULL: none asked) that get a
      * new gradient tensor for each float tensor the mods read (NULL for
-     * the others); cpu only so far. */
+     * the others); cpu only so far (on CUDA, with a float tensor among
+     * them, the call fails: leave it NULL there). */
     ft_tensor **mod_grads;
     const ft_attn_block_mask *block_mask; /* with mods: NULL, or made for this call */
 } ft_attn_params;

@@ -360,6 +360,19 @@ ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, in
  * also gives d score / d (the value read k read) and that value's
  * row-major index in its tensor: the captured tensors' gradients. */
 int ft_attn_mods_reads(const ft_attn_mods *m);
+/* The graph's nodes, its list of read indices, and its roots (which 0:
+ * the score, 1: the mask; -1 when absent). */
+const ft_mod_node *ft_attn_mods_graph(const ft_attn_mods *m);
+const int32_t *ft_attn_mods_index_list(const ft_attn_mods *m);
+int ft_attn_mods_root(const ft_attn_mods *m, int which);
+/* mods_cuda.c: the graph as CUDA source, struct FtUserMod (the flash
+ * kernels' UM), for these tensors' dtypes; fast: the bf16 kernels' fast
+ * exp and tanh; debug: reads out of range set ft_mod_fault. NULL when out
+ * of memory; the caller frees it. On CUDA a call's mods read at most
+ * FT_RTC_MAX_TENSORS tensors of at most 4 dims. */
+#define FT_RTC_MAX_TENSORS 8
+char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
+                               int debug);
 int ft_attn_mods_read_tensor(const ft_attn_mods *m, int k);
 size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width, int with_reads);
 void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,

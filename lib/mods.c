@@ -195,6 +195,10 @@ ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, in
 
 int ft_attn_mods_reads(const ft_attn_mods *m) { return m ? m->nreads : 0; }
 
+const ft_mod_node *ft_attn_mods_graph(const ft_attn_mods *m) { return m->nodes; }
+const int32_t *ft_attn_mods_index_list(const ft_attn_mods *m) { return m->indices; }
+int ft_attn_mods_root(const ft_attn_mods *m, int which) { return which ? m->mask : m->score; }
+
 int ft_attn_mods_read_tensor(const ft_attn_mods *m, int k) { return m->nodes[m->reads[k]].a; }
 
 size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width, int with_reads)

@@ -1876,8 +1876,10 @@ static int l_is_tensor(lua_State *L)
 
 /* ---- attention ---- */
 
-/* {causal=, scale=, impl=, ... } at idx into p (see attn_spec). */
-static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
+/* {causal=, scale=, impl=, ... } at idx into p (see attn_spec); returns
+ * whether the backward should give the mods' tensors' gradients (option
+ * mod_grads, true unless false). */
+static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
 {
     static const opt_spec spec[] = {
         {"causal", OPT_BOOL},        {"scale", OPT_NUMBER},        {"impl", OPT_IMPL},
@@ -1886,7 +1888,7 @@ static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
         {"alibi_slopes", OPT_TENSOR}, {"dropout_p", OPT_NUMBER},   {"seed", OPT_INT},
         {"cu_seqlens_q", OPT_TENSOR}, {"cu_seqlens_k", OPT_TENSOR}, {"sink", OPT_TENSOR},
         {"offset", OPT_INT},         {"max_seqlen_q", OPT_INT},    {"max_seqlen_k", OPT_INT},
-        {"mods", OPT_MODS},          {"block_mask", OPT_BLOCK_MASK}};
+        {"mods", OPT_MODS},          {"block_mask", OPT_BLOCK_MASK}, {"mod_grads", OPT_BOOL}};
     enum { N = sizeof spec / sizeof spec[0] };
     opt_value v[N];
     read_options(L, idx, spec, N, v);
@@ -1923,6 +1925,7 @@ static void check_attn_options(lua_State *L, int idx, ft_attn_params *p)
     p->mod_ntensors = v[18].mod_ntensors;
     p->mod_tensors = v[18].mod_tensors;
     p->block_mask = v[19].block_mask;
+    return !v[20].present || v[20].boolean;
 }
 
 /* data = core.attention_block_mask(graph, tensors, B, H, Nq, Nk, block_q,
@@ -2090,7 +2093,7 @@ static int l_attention_backward(lua_State *L)
     for (int i = 0; i < 6; i++)
         t[i] = check_tensor(L, i + 1);
     ft_attn_params p;
-    check_attn_options(L, 7, &p);
+    const int want_grads = check_attn_options(L, 7, &p);
     ft_tensor **dq = push_slot(L);
     ft_tensor **dk = push_slot(L);
     ft_tensor **dv = push_slot(L);
@@ -2100,7 +2103,7 @@ static int l_attention_backward(lua_State *L)
     ft_tensor *grads[FT_MOD_MAX_TENSORS] = {NULL};
     ft_tensor **gslot[FT_MOD_MAX_TENSORS] = {NULL};
     int ngrads = 0;
-    if (p.mods) {
+    if (p.mods && want_grads) {
         luaL_checkstack(L, p.mod_ntensors + 2, "too many tensors in mods");
         for (int k = 0; k < p.mod_ntensors; k++)
             if (ft_dtype_is_float(p.mod_tensors[k]->dtype)) {
@@ -2170,6 +2173,31 @@ static int cuda_is_available(lua_State *L)
 static int cuda_is_built(lua_State *L)
 {
     lua_pushboolean(L, ft_cuda_built());
+    return 1;
+}
+
+/* ft.cuda.mods_stats(): what the run-time compiler did for mods on CUDA
+ * since the process started: {compiles, disk_loads, memory_hits,
+ * compile_s, load_s, last_compile_s, last_load_s}. */
+static int cuda_mods_stats(lua_State *L)
+{
+    ft_rtc_stats s;
+    ft_cuda_mods_stats(&s);
+    lua_createtable(L, 0, 7);
+    lua_pushinteger(L, (lua_Integer)s.compiles);
+    lua_setfield(L, -2, "compiles");
+    lua_pushinteger(L, (lua_Integer)s.disk_loads);
+    lua_setfield(L, -2, "disk_loads");
+    lua_pushinteger(L, (lua_Integer)s.memory_hits);
+    lua_setfield(L, -2, "memory_hits");
+    lua_pushnumber(L, s.compile_s);
+    lua_setfield(L, -2, "compile_s");
+    lua_pushnumber(L, s.load_s);
+    lua_setfield(L, -2, "load_s");
+    lua_pushnumber(L, s.last_compile_s);
+    lua_setfield(L, -2, "last_compile_s");
+    lua_pushnumber(L, s.last_load_s);
+    lua_setfield(L, -2, "last_load_s");
     return 1;
 }
 
@@ -2278,7 +2306,7 @@ static const luaL_Reg cuda_functions[] = {
     {"is_available", cuda_is_available}, {"is_built", cuda_is_built},
     {"device_count", cuda_device_count}, {"device_name", cuda_device_name},
     {"synchronize", cuda_synchronize},   {"Event", cuda_event_new},
-    {NULL, NULL}};
+    {"mods_stats", cuda_mods_stats},     {NULL, NULL}};
 
 /* ---- lifetime ---- */
 

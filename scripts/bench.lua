@@ -32,8 +32,10 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
                      slopes), softcap:C, sink, dropout:P, varlen (16
                      sequences of mixed length, N / 32 to 4 N, 16 N tokens
                      in all, packed with cu_seqlens; compare with none at
-                     --tokens 16N) (default none); TFLOP/s count the
-                     visible scores only
+                     --tokens 16N), lua:V for none, window:W, alibi or
+                     softcap:C written in Lua (ft.attention_mods, mod
+                     tensors' gradients off) (default none); TFLOP/s
+                     count the visible scores only
   --pass LIST        fwd, bwd (default fwd,bwd)
   --tokens N         batch = tokens / seqlen (default 16384 | 2048)
   --width N          heads = width / head dim (default 2048 | 256)
@@ -162,7 +164,18 @@ local seqlens = list("seqlen", "a positive integer", positive_int)
 local causals = list("causal", "true or false", bool)
 --- A variant: {name =, value =} from "none", "window:W", "alibi",
 -- "softcap:C", "sink", "dropout:P" or "varlen".
-local function variant_of(x)
+local variant_of
+function variant_of(x)
+  -- lua:V: the variant V written as a mod (ft.attention_mods)
+  local inner = x:match("^lua:(.+)$")
+  if inner then
+    local v = variant_of(inner)
+    if v and (v.name == "none" or v.name == "window" or v.name == "alibi" or v.name == "softcap") then
+      v.lua, v.label = true, x
+      return v
+    end
+    return nil
+  end
   local name, value = x:match("^(%a+):(.+)$")
   name = name or x
   local n = value and tonumber(value)
@@ -176,7 +189,7 @@ local function variant_of(x)
     if n and n > 0 and n < 1 then return { name = name, value = n, label = x } end
   end
 end
-local variants = list("variant", "a variant (none, window:W, alibi, softcap:C, sink, dropout:P, varlen)",
+local variants = list("variant", "a variant (none, window:W, alibi, softcap:C, sink, dropout:P, varlen, lua:V)",
   variant_of)
 local passes = list("pass", "fwd or bwd", one_of("fwd", "bwd"))
 local tokens = list("tokens", "a positive integer", positive_int)[1]
@@ -268,8 +281,32 @@ end
 
 --- ft.attention's options for a variant on H heads (slopes and sinks on
 -- the device).
-local function variant_opts(impl, causal, var, H)
+local function variant_opts(impl, causal, var, H, builtin)
   local o = { impl = impl, causal = causal }
+  if var.lua and not builtin then -- check's references take the built-in
+    local W, C = var.value, var.value
+    local slopes
+    if var.name == "alibi" then
+      local t = {}
+      for i = 1, H do t[i] = 2 ^ (-8 * i / H) end
+      slopes = ft.tensor(t, { dtype = "f32", device = device })
+    end
+    local score, mask
+    if var.name == "none" then
+      score = function(s) return s end
+    elseif var.name == "softcap" then
+      score = function(s) return (s / C):tanh() * C end
+    elseif var.name == "alibi" then
+      score = function(s, b, h, i, j) return s - slopes[h] * (i - j):abs() end
+    end
+    if var.name == "window" then
+      mask = causal and function(b, h, i, j) return ft.all(j:le(i), j:ge(i - W)) end
+        or function(b, h, i, j) return j:ge(i - W) end
+    elseif causal then
+      mask = function(b, h, i, j) return j:le(i) end
+    end
+    return { impl = impl, mods = ft.attention_mods { score = score, mask = mask }, mod_grads = false }
+  end
   if var.name == "window" then
     o.window_left = var.value
   elseif var.name == "softcap" then
@@ -327,7 +364,7 @@ local function check(impl, dtype, q, k, v, dout, causal, pass, var)
   local qs, ks, vs, ds = q:narrow(1, 1, 1):narrow(3, 1, hq), k:narrow(1, 1, 1):narrow(3, 1, hk),
     v:narrow(1, 1, 1):narrow(3, 1, hk), dout:narrow(1, 1, 1):narrow(3, 1, hq)
   local function run(which, dt)
-    local o = variant_opts(which, causal, var, hq)
+    local o = variant_opts(which, causal, var, hq, which == "naive")
     local a, b, c = qs:to(dt), ks:to(dt), vs:to(dt)
     local out, lse = ft.attention(a, b, c, o)
     if pass == "fwd" then return { out } end
@@ -532,6 +569,13 @@ if not on_gpu then
 end
 for _, r in ipairs(rows) do
   if r.tflops and gemm_rate[r.dtype] then r.of_gemm = r.tflops / gemm_rate[r.dtype] end
+end
+-- mods written in Lua on CUDA: what their run-time compiles took
+local st = on_gpu and ft.cuda.mods_stats()
+if st and st.compiles + st.disk_loads > 0 then
+  io.stderr:write(("mods: %d kernels compiled (NVRTC) in %.1f s, the last in %.2f s; %d loaded from "
+    .. "the disk cache in %.3f s, the last in %.3f s; %d taken from memory\n"):format(st.compiles,
+    st.compile_s, st.last_compile_s, st.disk_loads, st.load_s, st.last_load_s, st.memory_hits))
 end
 print(("\n%s, %s, %s"):format(device_name, os.date("!%Y-%m-%d"),
   opts.reference and ("ratios against " .. opts.reference) or "no reference file"))

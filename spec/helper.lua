@@ -372,6 +372,28 @@ function h.assert_error(fn, ...)
   return msg
 end
 
+--- Runs a Lua script in a new process of the interpreter running this
+-- spec, with this spec's module paths; returns its output (stdout and
+-- stderr).
+function h.run_lua(script)
+  local path = os.tmpname()
+  local f = assert(io.open(path, "w"))
+  f:write(script)
+  f:close()
+  local lua = "lua5.4"
+  if type(arg) == "table" and arg[-1] then
+    local i = -1
+    while arg[i - 1] do i = i - 1 end
+    lua = arg[i]
+  end
+  local cmd = ("LUA_PATH=%q LUA_CPATH=%q %q %q 2>&1"):format(package.path, package.cpath, lua, path)
+  local p = assert(io.popen(cmd))
+  local out = p:read("*a")
+  p:close()
+  os.remove(path)
+  return out
+end
+
 -- ---- inputs -----------------------------------------------------------------
 
 local seed_counter = 1000

@@ -14,8 +14,9 @@
 
 #include <math.h>
 
+#define FLASH_FILE "flash_bwd.cu" /* rtc.cu compiles it again for a Lua-written mod */
 
-
+#ifndef __CUDACC_RTC__
 /* D[b, h, i] = dO_i . O_i, one warp per row (and lse2 when asked for). */
 __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dot_kernel(FlashParams p)
 {
@@ -35,6 +36,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dot_kernel(Fla
     if (lane == 0 && p.lse2) /* exp(s - lse) = exp2(s log2(e) - lse2); 0 for empty rows */
         p.lse2[i] = p.lse[i] == -INFINITY ? INFINITY : p.lse[i] * FT_LOG2E;
 }
+#endif
 
 /* Loads this lane's columns of one row into x. */
 __device__ __forceinline__ void load_row(float *x, const FlashTensor &t, int b, int row,
@@ -76,6 +78,7 @@ __device__ __forceinline__ float prob(float s_dot, float lse, const FlashParams 
     return lse == -INFINITY ? 0.f : exp2f(s_dot * p.scale_log2 - lse * FT_LOG2E);
 }
 
+#ifndef __CUDACC_RTC__
 /* dK_j, dV_j for key row j of kv head hk: one warp per row. */
 __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dkdv_simt_kernel(FlashParams p)
 {
@@ -151,6 +154,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_bwd_dq_simt_kernel
     }
     store_row(p.dq, b, i, h, dq, p.scale, p, lane);
 }
+#endif
 
 
 /* ---- tensor cores (f16/bf16) ----
@@ -177,7 +181,7 @@ template <typename T, int D, int BC> struct MmaBwdSmem {
     static constexpr size_t q_bytes = (size_t)(Q_K + 4 * BC * LD) * sizeof(T);
 };
 
-template <typename T, int D, int BC, int DSPLIT, bool EXT>
+template <typename T, int D, int BC, int DSPLIT, bool EXT, typename UM = NoUserMod>
 __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     flash_bwd_dkdv_mma_kernel(FlashParams p)
 {
@@ -291,7 +295,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
              * EXT: S^T modified first, and dP^T - D times its derivative
              * (g (dP - D) in place of dP - D). */
             if (EXT)
-                mod_acc_with<NT_Q * 4, true, fast_tanh<T>()>(smod, &st[0][0], j0 + kw * 16, i0,
+                mod_acc_with<NT_Q * 4, true, fast_tanh<T>(), UM>(smod, &st[0][0], j0 + kw * 16, i0,
                                              [&](int k, float d0, float d1) {
                                                  float *x = &dpt[0][0] + 2 * k;
                                                  const float *dd = sD + 8 * (k / 2) + 2 * t4;
@@ -365,7 +369,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     }
 }
 
-template <typename T, int D, int BC, bool EXT>
+template <typename T, int D, int BC, bool EXT, typename UM = NoUserMod>
 __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashParams p)
 {
     using SL = MmaBwdSmem<T, D, BC>;
@@ -460,7 +464,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
         const uint64_t kbits =
             EXT && p.mod.dropout ? keep_bits<NT_S * 4>(p, b, h, i0 + warp * 16, j0) : 0;
         if (EXT) /* as in dK/dV: S modified, g (Z dP - D) in place of dP - D */
-            mod_acc_with<NT_S * 4, false, fast_tanh<T>()>(smod, &s[0][0], i0 + warp * 16, j0,
+            mod_acc_with<NT_S * 4, false, fast_tanh<T>(), UM>(smod, &s[0][0], i0 + warp * 16, j0,
                                           [&](int k, float d0, float d1) {
                                               float *x = &dp[0][0] + 2 * k;
                                               const bool drop = p.mod.dropout;
@@ -515,27 +519,31 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
     }
 }
 
+#ifndef __CUDACC_RTC__
 template <typename T, int D, int BC, int DSPLIT, bool EXT>
-static ft_status launch_bwd_mma(const FlashParams &p)
+static ft_status launch_bwd_mma(const FlashParams &p, FlashRtc *rtc)
 {
     const char *func = "ft_attention_backward";
     using L = MmaBwdSmem<T, D, BC>;
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT, EXT>,
+        FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_mma_kernel<T, D, BC, DSPLIT, EXT>,
+                            [] { return rtc_name("flash_bwd_dkdv_mma_kernel", TypeOf<T>(), D, BC, DSPLIT, EXT); },
                             dim3((p.Nk + BC - 1) / BC, p.Hk, p.B), (BC / 16) * DSPLIT * FT_WARP,
                             L::kv_bytes, p, func));
-    return flash_launch(flash_bwd_dq_mma_kernel<T, D, BC, EXT>, dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B),
+    return flash_launch(rtc, FLASH_FILE, flash_bwd_dq_mma_kernel<T, D, BC, EXT>,
+                        [] { return rtc_name("flash_bwd_dq_mma_kernel", TypeOf<T>(), D, BC, EXT); },
+                        dim3((p.Nq + BWD_BR - 1) / BWD_BR, p.H, p.B),
                         4 * FT_WARP, L::q_bytes, p, func);
 }
 
 /* The row of MMA_BWD_TILES that takes the head dim, for p's dtype and kind. */
-static ft_status launch_bwd_mma_any(const FlashParams &p)
+static ft_status launch_bwd_mma_any(const FlashParams &p, FlashRtc *rtc)
 {
     return flash_dispatch(p, [&](auto type, auto ext) {
         using T = typename decltype(type)::type;
         return flash_pick(MMA_BWD_TILES, p.d, [&](auto row) {
             constexpr MmaBwdTile c = MMA_BWD_TILES[decltype(row)::value];
-            return launch_bwd_mma<T, c.D, c.BC, c.DSPLIT, decltype(ext)::value>(p);
+            return launch_bwd_mma<T, c.D, c.BC, c.DSPLIT, decltype(ext)::value>(p, rtc);
         });
     });
 }
@@ -555,6 +563,13 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 8);
     const bool sm90 = mma && flash_sm90_usable(q->device.index);
+    if (s->mods && !mma)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 2,
+                       "mods on CUDA run in the tensor-core kernels: f16 or bf16, head_dim a "
+                       "multiple of 8, rows on 16 bytes");
+    FlashRtc *rtc = nullptr; /* mods: the kernels compiled for them (rtc.cu) */
+    if (s->mods)
+        FT_TRY(flash_rtc_new(s, q->dtype, q->device.index, &rtc, func));
     /* LSE contiguous f32; D and the sm90 kernels' LSE in log2 units in
      * work, laid out as LSE */
     FlashParams p = flash_params(s, q, k, v, out, lse);
@@ -564,14 +579,16 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     p.dv = flash_tensor(dv);
     p.D = (float *)work->data;
     p.lse2 = sm90 ? p.D + ft_numel(lse) : nullptr;
+    p.user_mod = rtc != nullptr;
     const dim3 block(SIMT_WARPS * FT_WARP);
     flash_bwd_dot_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B), block>>>(p);
     ft_status st = ft_cuda_check_launch(func, __FILE__, __LINE__);
     if (st == FT_OK && sm90) {
-        st = flash_bwd_sm90(p);
+        st = flash_bwd_sm90(p, rtc);
     } else if (st == FT_OK && mma) {
-        st = launch_bwd_mma_any(p);
+        st = launch_bwd_mma_any(p, rtc);
     }
+    flash_rtc_free(rtc);
     if (!mma && st == FT_OK && s->Nk > 0) {
         flash_bwd_dkdv_simt_kernel<<<dim3((p.Nk + SIMT_WARPS - 1) / SIMT_WARPS, p.Hk, p.B),
                                      block>>>(p);
@@ -584,3 +601,4 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     }
     return st;
 }
+#endif

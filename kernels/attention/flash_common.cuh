@@ -19,14 +19,26 @@
 #ifndef FT_FLASH_COMMON_CUH
 #define FT_FLASH_COMMON_CUH
 
+#ifdef __CUDACC_RTC__
+/* Compiled at run time for a modification written in Lua (rtc.cu): the
+ * device code only, with lib/attn_mod.h's masks and lib/flashtile.h's
+ * dtype codes (whose header declares host functions, which NVRTC does not
+ * take; checked equal below). */
+#include "attn_mod.h"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+enum { FT_F64 = 0, FT_F32 = 1, FT_F16 = 2, FT_BF16 = 3 };
+#else
 #include "kernels.h"
 #include "flash_tiles.cuh"
+static_assert(FT_F64 == 0 && FT_F32 == 1 && FT_F16 == 2 && FT_BF16 == 3,
+              "flash_common.cuh's run-time copy of the dtype codes");
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <type_traits>
+#endif
 
 #define FT_LOG2E 1.4426950408889634f
 #define FT_WARP 32
@@ -53,8 +65,10 @@ struct FlashParams {
     int64_t alibi_bs, alibi_hs; /* their strides over batch and head, in elements */
     float scale;      /* softmax scale */
     float scale_log2; /* scale * log2(e): exp(x * scale) = exp2(x * scale_log2) */
+    int user_mod;     /* a modification written in Lua: the kernels compiled for it (rtc.cu) */
 };
 
+#ifndef __CUDACC_RTC__
 /* [B, N, heads, d], or a varlen [total, heads, d] (batch stride 0). */
 static inline FlashTensor flash_tensor(const ft_tensor *t)
 {
@@ -68,6 +82,7 @@ static inline FlashTensor flash_tensor(const ft_tensor *t)
     }
     return r;
 }
+#endif
 
 /* Where row statistics (lse, D, lse2) of batch b, head h start. */
 __device__ __forceinline__ int64_t flash_stat(const FlashParams &p, int b, int h)
@@ -237,6 +252,8 @@ __device__ __forceinline__ QueryRange flash_queries(const FlashParams &p, int j)
     return q;
 }
 
+#ifndef __CUDACC_RTC__
+struct FlashRtc;
 /* flash_fwd.cu: the parameters of a call, and whether every tensor's rows
  * start on 16 bytes (what cp.async and the tensor-core kernels need). */
 FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
@@ -247,23 +264,64 @@ bool flash_rows_aligned(const ft_tensor *const *ts, int n);
  * 256, f16/bf16, rows aligned. flash_sm90_usable: it was built and the device
  * is of compute capability 9.0 (and FT_NO_WGMMA is not set in the
  * environment, which keeps the mma.sync kernels for comparison). */
-ft_status flash_fwd_sm90(const FlashParams &p);
+ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc);
 /* flash_bwd_sm90.cu: dK, dV, dQ once p.D holds rowsum(dO * O); Nq > 0. */
-ft_status flash_bwd_sm90(const FlashParams &p);
+ft_status flash_bwd_sm90(const FlashParams &p, FlashRtc *rtc);
 bool flash_sm90_usable(int device);
 
-/* Launches kernel(p) with `smem` bytes of dynamic shared memory (raising
- * the kernel's limit first); CUDA failures become ft_status for `func`. */
-template <typename Kernel>
-static ft_status flash_launch(Kernel kernel, dim3 grid, int threads, size_t smem,
-                              const FlashParams &p, const char *func)
+/* A call with a modification written in Lua (rtc.cu) runs the same
+ * kernels instantiated with its FtUserMod, compiled at run time: a
+ * launcher given one names its kernel by its template arguments
+ * (rtc_name) and flash_rtc_launch finds or compiles it, from the source
+ * file `file` of kernels/attention/. */
+struct FlashRtc;
+/* A call's mods made ready (its FtUserMod source, its tensors' table), and
+ * freed; kernels/attention/rtc.cu. */
+extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device,
+                                   FlashRtc **out, const char *func);
+extern "C" void flash_rtc_free(FlashRtc *rtc);
+ft_status flash_rtc_launch(FlashRtc *rtc, const char *file, const char *name, dim3 grid,
+                           int threads, size_t smem, const FlashParams &p, const char *func);
+
+template <typename T> struct TypeOf {
+    using type = T;
+};
+/* "kernel<arg, ..., FtUserMod>" */
+struct RtcName {
+    char s[256];
+    int n;
+    void add(int v) { n += snprintf(s + n, sizeof s - n, "%d, ", v); }
+    void add(bool v) { n += snprintf(s + n, sizeof s - n, "%s, ", v ? "true" : "false"); }
+    void add(TypeOf<__half>) { n += snprintf(s + n, sizeof s - n, "__half, "); }
+    void add(TypeOf<__nv_bfloat16>) { n += snprintf(s + n, sizeof s - n, "__nv_bfloat16, "); }
+};
+template <typename... A> static RtcName rtc_name(const char *kernel, A... args)
 {
+    RtcName r;
+    r.n = snprintf(r.s, sizeof r.s, "%s<", kernel);
+    (r.add(args), ...);
+    snprintf(r.s + r.n, sizeof r.s - r.n, "FtUserMod>");
+    return r;
+}
+
+/* Launches kernel(p) with `smem` bytes of dynamic shared memory (raising
+ * the kernel's limit first); CUDA failures become ft_status for `func`.
+ * With rtc, the kernel of the same template arguments and rtc's
+ * modification instead: name() gives its RtcName, file its source. */
+template <typename Kernel, typename Name>
+static ft_status flash_launch(FlashRtc *rtc, const char *file, Kernel kernel, Name name,
+                              dim3 grid, int threads, size_t smem, const FlashParams &p,
+                              const char *func)
+{
+    if (rtc)
+        return flash_rtc_launch(rtc, file, name().s, grid, threads, smem, p, func);
     FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)smem));
     kernel<<<grid, threads, smem>>>(p);
     FT_CUDA_CHECK_LAUNCH(func);
     return FT_OK;
 }
+#endif /* __CUDACC_RTC__ */
 
 /* ex2.approx: 2^x in one MUFU instruction (2^-inf = 0). */
 __device__ __forceinline__ float ex2(float x)
@@ -301,9 +359,15 @@ template <bool CAP, bool ALIBI, bool FAST = false> struct ModKind {
 };
 
 /* Whether the kernels of element type T take tanh.approx for the softcap. */
+template <typename T> struct FastTanh {
+    static constexpr bool value = false;
+};
+template <> struct FastTanh<__nv_bfloat16> {
+    static constexpr bool value = true;
+};
 template <typename T> __host__ __device__ constexpr bool fast_tanh()
 {
-    return std::is_same<T, __nv_bfloat16>::value;
+    return FastTanh<T>::value;
 }
 
 /* tanh.approx: one special-function instruction. */
@@ -319,6 +383,8 @@ struct ScoreMod {
     float cap;   /* softcap / scale */
     float slope; /* ALiBi slope / scale; 0: off */
     int shift;   /* Nk - Nq: query i sits at key position i + shift */
+    float scale, inv_scale; /* for a modification written in Lua: its s is scaled */
+    int b, h;
     /* The query's position among the keys, as apply takes it. */
     __device__ __forceinline__ float pos(int qi) const { return (float)(qi + shift); }
     /* The modified score of the query at key position a (pos) against key
@@ -369,6 +435,9 @@ __device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b,
     m.cap = sc > 0.f ? sc / p.scale : 0.f;
     m.slope = p.alibi ? p.alibi[b * p.alibi_bs + h * p.alibi_hs] / p.scale : 0.f;
     m.shift = p.Nk - p.Nq;
+    m.scale = p.scale;
+    m.inv_scale = 1.f / p.scale;
+    m.b = b, m.h = h;
     return m;
 }
 
@@ -383,7 +452,7 @@ __host__ __device__ inline bool flash_score_modified(const FlashParams &p)
  * launch. */
 __host__ __device__ inline bool flash_extended(const FlashParams &p)
 {
-    return flash_score_modified(p) || p.mod.dropout || p.cu_q;
+    return flash_score_modified(p) || p.mod.dropout || p.cu_q || p.user_mod;
 }
 
 /* Dropout (lib/attn_mod.h's rule, as ft_mod_keep): the Philox words of
@@ -414,9 +483,7 @@ template <typename F> __device__ __forceinline__ void with_dropout(const FlashPa
 /* f(TypeOf<T>(), Bool<EXT>()) for p's element type (f16 or bf16) and
  * whether it needs the extended kernels: the one place the tensor-core
  * launchers turn a call into template arguments. */
-template <typename T> struct TypeOf {
-    using type = T;
-};
+#ifndef __CUDACC_RTC__
 template <typename F> static ft_status flash_dispatch(const FlashParams &p, F f)
 {
     if (flash_extended(p))
@@ -425,6 +492,7 @@ template <typename F> static ft_status flash_dispatch(const FlashParams &p, F f)
     return p.dtype == FT_F16 ? f(TypeOf<__half>(), Bool<false>())
                              : f(TypeOf<__nv_bfloat16>(), Bool<false>());
 }
+#endif
 
 /* Whether dropout keeps (i, j). */
 __device__ __forceinline__ bool flash_keep(const FlashParams &p, int b, int h, int i, int j)
@@ -494,13 +562,28 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
         acc[i] *= drop_factor(p, bits, i);
 }
 
+/* A modification written in Lua, as rtc.cu generates it: score(b, h, i,
+ * j, x, &dx) takes the scaled score x (after the built-in variants) and
+ * gives the new one and its derivative in x; keep(b, h, i, j) the mask.
+ * Indices are 0-based here (i, j within the sequence). The kernels
+ * compiled ahead of time take NoUserMod, whose code never runs. */
+struct NoUserMod {
+    static constexpr bool on = false;
+    static __device__ __forceinline__ float score(int, int, int, int, float x, float *dx)
+    {
+        *dx = 1.f;
+        return x;
+    }
+    static __device__ __forceinline__ bool keep(int, int, int, int) { return true; }
+};
+
 /* The modification over an accumulator fragment in the C layout of
  * mma.sync and wgmma: entry i is row row0 + g + 8 ((i / 2) % 2), column
  * col0 + 8 (i / 4) + 2 t + i % 2 (g = lane / 4, t = lane % 4). Rows are
  * queries and columns keys, or (KEY_ROWS) the transposed products of the
  * dK/dV kernels. sink(k, d0, d1) takes the derivatives of entries 2 k and
  * 2 k + 1 (a row's neighbours); mod_acc drops them or stores them in grad. */
-template <int N, bool KEY_ROWS, bool FAST = false, typename Sink>
+template <int N, bool KEY_ROWS, bool FAST = false, typename UM = NoUserMod, typename Sink>
 __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int row0, int col0,
                                              Sink sink)
 {
@@ -521,17 +604,29 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
                 const float rp = rpos[(i / 2) % 2], cp = cbase + (float)(8 * (i / 4) + e);
                 acc[i] = KEY_ROWS ? m.apply(kind, acc[i], cp, rp, &d[e])
                                   : m.apply(kind, acc[i], rp, cp, &d[e]);
+                if (UM::on) { /* then the Lua-written one, on the scaled score */
+                    const int r = row0 + g + 8 * ((i / 2) % 2), c = col0 + 8 * (i / 4) + 2 * t4 + e;
+                    const int qi = KEY_ROWS ? c : r, kj = KEY_ROWS ? r : c;
+                    if (UM::keep(m.b, m.h, qi, kj)) {
+                        float dx;
+                        acc[i] = UM::score(m.b, m.h, qi, kj, acc[i] * m.scale, &dx) * m.inv_scale;
+                        d[e] *= dx;
+                    } else {
+                        acc[i] = -INFINITY;
+                        d[e] = 0.f;
+                    }
+                }
             }
             sink(k, d[0], d[1]);
         }
     });
 }
 
-template <int N, bool KEY_ROWS = false, bool FAST = false>
+template <int N, bool KEY_ROWS = false, bool FAST = false, typename UM = NoUserMod>
 __device__ __forceinline__ void mod_acc(const ScoreMod &m, float *acc, int row0, int col0,
                                         float *grad = nullptr)
 {
-    mod_acc_with<N, KEY_ROWS, FAST>(m, acc, row0, col0, [&](int k, float d0, float d1) {
+    mod_acc_with<N, KEY_ROWS, FAST, UM>(m, acc, row0, col0, [&](int k, float d0, float d1) {
         if (grad) {
             grad[2 * k] = d0;
             grad[2 * k + 1] = d1;

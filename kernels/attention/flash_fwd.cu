@@ -17,8 +17,10 @@
 #include <string.h>
 
 #define MMA_WARPS 4 /* per CTA; rows per CTA: 16 x MT x MMA_WARPS */
+#define FLASH_FILE "flash_fwd.cu" /* rtc.cu compiles it again for a Lua-written mod */
 
 /* ---- simple path ---- */
+#ifndef __CUDACC_RTC__
 
 __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(FlashParams p)
 {
@@ -82,6 +84,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
         p.lse[flash_stat(p, b, h) + row] =
             l > 0.f ? (m + log2f(l)) / FT_LOG2E : -INFINITY;
 }
+#endif
 
 /* ---- tensor cores ---- */
 
@@ -99,7 +102,7 @@ template <typename T, int D, int BC, int MT> struct MmaFwdSmem {
     static constexpr size_t bytes = (size_t)(V + 2 * BC * LD) * sizeof(T);
 };
 
-template <typename T, int D, int BC, int MT, bool EXT>
+template <typename T, int D, int BC, int MT, bool EXT, typename UM = NoUserMod>
 __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(FlashParams p)
 {
     using L = MmaFwdSmem<T, D, BC, MT>;
@@ -184,10 +187,10 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
         }
 
         /* modify, scale into log2 units, mask where needed, online softmax */
-        if (EXT)
+        if (EXT || UM::on) /* a Lua-written mod alone needs none of EXT's state */
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
-                mod_acc<NT_S * 4, false, fast_tanh<T>()>(smod, &s[mt][0][0], wrow0 + mt * 16, j0);
+                mod_acc<NT_S * 4, false, fast_tanh<T>(), UM>(smod, &s[mt][0][0], wrow0 + mt * 16, j0);
         const bool edge = full.masks(j0, j0 + BC);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -278,6 +281,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
 }
 
 /* ---- launch ---- */
+#ifndef __CUDACC_RTC__
 
 FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
                          const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse)
@@ -355,22 +359,23 @@ bool flash_sm90_usable(int device)
 }
 
 template <typename T, int D, int BC, int MT, bool EXT>
-static ft_status launch_fwd_mma(const FlashParams &p)
+static ft_status launch_fwd_mma(const FlashParams &p, FlashRtc *rtc)
 {
     using L = MmaFwdSmem<T, D, BC, MT>;
-    return flash_launch(flash_fwd_mma_kernel<T, D, BC, MT, EXT>,
+    return flash_launch(rtc, FLASH_FILE, flash_fwd_mma_kernel<T, D, BC, MT, EXT>,
+                        [] { return rtc_name("flash_fwd_mma_kernel", TypeOf<T>(), D, BC, MT, EXT); },
                         dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), MMA_WARPS * FT_WARP, L::bytes,
                         p, "ft_attention_forward");
 }
 
 /* The row of MMA_FWD_TILES that takes the head dim, for p's dtype and kind. */
-static ft_status launch_fwd_mma_any(const FlashParams &p)
+static ft_status launch_fwd_mma_any(const FlashParams &p, FlashRtc *rtc)
 {
     return flash_dispatch(p, [&](auto type, auto ext) {
         using T = typename decltype(type)::type;
         return flash_pick(MMA_FWD_TILES, p.d, [&](auto row) {
             constexpr MmaFwdTile c = MMA_FWD_TILES[decltype(row)::value];
-            return launch_fwd_mma<T, c.D, c.BC, c.MT, decltype(ext)::value>(p);
+            return launch_fwd_mma<T, c.D, c.BC, c.MT, decltype(ext)::value>(p, rtc);
         });
     });
 }
@@ -387,12 +392,27 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     const ft_tensor *ts[4] = {q, k, v, out};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 4);
+    if (s->mods) { /* the tensor-core kernels compiled for them (rtc.cu) */
+        if (!mma)
+            return ft_fail(FT_ERR_UNSUPPORTED, "ft_attention_forward", 1,
+                           "mods on CUDA run in the tensor-core kernels: f16 or bf16, "
+                           "head_dim a multiple of 8, rows on 16 bytes");
+        FlashRtc *rtc = nullptr;
+        FT_TRY(flash_rtc_new(s, q->dtype, q->device.index, &rtc, "ft_attention_forward"));
+        /* the forward kernels apply a mod without their EXT state (the
+         * backward's keep the mod's derivatives in it) */
+        const ft_status st = flash_sm90_usable(q->device.index) ? flash_fwd_sm90(p, rtc)
+                                                                : launch_fwd_mma_any(p, rtc);
+        flash_rtc_free(rtc);
+        return st;
+    }
     if (mma && flash_sm90_usable(q->device.index))
-        return flash_fwd_sm90(p);
+        return flash_fwd_sm90(p, nullptr);
     if (mma)
-        return launch_fwd_mma_any(p);
+        return launch_fwd_mma_any(p, nullptr);
     dim3 grid((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B);
     flash_fwd_simt_kernel<<<grid, SIMT_WARPS * FT_WARP>>>(p);
     FT_CUDA_CHECK_LAUNCH("ft_attention_forward");
     return FT_OK;
 }
+#endif

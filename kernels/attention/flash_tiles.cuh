@@ -14,6 +14,7 @@ template <int I> struct TileRow {
     static constexpr int value = I;
 };
 
+#ifndef __CUDACC_RTC__
 /* f(TileRow<i>()) for the first row i of table (rows in increasing max_d)
  * with max_d >= d; the last row takes anything above. */
 template <int I = 0, typename Row, int N, typename F>
@@ -28,6 +29,7 @@ static ft_status flash_pick(const Row (&table)[N], int d, F f)
         return f(TileRow<I>());
     }
 }
+#endif
 
 /* mma.sync forward (flash_fwd.cu): D the head dim rounded up, BC keys a
  * block, MT m-tiles of 16 rows a warp. */

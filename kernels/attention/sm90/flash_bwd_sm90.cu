@@ -14,6 +14,8 @@
 
 #include <math.h>
 
+#define FLASH_FILE "sm90/flash_bwd_sm90.cu" /* rtc.cu compiles it again for a Lua-written mod */
+
 #define BWD_STAGES 3
 
 /* 4 bytes global -> shared (LSE and D entries), zero-filled when !valid */
@@ -167,7 +169,7 @@ __device__ __forceinline__ void row_stats(const FlashParams &p, int b, int h, in
  * LSE); in a block at an edge (keys [block_begin, block_end) not all in
  * `full`, the keys every row sees), hidden keys are zeroed. With EXT, S is
  * modified first and dS takes the modification's derivative. */
-template <typename T, int N, bool EXT>
+template <typename T, int N, bool EXT, typename UM>
 __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod &smod, int b,
                                            int h, float *dp, float *s, const float *lse,
                                            const float *Dr, int row0, int col0,
@@ -176,7 +178,7 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod 
     if (EXT) /* S modified, and g (Z dP - D) in place of dP - D */
         with_dropout(p, [&](auto drop) {
             const uint64_t bits = decltype(drop)::value ? keep_bits<N>(p, b, h, row0, col0) : 0;
-            mod_acc_with<N, false, fast_tanh<T>()>(smod, s, row0, col0, [&](int k, float d0, float d1) {
+            mod_acc_with<N, false, fast_tanh<T>(), UM>(smod, s, row0, col0, [&](int k, float d0, float d1) {
                 const float z0 = decltype(drop)::value ? drop_factor(p, bits, 2 * k) : 1.f;
                 const float z1 = decltype(drop)::value ? drop_factor(p, bits, 2 * k + 1) : 1.f;
                 dp[2 * k] = d0 * (z0 * dp[2 * k] - Dr[k % 2]);
@@ -267,7 +269,8 @@ using Sm90WideDqSmem = Sm90DqSmem<256, 64, 64, 2>;
 static constexpr size_t SM90_WIDE_DQ_BYTES =
     Sm90WideDqSmem::bytes + 2 * WG_THREADS * 16 * sizeof(float);
 
-template <typename T, int D, int DK, int BM, int NWG, bool TURNS, bool EXT>
+template <typename T, int D, int DK, int BM, int NWG, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -329,7 +332,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         const float *L = qs.lse(t);
         const bool edge = full.masks(i0, i0 + BM);
         if (EXT)
-            mod_acc_with<BM / 2, true, fast_tanh<T>()>(flash_score_mod(p, b, qs.ch), s, wkey0, i0,
+            mod_acc_with<BM / 2, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0,
                                        [&](int k, float d0, float d1) {
                                            const __half2 g2 = __floats2half2_rn(d0, d1);
                                            gmod[k * THREADS] = *reinterpret_cast<const uint32_t *>(&g2);
@@ -456,7 +459,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 
 /* ---- dQ ---- */
 
-template <typename T, int D, int DK, int BC, int NWG, bool TURNS, bool EXT>
+template <typename T, int D, int DK, int BC, int NWG, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -521,7 +525,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     auto elementwise = [&](int j) {
         pin_all<BC / 2>(s);
         pin_all<BC / 2>(dp);
-        dq_dscores<T, BC / 2, EXT>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full, j * BC,
+        dq_dscores<T, BC / 2, EXT, UM>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full, j * BC,
                                 (j + 1) * BC);
     };
 
@@ -626,7 +630,7 @@ __device__ __forceinline__ void swap_halves(const float *x, float *mine, float *
         theirs[i] = xbuf[i * 2 * WG_THREADS + (1 - wg) * WG_THREADS + t];
 }
 
-template <typename T, int DK, bool EXT>
+template <typename T, int DK, bool EXT, typename UM = NoUserMod>
 __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -693,7 +697,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         const bool edge = full.masks(i0, i0 + BM);
         float dmod[EXT ? 16 : 1]; /* the modification's derivatives */
         if (EXT)
-            mod_acc<16, true, fast_tanh<T>()>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
+            mod_acc<16, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
         auto body = [&](auto drop) {
             const uint64_t bits =
                 decltype(drop)::value ? keep_bits<16, true>(p, b, qs.ch, wkey0, i0 + wg * 32) : 0;
@@ -746,7 +750,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
 #endif
 }
 
-template <typename T, int DK, bool EXT>
+template <typename T, int DK, bool EXT, typename UM = NoUserMod>
 __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -813,7 +817,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        dq_dscores<T, 16, EXT>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
+        dq_dscores<T, 16, EXT, UM>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC + wg * 32, full, j * BC,
                             (j + 1) * BC);
         /* dQ += dS K over this warpgroup's 32 keys: dS from registers */
         uint32_t df[2][4];
@@ -846,36 +850,44 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 }
 
 /* ---- launch ---- */
+#ifndef __CUDACC_RTC__
 
 template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool EXT>
-static ft_status launch_bwd_wgmma(const FlashParams &p)
+static ft_status launch_bwd_wgmma(const FlashParams &p, FlashRtc *rtc)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, EXT>,
+        FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, EXT>,
+                            [] { return rtc_name("flash_bwd_dkdv_wgmma_kernel", TypeOf<T>(), D, DK, BM, NWG, TURNS, EXT); },
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
                             Sm90DkdvSmem<T, D, BM, NWG, EXT>::bytes, p, func));
-    return flash_launch(flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS, EXT>,
+    return flash_launch(rtc, FLASH_FILE, flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS, EXT>,
+                        [] { return rtc_name("flash_bwd_dq_wgmma_kernel", TypeOf<T>(), D, DK, BC, NWG, TURNS, EXT); },
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS,
                         Sm90DqSmem<D, BR, BC, ST>::bytes, p, func);
 }
 
-template <typename T, int DK, bool EXT> static ft_status launch_bwd_wide(const FlashParams &p)
+template <typename T, int DK, bool EXT>
+static ft_status launch_bwd_wide(const FlashParams &p, FlashRtc *rtc)
 {
     constexpr int ROWS = 64, THREADS = 2 * WG_THREADS;
     const char *func = "ft_attention_backward";
     if (p.Nk > 0)
-        FT_TRY(flash_launch(flash_bwd_dkdv_wide_kernel<T, DK, EXT>, dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B),
+        FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_wide_kernel<T, DK, EXT>,
+                            [] { return rtc_name("flash_bwd_dkdv_wide_kernel", TypeOf<T>(), DK, EXT); },
+                            dim3((p.Nk + ROWS - 1) / ROWS, p.Hk, p.B),
                             THREADS, Sm90WideDkdvSmem<T>::bytes, p, func));
-    return flash_launch(flash_bwd_dq_wide_kernel<T, DK, EXT>, dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
+    return flash_launch(rtc, FLASH_FILE, flash_bwd_dq_wide_kernel<T, DK, EXT>,
+                        [] { return rtc_name("flash_bwd_dq_wide_kernel", TypeOf<T>(), DK, EXT); },
+                        dim3((p.Nq + ROWS - 1) / ROWS, p.H, p.B),
                         THREADS, SM90_WIDE_DQ_BYTES, p, func);
 }
 
 /* dK, dV and dQ once D is in p.D: f16/bf16, rows aligned, Nq > 0 (the
  * caller checks); the row of SM90_BWD_TILES (flash_tiles.cuh) that takes
  * the head dim. */
-ft_status flash_bwd_sm90(const FlashParams &p)
+ft_status flash_bwd_sm90(const FlashParams &p, FlashRtc *rtc)
 {
     return flash_dispatch(p, [&](auto type, auto ext) {
         using T = typename decltype(type)::type;
@@ -883,9 +895,10 @@ ft_status flash_bwd_sm90(const FlashParams &p)
         return flash_pick(SM90_BWD_TILES, p.d, [&](auto row) {
             constexpr Sm90BwdTile c = SM90_BWD_TILES[decltype(row)::value];
             if constexpr (c.wide)
-                return launch_bwd_wide<T, c.DK, EXT>(p);
+                return launch_bwd_wide<T, c.DK, EXT>(p, rtc);
             else
-                return launch_bwd_wgmma<T, c.D, c.DK, c.BM, c.BC, c.turns, EXT>(p);
+                return launch_bwd_wgmma<T, c.D, c.DK, c.BM, c.BC, c.turns, EXT>(p, rtc);
         });
     });
 }
+#endif

@@ -13,6 +13,8 @@
 
 #include <math.h>
 
+#define FLASH_FILE "sm90/flash_fwd_sm90.cu" /* rtc.cu compiles it again for a Lua-written mod */
+
 /* The kernel's shared memory, for the kernel and its launcher, in bytes:
  * Q [BR], then K stages 0 and 1, then V stages 0 and 1 [BC], rows TW wide
  * (16-bit, swizzled), after up to 1024 bytes of alignment (the swizzle is
@@ -24,7 +26,8 @@ template <int D, int BC, int NWG> struct Sm90FwdSmem {
     static constexpr size_t bytes = 1024 + (size_t)V + 2 * KV_BYTES;
 };
 
-template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT>
+template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
 __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -119,8 +122,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     auto softmax = [&](int j) {
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
-        if (EXT)
-            mod_acc<BC / 2, false, fast_tanh<T>()>(smod, s, wrow0, j0);
+        if (EXT || UM::on) /* a Lua-written mod alone needs none of EXT's state */
+            mod_acc<BC / 2, false, fast_tanh<T>(), UM>(smod, s, wrow0, j0);
         if (full.masks(j0, j0 + BC)) {
             const KeyRange k0 = flash_keys(p, wrow0 + g), k1 = flash_keys(p, wrow0 + g + 8);
 #pragma unroll
@@ -230,26 +233,29 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
 #endif
 }
 
+#ifndef __CUDACC_RTC__
 template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT>
-static ft_status launch_fwd_wgmma(const FlashParams &p)
+static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
 {
     using L = Sm90FwdSmem<D, BC, NWG>;
     static_assert(sizeof(T) == 2, "the wgmma kernels take 16-bit elements");
-    return flash_launch(flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS, EXT>,
+    return flash_launch(rtc, FLASH_FILE, flash_fwd_wgmma_kernel<T, D, DK, BC, NWG, MINB, TURNS, EXT>,
+                        [] { return rtc_name("flash_fwd_wgmma_kernel", TypeOf<T>(), D, DK, BC, NWG, MINB, TURNS, EXT); },
                         dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), NWG * WG_THREADS, L::bytes, p,
                         "ft_attention_forward");
 }
 
 /* f16/bf16, 16-byte aligned rows (the caller checks): the row of
  * SM90_FWD_TILES (flash_tiles.cuh) that takes the head dim. */
-ft_status flash_fwd_sm90(const FlashParams &p)
+ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
 {
     return flash_dispatch(p, [&](auto type, auto ext) {
         using T = typename decltype(type)::type;
         return flash_pick(SM90_FWD_TILES, p.d, [&](auto row) {
             constexpr Sm90FwdTile c = SM90_FWD_TILES[decltype(row)::value];
             return launch_fwd_wgmma<T, c.D, c.DK, c.BC, c.NWG, c.MINB, c.turns,
-                                    decltype(ext)::value>(p);
+                                    decltype(ext)::value>(p, rtc);
         });
     });
 }
+#endif

@@ -1,0 +1,407 @@
+/*
+ * mods_cuda.c - a modification's graph (mods.c) as CUDA source: the
+ * struct FtUserMod that the flash kernels take as their UM template
+ * argument when a call has mods (kernels/attention/rtc.cu compiles them
+ * with NVRTC). score(b, h, i, j, x, &dx) gives the new scaled score and
+ * its derivative in x (forward mode, as the interpreter carries it);
+ * keep(b, h, i, j) the mask. Indices arrive 0-based and the graph sees
+ * them 1-based, as in Lua.
+ *
+ * Each node becomes one local, an int where its value is an integer for
+ * sure (indices, integral constants, +, -, *, % of those, comparisons,
+ * reads of integer tensors) and a float otherwise; the CPU interpreter
+ * works in doubles, so results agree to float rounding. The captured
+ * tensors are read through ft_mod_args, a __constant__ table of pointers,
+ * strides and shapes filled before each launch; an index is clamped to
+ * the tensor (the CPU reads the nearest element too) and, when the source
+ * is made for debugging, sets ft_mod_fault.
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct strbuf {
+    char *s;
+    size_t n, cap;
+    int failed;
+} strbuf;
+
+static void put(strbuf *b, const char *fmt, ...)
+{
+    if (b->failed)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        const int k = vsnprintf(b->s + b->n, b->cap - b->n, fmt, ap);
+        va_end(ap);
+        if (k < 0) {
+            b->failed = 1;
+            return;
+        }
+        if ((size_t)k < b->cap - b->n) {
+            b->n += (size_t)k;
+            return;
+        }
+        const size_t cap = b->cap * 2 + (size_t)k + 256;
+        char *s = realloc(b->s, cap);
+        if (!s) {
+            b->failed = 1;
+            return;
+        }
+        b->s = s, b->cap = cap;
+    }
+}
+
+enum { T_INT, T_FLOAT };
+
+/* The type of each node (T_INT or T_FLOAT), from its operands'. */
+static void node_types(int n, const ft_mod_node *nodes, const ft_tensor *const *tensors,
+                       unsigned char *ty)
+{
+    for (int k = 0; k < n; k++) {
+        const ft_mod_node *x = &nodes[k];
+        int t = T_FLOAT;
+        switch (x->op) {
+        case FT_MOD_B: case FT_MOD_H: case FT_MOD_I: case FT_MOD_J:
+        case FT_MOD_EQ: case FT_MOD_NE: case FT_MOD_LT: case FT_MOD_LE: case FT_MOD_GT:
+        case FT_MOD_GE: case FT_MOD_AND: case FT_MOD_OR: case FT_MOD_NOT:
+            t = T_INT;
+            break;
+        case FT_MOD_CONST:
+            t = x->value == floor(x->value) && fabs(x->value) < 2147483647.0 ? T_INT : T_FLOAT;
+            break;
+        case FT_MOD_ADD: case FT_MOD_SUB: case FT_MOD_MUL: case FT_MOD_MOD: case FT_MOD_MIN:
+        case FT_MOD_MAX:
+            t = ty[x->a] == T_INT && ty[x->b] == T_INT ? T_INT : T_FLOAT;
+            break;
+        case FT_MOD_NEG: case FT_MOD_ABS: case FT_MOD_FLOOR:
+            t = ty[x->a];
+            break;
+        case FT_MOD_WHERE:
+            t = ty[x->b] == T_INT && ty[x->c] == T_INT ? T_INT : T_FLOAT;
+            break;
+        case FT_MOD_READ:
+            t = ft_dtype_is_float(tensors[x->a]->dtype) ? T_FLOAT : T_INT;
+            break;
+        default:
+            t = T_FLOAT; /* s, /, ^, exp, log, sqrt, tanh, sigmoid */
+            break;
+        }
+        ty[k] = (unsigned char)t;
+    }
+}
+
+/* Marks the nodes root depends on. */
+static void mark_needed(int root, const ft_mod_node *nodes, const int32_t *indices,
+                        unsigned char *need)
+{
+    need[root] = 1;
+    for (int k = root; k >= 0; k--) {
+        if (!need[k])
+            continue;
+        const ft_mod_node *x = &nodes[k];
+        switch (x->op) {
+        case FT_MOD_S: case FT_MOD_B: case FT_MOD_H: case FT_MOD_I: case FT_MOD_J:
+        case FT_MOD_CONST:
+            break;
+        case FT_MOD_READ:
+            for (int d = 0; d < x->c; d++)
+                need[indices[x->b + d]] = 1;
+            break;
+        case FT_MOD_NEG: case FT_MOD_NOT: case FT_MOD_ABS: case FT_MOD_EXP: case FT_MOD_LOG:
+        case FT_MOD_SQRT: case FT_MOD_TANH: case FT_MOD_SIGMOID: case FT_MOD_FLOOR:
+            need[x->a] = 1;
+            break;
+        case FT_MOD_WHERE:
+            need[x->a] = need[x->b] = need[x->c] = 1;
+            break;
+        default:
+            need[x->a] = need[x->b] = 1;
+            break;
+        }
+    }
+}
+
+/* Node k's value as a float expression / an int one. */
+static void fval(strbuf *b, const unsigned char *ty, int k)
+{
+    put(b, ty[k] == T_INT ? "(float)v%d" : "v%d", k);
+}
+
+static const char *load_expr(ft_dtype dt)
+{
+    switch (dt) {
+    case FT_F64: return "(float)__ldg((const double *)t.data + off)";
+    case FT_F32: return "__ldg((const float *)t.data + off)";
+    case FT_F16: return "__half2float(((const __half *)t.data)[off])";
+    case FT_BF16: return "__bfloat162float(((const __nv_bfloat16 *)t.data)[off])";
+    case FT_I32: return "__ldg((const int *)t.data + off)";
+    default: return "(int)__ldg((const long long *)t.data + off)";
+    }
+}
+
+/* The nodes `need` marks, in order; with deriv, their derivatives in s
+ * (d%d; 0 where a node does not depend on s). */
+static void emit_nodes(strbuf *b, int n, const ft_mod_node *nodes, const int32_t *indices,
+                       const unsigned char *ty, const unsigned char *need, const unsigned char *dep,
+                       int deriv, int fast)
+{
+    const char *ex = fast ? "__expf" : "expf", *th = fast ? "ft_tanh_fast" : "tanhf";
+    for (int k = 0; k < n; k++) {
+        if (!need[k])
+            continue;
+        const ft_mod_node *x = &nodes[k];
+        const int a = x->a, c2 = x->b, c3 = x->c;
+        const int f = ty[k] == T_FLOAT;
+        put(b, "        const %s v%d = ", f ? "float" : "int", k);
+        switch (x->op) {
+        case FT_MOD_S: put(b, "s"); break;
+        case FT_MOD_B: put(b, "b_ + 1"); break;
+        case FT_MOD_H: put(b, "h_ + 1"); break;
+        case FT_MOD_I: put(b, "i_ + 1"); break;
+        case FT_MOD_J: put(b, "j_ + 1"); break;
+        case FT_MOD_CONST:
+            if (f)
+                put(b, "%.9gf", x->value);
+            else
+                put(b, "%d", (int)x->value);
+            break;
+        case FT_MOD_ADD: case FT_MOD_SUB: case FT_MOD_MUL: {
+            const char *op = x->op == FT_MOD_ADD ? "+" : x->op == FT_MOD_SUB ? "-" : "*";
+            if (f) {
+                fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2);
+            } else {
+                put(b, "v%d %s v%d", a, op, c2);
+            }
+            break;
+        }
+        case FT_MOD_DIV: /* by a constant: times its reciprocal, rounded once */
+            if (nodes[c2].op == FT_MOD_CONST && nodes[c2].value != 0)
+                fval(b, ty, a), put(b, " * %.9gf", 1.0 / nodes[c2].value);
+            else if (fast)
+                put(b, "__fdividef("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")");
+            else
+                fval(b, ty, a), put(b, " / "), fval(b, ty, c2);
+            break;
+        case FT_MOD_MOD:
+            if (f) {
+                put(b, "ft_fmod_lua("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")");
+            } else {
+                put(b, "ft_imod_lua(v%d, v%d)", a, c2);
+            }
+            break;
+        case FT_MOD_POW: put(b, "powf("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")"); break;
+        case FT_MOD_NEG: put(b, "-v%d", a); break;
+        case FT_MOD_EQ: case FT_MOD_NE: case FT_MOD_LT: case FT_MOD_LE: case FT_MOD_GT:
+        case FT_MOD_GE: {
+            static const char *const ops[] = {"==", "!=", "<", "<=", ">", ">="};
+            const char *op = ops[x->op - FT_MOD_EQ];
+            if (ty[a] == T_INT && ty[c2] == T_INT)
+                put(b, "v%d %s v%d", a, op, c2);
+            else
+                fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2);
+            break;
+        }
+        case FT_MOD_AND: put(b, "v%d != 0 && v%d != 0", a, c2); break;
+        case FT_MOD_OR: put(b, "v%d != 0 || v%d != 0", a, c2); break;
+        case FT_MOD_NOT: put(b, "v%d == 0", a); break;
+        case FT_MOD_WHERE:
+            if (f) {
+                put(b, "v%d != 0 ? ", a), fval(b, ty, c2), put(b, " : "), fval(b, ty, c3);
+            } else {
+                put(b, "v%d != 0 ? v%d : v%d", a, c2, c3);
+            }
+            break;
+        case FT_MOD_ABS: put(b, f ? "fabsf(v%d)" : "abs(v%d)", a); break;
+        case FT_MOD_EXP: put(b, "%s(", ex), fval(b, ty, a), put(b, ")"); break;
+        case FT_MOD_LOG: put(b, "logf("), fval(b, ty, a), put(b, ")"); break;
+        case FT_MOD_SQRT: put(b, "sqrtf("), fval(b, ty, a), put(b, ")"); break;
+        case FT_MOD_TANH: put(b, "%s(", th), fval(b, ty, a), put(b, ")"); break;
+        case FT_MOD_SIGMOID: put(b, "1.f / (1.f + %s(-", ex), fval(b, ty, a), put(b, "))"); break;
+        case FT_MOD_MIN: case FT_MOD_MAX: {
+            const char *op = x->op == FT_MOD_MIN ? "<=" : ">=";
+            if (f) {
+                fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2), put(b, " ? "), fval(b, ty, a),
+                    put(b, " : "), fval(b, ty, c2);
+            } else {
+                put(b, "v%d %s v%d ? v%d : v%d", a, op, c2, a, c2);
+            }
+            break;
+        }
+        case FT_MOD_FLOOR: put(b, f ? "floorf(v%d)" : "v%d", a); break;
+        case FT_MOD_READ: {
+            put(b, "ft_read%d(", k);
+            for (int d = 0; d < x->c; d++)
+                put(b, "%sv%d", d ? ", " : "", indices[x->b + d]);
+            put(b, ")");
+            break;
+        }
+        }
+        put(b, ";\n");
+        if (!deriv || !f)
+            continue;
+        /* d/ds, as mods.c's interpreter */
+        put(b, "        const float d%d = ", k);
+#define D(q) (ty[q] == T_FLOAT && dep[q] ? "d" : "0.f*"), q
+        if (!dep[k]) {
+            put(b, "0.f");
+        } else {
+            switch (x->op) {
+            case FT_MOD_S: put(b, "1.f"); break;
+            case FT_MOD_ADD: put(b, "%s%d + %s%d", D(a), D(c2)); break;
+            case FT_MOD_SUB: put(b, "%s%d - %s%d", D(a), D(c2)); break;
+            case FT_MOD_MUL:
+                put(b, "%s%d * ", D(a)), fval(b, ty, c2), put(b, " + "), fval(b, ty, a),
+                    put(b, " * %s%d", D(c2));
+                break;
+            case FT_MOD_DIV:
+                if (nodes[c2].op == FT_MOD_CONST && nodes[c2].value != 0)
+                    put(b, "%s%d * %.9gf", D(a), 1.0 / nodes[c2].value);
+                else
+                    put(b, "(%s%d - v%d * %s%d) / ", D(a), k, D(c2)), fval(b, ty, c2);
+                break;
+            case FT_MOD_MOD:
+                put(b, "%s%d - floorf(", D(a)), fval(b, ty, a), put(b, " / "), fval(b, ty, c2),
+                    put(b, ") * %s%d", D(c2));
+                break;
+            case FT_MOD_POW:
+                put(b, "(%s%d != 0.f ? ", D(a)), fval(b, ty, c2), put(b, " * powf("),
+                    fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, " - 1.f) * %s%d : 0.f)", D(a));
+                put(b, " + (%s%d != 0.f ? v%d * logf(", D(c2), k), fval(b, ty, a),
+                    put(b, ") * %s%d : 0.f)", D(c2));
+                break;
+            case FT_MOD_NEG: put(b, "-%s%d", D(a)); break;
+            case FT_MOD_WHERE: put(b, "v%d != 0 ? %s%d : %s%d", a, D(c2), D(c3)); break;
+            case FT_MOD_ABS: put(b, "v%d < 0.f ? -%s%d : %s%d", a, D(a), D(a)); break;
+            case FT_MOD_EXP: put(b, "v%d * %s%d", k, D(a)); break;
+            case FT_MOD_LOG: put(b, "%s%d / ", D(a)), fval(b, ty, a); break;
+            case FT_MOD_SQRT: put(b, "%s%d != 0.f ? %s%d / (2.f * v%d) : 0.f", D(a), D(a), k); break;
+            case FT_MOD_TANH: put(b, "(1.f - v%d * v%d) * %s%d", k, k, D(a)); break;
+            case FT_MOD_SIGMOID: put(b, "v%d * (1.f - v%d) * %s%d", k, k, D(a)); break;
+            case FT_MOD_MIN:
+                fval(b, ty, a), put(b, " <= "), fval(b, ty, c2), put(b, " ? %s%d : %s%d", D(a), D(c2));
+                break;
+            case FT_MOD_MAX:
+                fval(b, ty, a), put(b, " >= "), fval(b, ty, c2), put(b, " ? %s%d : %s%d", D(a), D(c2));
+                break;
+            default: put(b, "0.f"); break;
+            }
+        }
+#undef D
+        put(b, ";\n");
+    }
+}
+
+char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
+                               int debug)
+{
+    const int n = ft_attn_mods_nodes_count(m);
+    const ft_mod_node *nodes = ft_attn_mods_graph(m);
+    const int32_t *indices = ft_attn_mods_index_list(m);
+    const int score = ft_attn_mods_root(m, 0), mask = ft_attn_mods_root(m, 1);
+    unsigned char *ty = calloc((size_t)n, 1), *dep = calloc((size_t)n, 1);
+    unsigned char *need = calloc((size_t)n, 1);
+    strbuf b = {NULL, 0, 0, 0};
+    if (!ty || !dep || !need)
+        b.failed = 1;
+    if (!b.failed) {
+        node_types(n, nodes, tensors, ty);
+        for (int k = 0; k < n; k++) { /* which nodes depend on s */
+            const ft_mod_node *x = &nodes[k];
+            int d = x->op == FT_MOD_S;
+            if (x->op == FT_MOD_READ) {
+                for (int q = 0; q < x->c; q++)
+                    d |= dep[indices[x->b + q]];
+            } else if (x->op != FT_MOD_CONST && x->op > FT_MOD_J) {
+                d |= dep[x->a];
+                if (x->op != FT_MOD_NEG && x->op != FT_MOD_NOT && !(x->op >= FT_MOD_ABS && x->op <= FT_MOD_SIGMOID) &&
+                    x->op != FT_MOD_FLOOR)
+                    d |= dep[x->b];
+                if (x->op == FT_MOD_WHERE)
+                    d |= dep[x->c];
+            }
+            dep[k] = (unsigned char)d;
+        }
+    }
+    put(&b, "/* flashtile: a modification written in Lua (%d nodes) */\n", n);
+    put(&b, "#define FT_RTC_MAX_TENSORS %d\n", FT_RTC_MAX_TENSORS);
+    put(&b, "struct FlashModTensor { const void *data; long long stride[4]; int shape[4]; };\n"
+            "struct FlashModArgs { FlashModTensor t[FT_RTC_MAX_TENSORS]; };\n"
+            "__constant__ FlashModArgs ft_mod_args;\n"
+            "__device__ int ft_mod_fault;\n"
+            "static __device__ __forceinline__ int ft_imod_lua(int a, int b)\n"
+            "{\n    if (b == 0) return 0;\n    const int r = a %% b;\n"
+            "    return r != 0 && ((r ^ b) < 0) ? r + b : r;\n}\n"
+            "static __device__ __forceinline__ float ft_fmod_lua(float a, float b)\n"
+            "{\n    return a - floorf(a / b) * b;\n}\n"
+            "static __device__ __forceinline__ float ft_tanh_fast(float x)\n"
+            "{\n    float y;\n    asm(\"tanh.approx.f32 %%0, %%1;\" : \"=f\"(y) : \"f\"(x));\n"
+            "    return y;\n}\n"
+            "/* a 1-based index (as Lua's, rounded down) of dim d of a tensor, 0-based, clamped */\n"
+            "static __device__ __forceinline__ long long ft_index(int v, int shape)\n"
+            "{\n    int x = v - 1;\n%s    return x < 0 ? 0 : x >= shape ? shape - 1 : x;\n}\n"
+            "static __device__ __forceinline__ long long ft_index(float v, int shape)\n"
+            "{\n    return ft_index((int)floorf(v), shape);\n}\n",
+        debug ? "    if (x < 0 || x >= shape) atomicExch(&ft_mod_fault, 1);\n" : "");
+    for (int k = 0; k < n && !b.failed; k++) { /* one reader per read node */
+        const ft_mod_node *x = &nodes[k];
+        if (x->op != FT_MOD_READ)
+            continue;
+        put(&b, "template <");
+        for (int d = 0; d < x->c; d++)
+            put(&b, "%stypename I%d", d ? ", " : "", d);
+        put(&b, ">\nstatic __device__ __forceinline__ %s ft_read%d(",
+            ft_dtype_is_float(tensors[x->a]->dtype) ? "float" : "int", k);
+        for (int d = 0; d < x->c; d++)
+            put(&b, "%sI%d x%d", d ? ", " : "", d, d);
+        put(&b, ")\n{\n    const FlashModTensor &t = ft_mod_args.t[%d];\n    long long off = 0;\n",
+            x->a);
+        for (int d = 0; d < x->c; d++)
+            put(&b, "    off += ft_index(x%d, t.shape[%d]) * t.stride[%d];\n", d, d, d);
+        put(&b, "    return %s;\n}\n", load_expr(tensors[x->a]->dtype));
+    }
+    put(&b, "struct FtUserMod {\n    static constexpr bool on = true;\n");
+    put(&b, "    static __device__ __forceinline__ float score(int b_, int h_, int i_, int j_, "
+            "float s, float *ds)\n    {\n");
+    if (score >= 0 && !b.failed) {
+        memset(need, 0, (size_t)n);
+        mark_needed(score, nodes, indices, need);
+        emit_nodes(&b, n, nodes, indices, ty, need, dep, 1, fast);
+        if (ty[score] == T_FLOAT)
+            put(&b, "        *ds = d%d;\n        return v%d;\n", score, score);
+        else
+            put(&b, "        *ds = 0.f;\n        return (float)v%d;\n", score);
+    } else {
+        put(&b, "        (void)b_, (void)h_, (void)i_, (void)j_;\n        *ds = 1.f;\n"
+                "        return s;\n");
+    }
+    put(&b, "    }\n    static __device__ __forceinline__ bool keep(int b_, int h_, int i_, int j_)\n"
+            "    {\n");
+    if (mask >= 0 && !b.failed) {
+        memset(need, 0, (size_t)n);
+        mark_needed(mask, nodes, indices, need);
+        emit_nodes(&b, n, nodes, indices, ty, need, dep, 0, fast);
+        put(&b, "        return v%d != 0;\n", mask);
+    } else {
+        put(&b, "        (void)b_, (void)h_, (void)i_, (void)j_;\n        return true;\n");
+    }
+    put(&b, "    }\n};\n");
+    free(ty), free(dep), free(need);
+    if (b.failed) {
+        free(b.s);
+        return NULL;
+    }
+    return b.s;
+}
+
+#ifndef FT_HAVE_CUDA
+void ft_cuda_mods_stats(ft_rtc_stats *out)
+{
+    memset(out, 0, sizeof *out);
+}
+#endif

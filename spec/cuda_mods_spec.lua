@@ -1,0 +1,162 @@
+-- Attention modifications written in Lua on CUDA (tag #gpu): the flash
+-- kernels compiled at run time for a mod (kernels/attention/rtc.cu, NVRTC).
+-- The built-in variants rewritten as mods give the built-ins' results on
+-- the GPU to rounding, forward and backward; mods that have no built-in
+-- (a learned relative bias, FlexAttention's document and prefix-LM masks)
+-- follow the f64 CPU running the same mod; the kernels come from the
+-- memory cache, then from the disk cache in a new process; bad uses are
+-- clear errors. ctest runs it again with FT_NO_WGMMA=1 (the mma.sync
+-- kernels). Pending, with the reason, where there is no GPU.
+local h = require "helper"
+local ft = h.ft
+
+local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
+
+local FIELDS = { "out", "lse", "dq", "dk", "dv" }
+
+local function randn(shape)
+  return ft.randn(shape, { dtype = "f64", seed = h.next_seed() })
+end
+
+local function cpu64(x) return x:cpu():double() end
+
+local function run(q, k, v, dout, opts)
+  local out, lse = ft.attention(q, k, v, opts)
+  local dq, dk, dv = ft.attention_backward(dout, q, k, v, out, lse, opts)
+  return { out = out, lse = lse, dq = dq, dk = dk, dv = dv }
+end
+
+--- max |a - b| over each result, relative to the largest |b| (+1).
+local function assert_close(label, got, want, tol)
+  for _, f in ipairs(FIELDS) do
+    local scale = ft.max_abs_diff(cpu64(want[f]), cpu64(want[f]) * 0) + 1
+    local diff = ft.max_abs_diff(cpu64(got[f]), cpu64(want[f]))
+    assert.is_true(diff == diff and diff <= tol * scale,
+      ("%s %s: %g (scale %g)"):format(label, f, diff, scale))
+  end
+end
+
+-- relative tolerances: the same kernels with the same scores but for float
+-- rounding (GPU mod against GPU built-in); and against the f64 cpu (the
+-- 16-bit inputs round P and dS, as the variants spec allows)
+local SAME = { f16 = 4e-3, bf16 = 2e-2 }
+local CPU = { f16 = 1e-2, bf16 = 6e-2 }
+
+describe("attention mods written in Lua on CUDA #gpu", function()
+  local B, N, H, Hk = 2, 200, 4, 2
+  local slopes64 = ft.tensor({ 0.5, 0.25, 0.125, 0.0625 }, { dtype = "f64" })
+
+  local function builtins(slopes)
+    return {
+      { "causal", { causal = true },
+        { mask = function(b, hh, i, j) return j:le(i) end } },
+      { "sliding window 37, causal", { causal = true, window_left = 37 },
+        { mask = function(b, hh, i, j) return ft.all(j:le(i), j:ge(i - 37)) end } },
+      { "ALiBi + causal", { causal = true, alibi_slopes = slopes },
+        { score = function(s, b, hh, i, j) return s - slopes[hh] * (i - j):abs() end,
+          mask = function(b, hh, i, j) return j:le(i) end } },
+      { "softcap 2", { softcap = 2 },
+        { score = function(s) return (s / 2):tanh() * 2 end } },
+    }
+  end
+
+  -- each case compiles three kernels (forward, dK/dV, dQ): a few seconds each
+  for _, c in ipairs { { "bf16", 128, 4 }, { "f16", 64, 2 } } do
+    local dtype, d, ncases = c[1], c[2], c[3]
+    do
+      gpu_it(("the built-in variants as mods: the built-ins' results, %s, d %d, forward and backward"):format(dtype, d), function()
+        local slopes = slopes64:float():cuda()
+        local q, k, v, dout = randn { B, N, H, d }, randn { B, N, Hk, d }, randn { B, N, Hk, d },
+            randn { B, N, H, d }
+        local function g(t) return t:to(dtype):cuda() end
+        for n, case in ipairs(builtins(slopes)) do
+          if n > ncases then break end
+          local want = run(g(q), g(k), g(v), g(dout), case[2])
+          local mods = ft.attention_mods(case[3])
+          local got = run(g(q), g(k), g(v), g(dout), { mods = mods, mod_grads = false })
+          assert_close(case[1], got, want, SAME[dtype])
+        end
+      end)
+    end
+  end
+
+  gpu_it("mods without a built-in follow the f64 cpu running the same mod: a relative-bias table, a document mask, a prefix-LM mask; f16 and bf16, d 32, 96 and 256", function()
+    local Nq = 150
+    local rel64 = randn { H, 2 * Nq }
+    local doc64 = ft.tensor((function()
+      local t = {}
+      for i = 1, Nq do t[i] = i <= 40 and 1 or i <= 41 and 2 or i <= 120 and 3 or 4 end
+      return t
+    end)(), { dtype = "i32" })
+    local function mods_for(rel, doc)
+      return {
+        { "relative bias", { score = function(s, b, hh, i, j) return s + rel[hh][i - j + Nq] end } },
+        { "document mask", { mask = function(b, hh, i, j) return ft.all(doc[i]:eq(doc[j]), j:le(i)) end } },
+        { "prefix-LM mask", { mask = function(b, hh, i, j) return ft.any(j:le(i), j:le(17)) end } },
+        { "bias, tanh and a mask together", {
+            score = function(s, b, hh, i, j) return (s + rel[hh][i - j + Nq] * 0.5):tanh() * 4 end,
+            mask = function(b, hh, i, j) return ft.negate(ft.all(j:gt(i), ((i + j) % 3):eq(0))) end } },
+      }
+    end
+    local cpu_cases, gpu_cases = mods_for(rel64, doc64), nil
+    -- (dtype, head dim, which mods)
+    for _, c in ipairs { { "f16", 32, { 1, 2 } }, { "bf16", 256, { 1, 3 } }, { "bf16", 96, { 4 } } } do
+      local dtype, d = c[1], c[2]
+      local q, k, v, dout = randn { 1, Nq, H, d }, randn { 1, Nq, Hk, d }, randn { 1, Nq, Hk, d },
+          randn { 1, Nq, H, d }
+      do
+        gpu_cases = mods_for(rel64:float():cuda(), doc64:cuda())
+        local function g(t) return t:to(dtype):cuda() end
+        for _, n in ipairs(c[3]) do
+          local case = gpu_cases[n]
+          local want = run(q, k, v, dout, { mods = ft.attention_mods(cpu_cases[n][2]), impl = "tiled",
+                                           mod_grads = false })
+          local got = run(g(q), g(k), g(v), g(dout), { mods = ft.attention_mods(case[2]),
+                                                       mod_grads = false })
+          assert_close(("%s, %s, d %d"):format(case[1], dtype, d), got, want, CPU[dtype])
+        end
+      end
+    end
+  end)
+
+  gpu_it("compiled kernels are kept: in memory within a process, on disk across processes", function()
+    local before = ft.cuda.mods_stats()
+    local q = ft.randn({ 1, 64, 2, 64 }, { dtype = "bf16", device = "cuda", seed = 3 })
+    local mods = ft.attention_mods { score = function(s, b, hh, i, j) return s * 0.5 + (i - j) * 0.01 end }
+    ft.attention(q, q, q, { mods = mods })
+    ft.attention(q, q, q, { mods = mods })
+    local after = ft.cuda.mods_stats()
+    assert.is_true(after.memory_hits >= before.memory_hits + 1)
+    -- a new process: the same mod loads from disk and compiles nothing
+    local script = [[
+      local ft = require "flashtile"
+      local q = ft.randn({ 1, 64, 2, 64 }, { dtype = "bf16", device = "cuda", seed = 3 })
+      local mods = ft.attention_mods { score = function(s, b, hh, i, j) return s * 0.5 + (i - j) * 0.01 end }
+      ft.attention(q, q, q, { mods = mods })
+      local st = ft.cuda.mods_stats()
+      io.write(st.compiles, " ", st.disk_loads, " ", st.last_load_s, "\n")
+    ]]
+    local out = h.run_lua(script)
+    local compiles, loads, load_s = out:match("^(%d+) (%d+) (%S+)")
+    assert.are.equal("0", compiles, out)
+    assert.are.equal("1", loads, out)
+    assert.is_true(tonumber(load_s) < 0.5, out)
+  end)
+
+  gpu_it("bad uses are clear errors: f32, the naive impl, a block mask, gradients of read tensors, a cpu tensor read", function()
+    local q32 = ft.randn({ 1, 16, 2, 64 }, { device = "cuda", seed = 1 })
+    local q = q32:to("bf16")
+    local slopes = slopes64:float():cuda()
+    local alibi = ft.attention_mods { score = function(s, b, hh, i, j) return s - slopes[hh] * (i - j) end }
+    h.assert_error(function() ft.attention(q32, q32, q32, { mods = alibi }) end, "f16 or bf16")
+    h.assert_error(function() ft.attention(q, q, q, { mods = alibi, impl = "naive" }) end,
+      "impl 'flash' or 'auto'")
+    local out, lse = ft.attention(q, q, q, { mods = alibi })
+    h.assert_error(function() ft.attention_backward(out, q, q, q, out, lse, { mods = alibi }) end,
+      "mod_grads = false")
+    local r = h.pack(ft.attention_backward(out, q, q, q, out, lse, { mods = alibi, mod_grads = false }))
+    assert.are.equal(3, r.n)
+    local cpu_slopes = ft.attention_mods { score = function(s, b, hh, i, j) return s - slopes64[hh] end }
+    h.assert_error(function() ft.attention(q, q, q, { mods = cpu_slopes }) end, "not on q's device")
+  end)
+end)
