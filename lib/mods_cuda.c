@@ -297,6 +297,16 @@ static void emit_nodes(strbuf *b, int n, const ft_mod_node *nodes, const int32_t
     }
 }
 
+/* The nodes root needs, in order (need is scratch). */
+static void emit_root(strbuf *b, int root, int n, const ft_mod_node *nodes,
+                      const int32_t *indices, const unsigned char *ty, unsigned char *need,
+                      const unsigned char *dep, int deriv, int fast)
+{
+    memset(need, 0, (size_t)n);
+    mark_needed(root, nodes, indices, need);
+    emit_nodes(b, n, nodes, indices, ty, need, dep, deriv, fast);
+}
+
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
                                int debug)
 {
@@ -369,9 +379,7 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     put(&b, "    static __device__ __forceinline__ float score(int b_, int h_, int i_, int j_, "
             "float s, float *ds)\n    {\n");
     if (score >= 0 && !b.failed) {
-        memset(need, 0, (size_t)n);
-        mark_needed(score, nodes, indices, need);
-        emit_nodes(&b, n, nodes, indices, ty, need, dep, 1, fast);
+        emit_root(&b, score, n, nodes, indices, ty, need, dep, 1, fast);
         if (ty[score] == T_FLOAT)
             put(&b, "        *ds = d%d;\n        return v%d;\n", score, score);
         else
@@ -383,9 +391,7 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     put(&b, "    }\n    static __device__ __forceinline__ bool keep(int b_, int h_, int i_, int j_)\n"
             "    {\n");
     if (mask >= 0 && !b.failed) {
-        memset(need, 0, (size_t)n);
-        mark_needed(mask, nodes, indices, need);
-        emit_nodes(&b, n, nodes, indices, ty, need, dep, 0, fast);
+        emit_root(&b, mask, n, nodes, indices, ty, need, dep, 0, fast);
         put(&b, "        return v%d != 0;\n", mask);
     } else {
         put(&b, "        (void)b_, (void)h_, (void)i_, (void)j_;\n        return true;\n");
