@@ -170,9 +170,6 @@ static ft_status check_cuda_mods(const char *func, int ap, const ft_tensor *q,
                                "mods on CUDA read tensors of sizes below 2^31; tensor %d has "
                                "%lld", t + 1, (long long)x->shape[d]);
     }
-    if (p->block_mask)
-        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
-                       "block_mask on CUDA: not supported yet (the cpu takes it)");
     return FT_OK;
 }
 
@@ -229,9 +226,19 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         if (s->cu_q)
             return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
                            "block_mask with variable lengths: not supported");
-        FT_TRY(ft_attn_block_mask_check(p->block_mask, p->mods, func, ap, s->B, s->H, s->Nq,
-                                        s->Nk, s->block_q, s->block_k));
+        FT_TRY(ft_attn_block_mask_check(p->block_mask, p->mods, func, ap, q->device, s->B, s->H,
+                                        s->Nq, s->Nk, s->block_q, s->block_k));
         s->block_mask = p->block_mask;
+        int64_t left, right;
+        if (ft_attn_block_mask_band(p->block_mask, &left, &right)) {
+            /* every pair the mask keeps lies in the band: as a window, it
+             * lets the flash kernels skip the tiles outside (the mask is
+             * still applied inside); none kept: only the diagonal, which
+             * the mask hides too */
+            left = left < 0 ? 0 : left, right = right < 0 ? 0 : right;
+            m->left = m->left < 0 || left < m->left ? left : m->left;
+            m->right = m->right < 0 || right < m->right ? right : m->right;
+        }
     }
     /* The flash kernels run every variant (slopes and sinks in other
      * forms are converted for them: flash_inputs). */

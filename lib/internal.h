@@ -373,6 +373,9 @@ int ft_attn_mods_root(const ft_attn_mods *m, int which);
 #define FT_RTC_MAX_TENSORS 8
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
                                int debug);
+/* Whether the graph's score function is more than s itself (a mask
+ * alone runs in the kernels' plain instantiations). */
+int ft_attn_mods_cuda_has_score(const ft_attn_mods *m);
 int ft_attn_mods_read_tensor(const ft_attn_mods *m, int k);
 size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width, int with_reads);
 void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,
@@ -384,8 +387,13 @@ void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensor
  * [i0, i1) x [j0, j1) of (b, h): empty or full when every tile it touches
  * is (ft_block_kind). */
 ft_status ft_attn_block_mask_check(const ft_attn_block_mask *bm, const ft_attn_mods *mods,
-                                   const char *func, int arg, int64_t B, int64_t H, int64_t Nq,
-                                   int64_t Nk, int64_t block_q, int64_t block_k);
+                                   const char *func, int arg, ft_device device, int64_t B,
+                                   int64_t H, int64_t Nq, int64_t Nk, int64_t block_q,
+                                   int64_t block_k);
+/* A block mask made on CUDA: the band of the pairs its mask keeps (query
+ * i, bottom-right aligned, keeps keys within [i + shift - left, i + shift
+ * + right]; both -1 when it keeps none); 0 for one made on the cpu. */
+int ft_attn_block_mask_band(const ft_attn_block_mask *bm, int64_t *left, int64_t *right);
 int ft_attn_block_kind(const ft_attn_block_mask *bm, int64_t b, int64_t h, int64_t i0,
                        int64_t i1, int64_t j0, int64_t j1);
 

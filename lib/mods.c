@@ -14,6 +14,7 @@
 #include "internal.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -358,12 +359,71 @@ struct ft_attn_block_mask {
     const ft_attn_mods *mods; /* for the identity check only, never read */
     int64_t B, H, Nq, Nk, bq, bk, nqb, nkb;
     unsigned char *kind; /* [B][H][nqb][nkb]: ft_block_kind */
+    ft_device device;    /* where it was made, and where calls may take it */
+    int64_t band[2];     /* CUDA: the band of kept pairs (left, right; -1: none kept) */
 };
+
+#ifdef FT_HAVE_CUDA
+/* kernels/attention/rtc.cu: the mask over the call on the GPU. */
+ft_status flash_rtc_block_mask(const ft_attn_mods *mods, const ft_tensor *const *tensors,
+                               int device, const int64_t *size, int *cells, int *band,
+                               const char *func);
+
+/* The per-tile counts (into counts, host) and the band, on the GPU. */
+static ft_status block_mask_cuda(const char *func, const ft_attn_mods *mods,
+                                 const ft_tensor *const *tensors, ft_device dev,
+                                 const int64_t *size, int64_t cells, int64_t *counts,
+                                 int64_t *band)
+{
+    ft_tensor *c = NULL, *bd = NULL, *ch = NULL, *bh = NULL;
+    const int64_t nb = 2, ncell = cells > 0 ? cells : 1;
+    ft_status st = ft_empty_named(&c, 1, &ncell, FT_I32, dev, func);
+    if (st == FT_OK)
+        st = ft_empty_named(&bd, 1, &nb, FT_I32, dev, func);
+    if (st == FT_OK)
+        st = ft_fill(c, 0);
+    if (st == FT_OK)
+        st = ft_fill(bd, (double)INT32_MIN);
+    if (st == FT_OK)
+        st = flash_rtc_block_mask(mods, tensors, dev.index, size, (int *)c->data, (int *)bd->data,
+                                  func);
+    if (st == FT_OK)
+        st = ft_to(&ch, c, FT_I32, (ft_device){FT_CPU, 0});
+    if (st == FT_OK)
+        st = ft_to(&bh, bd, FT_I32, (ft_device){FT_CPU, 0});
+    if (st == FT_OK) {
+        for (int64_t k = 0; k < cells; k++)
+            counts[k] = ((const int32_t *)ch->data)[k];
+        const int32_t *b = (const int32_t *)bh->data;
+        band[0] = b[0] == INT32_MIN ? -1 : b[0] < 0 ? 0 : b[0];
+        band[1] = b[0] == INT32_MIN ? -1 : b[1] < 0 ? 0 : b[1];
+    }
+    ft_tensor_free(c), ft_tensor_free(bd), ft_tensor_free(ch), ft_tensor_free(bh);
+    return st;
+}
+#endif
+
+/* A tile's kind from how many of its pairs the mask keeps. */
+static unsigned char tile_kind(const ft_attn_block_mask *bm, int64_t qb, int64_t kb, int64_t kept)
+{
+    const int64_t nr = bm->Nq - qb * bm->bq < bm->bq ? bm->Nq - qb * bm->bq : bm->bq;
+    const int64_t nc = bm->Nk - kb * bm->bk < bm->bk ? bm->Nk - kb * bm->bk : bm->bk;
+    return kept == 0 ? FT_BLOCK_EMPTY : kept == nr * nc ? FT_BLOCK_FULL : FT_BLOCK_PARTIAL;
+}
 
 ft_status ft_attn_block_mask_new(ft_attn_block_mask **out, const ft_attn_mods *mods,
                                  int ntensors, const ft_tensor *const *tensors, int64_t B,
                                  int64_t H, int64_t Nq, int64_t Nk, int64_t block_q,
                                  int64_t block_k)
+{
+    return ft_attn_block_mask_new_on(out, mods, ntensors, tensors, B, H, Nq, Nk, block_q,
+                                     block_k, (ft_device){FT_CPU, 0});
+}
+
+ft_status ft_attn_block_mask_new_on(ft_attn_block_mask **out, const ft_attn_mods *mods,
+                                    int ntensors, const ft_tensor *const *tensors, int64_t B,
+                                    int64_t H, int64_t Nq, int64_t Nk, int64_t block_q,
+                                    int64_t block_k, ft_device device)
 {
     static const char func[] = "ft_attn_block_mask_new";
     if (!out)
@@ -373,8 +433,14 @@ ft_status ft_attn_block_mask_new(ft_attn_block_mask **out, const ft_attn_mods *m
         return ft_fail(FT_ERR_ARGUMENT, func, 1, "mods expected");
     if (mods->mask < 0)
         return ft_fail(FT_ERR_ARGUMENT, func, 1, "the mods have no mask");
-    FT_TRY(ft_attn_mods_check_tensors(mods, func, 3, ntensors, tensors,
-                                      (ft_device){FT_CPU, 0}));
+    if (device.type == FT_CUDA) {
+#ifdef FT_HAVE_CUDA
+        FT_TRY(ft_cuda_use_device(device.index, func));
+#else
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 10, "this build has no CUDA backend");
+#endif
+    }
+    FT_TRY(ft_attn_mods_check_tensors(mods, func, 3, ntensors, tensors, device));
     const int64_t dims[4] = {B, H, Nq, Nk};
     for (int k = 0; k < 4; k++)
         if (dims[k] < 0 || dims[k] > INT32_MAX)
@@ -404,7 +470,27 @@ ft_status ft_attn_block_mask_new(ft_attn_block_mask **out, const ft_attn_mods *m
     }
     bm->mods = mods, bm->B = B, bm->H = H, bm->Nq = Nq, bm->Nk = Nk;
     bm->bq = block_q, bm->bk = block_k, bm->nqb = nqb, bm->nkb = nkb;
+    bm->device = device, bm->band[0] = bm->band[1] = -1;
     int fault = 0;
+    if (device.type == FT_CUDA) {
+#ifdef FT_HAVE_CUDA
+        free(scratch), free(keep), free(counts);
+        int64_t *all = malloc((size_t)(cells > 0 ? cells : 1) * sizeof *all);
+        const int64_t size[6] = {B, H, Nq, Nk, block_q, block_k};
+        ft_status st = all ? block_mask_cuda(func, mods, tensors, device, size, cells, all,
+                                             bm->band)
+                           : ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+        for (int64_t c = 0; st == FT_OK && c < cells; c++)
+            bm->kind[c] = tile_kind(bm, (c / nkb) % nqb, c % nkb, all[c]);
+        free(all);
+        if (st != FT_OK) {
+            ft_attn_block_mask_free(bm);
+            return st;
+        }
+        *out = bm;
+        return FT_OK;
+#endif
+    }
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++)
             for (int64_t qb = 0; qb < nqb; qb++) {
@@ -418,12 +504,8 @@ ft_status ft_attn_block_mask_new(ft_attn_block_mask **out, const ft_attn_mods *m
                         counts[j / block_k] += keep[j] != 0;
                 }
                 unsigned char *row = bm->kind + ((b * H + h) * nqb + qb) * nkb;
-                for (int64_t kb = 0; kb < nkb; kb++) {
-                    const int64_t nc = Nk - kb * block_k < block_k ? Nk - kb * block_k : block_k;
-                    row[kb] = counts[kb] == 0        ? FT_BLOCK_EMPTY
-                              : counts[kb] == nr * nc ? FT_BLOCK_FULL
-                                                      : FT_BLOCK_PARTIAL;
-                }
+                for (int64_t kb = 0; kb < nkb; kb++)
+                    row[kb] = tile_kind(bm, qb, kb, counts[kb]);
             }
     free(scratch), free(keep), free(counts);
     if (fault) {
@@ -459,11 +541,28 @@ void ft_attn_block_mask_counts(const ft_attn_block_mask *bm, int64_t *empty, int
 }
 
 ft_status ft_attn_block_mask_check(const ft_attn_block_mask *bm, const ft_attn_mods *mods,
-                                   const char *func, int arg, int64_t B, int64_t H, int64_t Nq,
-                                   int64_t Nk, int64_t block_q, int64_t block_k)
+                                   const char *func, int arg, ft_device device, int64_t B,
+                                   int64_t H, int64_t Nq, int64_t Nk, int64_t block_q,
+                                   int64_t block_k)
 {
     if (bm->mods != mods)
         return ft_fail(FT_ERR_ARGUMENT, func, arg, "block_mask was made for other mods");
+    if (bm->device.type != device.type || bm->device.index != device.index) {
+        char made[32], runs[32];
+        const ft_device both[2] = {bm->device, device};
+        char *names[2] = {made, runs};
+        for (int k = 0; k < 2; k++)
+            if (both[k].type == FT_CUDA)
+                snprintf(names[k], sizeof made, "cuda:%d", both[k].index);
+            else
+                snprintf(names[k], sizeof made, "the cpu");
+        return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                       "block_mask was made for %s, the call runs on %s (ft.block_mask's device "
+                       "option)",
+                       made, runs);
+    }
+    if (device.type == FT_CUDA) /* the flash kernels take its band, not its tiles */
+        block_q = bm->bq, block_k = bm->bk;
     if (bm->B != B || bm->H != H || bm->Nq != Nq || bm->Nk != Nk || bm->bq != block_q ||
         bm->bk != block_k)
         return ft_fail(FT_ERR_ARGUMENT, func, arg,
@@ -488,4 +587,12 @@ int ft_attn_block_kind(const ft_attn_block_mask *bm, int64_t b, int64_t h, int64
             full &= k == FT_BLOCK_FULL;
         }
     return empty ? FT_BLOCK_EMPTY : full ? FT_BLOCK_FULL : FT_BLOCK_PARTIAL;
+}
+
+int ft_attn_block_mask_band(const ft_attn_block_mask *bm, int64_t *left, int64_t *right)
+{
+    if (bm->device.type != FT_CUDA)
+        return 0;
+    *left = bm->band[0], *right = bm->band[1];
+    return 1;
 }

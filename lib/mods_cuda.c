@@ -307,6 +307,12 @@ static void emit_root(strbuf *b, int root, int n, const ft_mod_node *nodes,
     emit_nodes(b, n, nodes, indices, ty, need, dep, deriv, fast);
 }
 
+int ft_attn_mods_cuda_has_score(const ft_attn_mods *m)
+{
+    const int score = ft_attn_mods_root(m, 0);
+    return score >= 0 && ft_attn_mods_graph(m)[score].op != FT_MOD_S;
+}
+
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
                                int debug)
 {
@@ -375,7 +381,8 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
             put(&b, "    off += ft_index(x%d, t.shape[%d]) * t.stride[%d];\n", d, d, d);
         put(&b, "    return %s;\n}\n", load_expr(tensors[x->a]->dtype));
     }
-    put(&b, "struct FtUserMod {\n    static constexpr bool on = true;\n");
+    put(&b, "struct FtUserMod {\n    static constexpr bool on = true, has_score = %s;\n",
+        ft_attn_mods_cuda_has_score(m) ? "true" : "false");
     put(&b, "    static __device__ __forceinline__ float score(int b_, int h_, int i_, int j_, "
             "float s, float *ds)\n    {\n");
     if (score >= 0 && !b.failed) {

@@ -1929,7 +1929,8 @@ static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
 }
 
 /* data = core.attention_block_mask(graph, tensors, B, H, Nq, Nk, block_q,
- * block_k): the mask of graph evaluated per tile. */
+ * block_k [, device]): the mask of graph evaluated per tile, on device
+ * (default: where its tensors are, else the cpu). */
 static int l_attention_block_mask(lua_State *L)
 {
     ud_mods *g = luaL_checkudata(L, 1, MODS_MT);
@@ -1943,11 +1944,17 @@ static int l_attention_block_mask(lua_State *L)
     if ((int)lua_rawlen(L, 2) != n)
         return luaL_argerror(L, 2, "the graph's tensors expected");
     const ft_tensor **ts = pin_tensor_list(L, 2, n, 2, "block mask");
+    /* the device: the 9th argument, else the tensors', else the cpu */
+    ft_device dev = {FT_CPU, 0};
+    if (!lua_isnoneornil(L, 9))
+        dev = check_device(L, 9);
+    else if (n > 0)
+        dev = ts[0]->device;
     ud_block_mask *u = lua_newuserdata(L, sizeof *u);
     u->bm = NULL;
     luaL_setmetatable(L, BLOCK_MASK_MT);
-    CALL(L, NO_ARG, ft_attn_block_mask_new(&u->bm, g->m, n, ts, size[0], size[1], size[2],
-                                           size[3], size[4], size[5]));
+    CALL(L, NO_ARG, ft_attn_block_mask_new_on(&u->bm, g->m, n, ts, size[0], size[1], size[2],
+                                              size[3], size[4], size[5], dev));
     return 1;
 }
 

@@ -281,7 +281,7 @@ end
 
 --- ft.attention's options for a variant on H heads (slopes and sinks on
 -- the device).
-local function variant_opts(impl, causal, var, H, builtin)
+local function variant_opts(impl, causal, var, H, builtin, B, N)
   local o = { impl = impl, causal = causal }
   if var.lua and not builtin then -- check's references take the built-in
     local W, C = var.value, var.value
@@ -305,7 +305,11 @@ local function variant_opts(impl, causal, var, H, builtin)
     elseif causal then
       mask = function(b, h, i, j) return j:le(i) end
     end
-    return { impl = impl, mods = ft.attention_mods { score = score, mask = mask }, mod_grads = false }
+    local mods = ft.attention_mods { score = score, mask = mask }
+    -- a mask on the GPU: its block mask, made once (the kernels skip the
+    -- tiles outside the band it keeps)
+    local bm = mask and on_gpu and ft.block_mask(mods, B, H, N, N, { device = device }) or nil
+    return { impl = impl, mods = mods, block_mask = bm, mod_grads = false }
   end
   if var.name == "window" then
     o.window_left = var.value
@@ -364,7 +368,7 @@ local function check(impl, dtype, q, k, v, dout, causal, pass, var)
   local qs, ks, vs, ds = q:narrow(1, 1, 1):narrow(3, 1, hq), k:narrow(1, 1, 1):narrow(3, 1, hk),
     v:narrow(1, 1, 1):narrow(3, 1, hk), dout:narrow(1, 1, 1):narrow(3, 1, hq)
   local function run(which, dt)
-    local o = variant_opts(which, causal, var, hq, which == "naive")
+    local o = variant_opts(which, causal, var, hq, which == "naive", 1, qs:size(2))
     local a, b, c = qs:to(dt), ks:to(dt), vs:to(dt)
     local out, lse = ft.attention(a, b, c, o)
     if pass == "fwd" then return { out } end
@@ -487,7 +491,7 @@ local function measure(impl, dtype, d, N, causal, pass, var)
     return ft.randn(shape, { dtype = dtype, seed = seed, device = device })
   end
   local q, k, v, dout = input { B, N, H, d }, input { B, N, H, d }, input { B, N, H, d }, input { B, N, H, d }
-  local o = variant_opts(impl, causal, var, H)
+  local o = variant_opts(impl, causal, var, H, false, B, N)
   local row = { impl = impl, dtype = dtype, B = B, H = H, N = N, d = d, causal = causal, pass = pass,
                 variant = var.label }
   if opts.check and impl ~= "naive" then

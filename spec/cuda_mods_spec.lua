@@ -119,6 +119,47 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     end
   end)
 
+  gpu_it("block masks made on CUDA: the tiles counted on the GPU, and the same results with the kernels skipping the tiles outside the mask's band", function()
+    local Nq = 200
+    local doc64 = ft.tensor((function()
+      local t = {}
+      for i = 1, Nq do t[i] = math.floor((i - 1) / 30) end
+      return t
+    end)(), { dtype = "i32" })
+    local doc = doc64:cuda()
+    local cases = {
+      { "causal", { mask = function(b, hh, i, j) return j:le(i) end }, { causal = true } },
+      { "sliding window 37, causal", { mask = function(b, hh, i, j) return ft.all(j:le(i), j:ge(i - 37)) end },
+        { causal = true, window_left = 37 } },
+      { "document mask", { mask = function(b, hh, i, j) return ft.all(doc[i]:eq(doc[j]), j:le(i)) end } },
+      { "ALiBi and causal", { score = function(s, b, hh, i, j) return s - (i - j) * 0.05 end,
+                              mask = function(b, hh, i, j) return j:le(i) end } },
+    }
+    local q, k, v, dout = randn { B, Nq, H, 64 }, randn { B, Nq, Hk, 64 }, randn { B, Nq, Hk, 64 },
+        randn { B, Nq, H, 64 }
+    local function g(t) return t:to("bf16"):cuda() end
+    for _, case in ipairs(cases) do
+      local mods = ft.attention_mods(case[2])
+      local bm = ft.block_mask(mods, B, H, Nq, Nq, { device = "cuda", block_q = 64, block_k = 64 })
+      local want = run(g(q), g(k), g(v), g(dout), case[3] or { mods = mods, mod_grads = false })
+      local got = run(g(q), g(k), g(v), g(dout), { mods = mods, block_mask = bm, mod_grads = false })
+      assert_close(case[1] .. " with its block mask", got, want, SAME.bf16)
+      -- the same counts as the cpu's block mask of the same mask
+      local cpu_mods = ft.attention_mods(case[1] == "document mask"
+        and { mask = function(b, hh, i, j) return ft.all(doc64[i]:eq(doc64[j]), j:le(i)) end } or case[2])
+      local cbm = ft.block_mask(cpu_mods, B, H, Nq, Nq, { block_q = 64, block_k = 64 })
+      assert.are.same({ cbm:counts() }, { bm:counts() }, case[1])
+    end
+    -- causal over 200 x 200 in 64 x 64 tiles: 6 hidden, 4 on the diagonal, 6 whole, per (b, h)
+    local causal = ft.attention_mods(cases[1][2])
+    local e, p, f = ft.block_mask(causal, B, H, Nq, Nq, { device = "cuda", block_q = 64, block_k = 64 }):counts()
+    assert.are.same({ 6 * B * H, 4 * B * H, 6 * B * H }, { e, p, f })
+    -- made on the cpu, used on CUDA: an error that says so
+    local cbm = ft.block_mask(causal, B, H, Nq, Nq)
+    h.assert_error(function() ft.attention(g(q), g(k), g(v), { mods = causal, block_mask = cbm }) end,
+      "block_mask was made for the cpu, the call runs on cuda:0")
+  end)
+
   gpu_it("compiled kernels are kept: in memory within a process, on disk across processes", function()
     local before = ft.cuda.mods_stats()
     local q = ft.randn({ 1, 64, 2, 64 }, { dtype = "bf16", device = "cuda", seed = 3 })

@@ -259,7 +259,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
             const T *sQ = sQ0 + buf * 2 * BWD_BR * LD, *sdO = sQ + BWD_BR * LD;
             const float *sL = sL0 + buf * 2 * BWD_BR, *sD = sL + BWD_BR;
             const int hcur = hk * G + t / nqb;
-            const ScoreMod smod = flash_score_mod(p, b, EXT ? hcur : 0);
+            const ScoreMod smod = flash_score_mod(p, b, EXT || UM::on ? hcur : 0);
             /* dropout's keep bits of st's entries */
             const uint64_t kbits =
                 EXT && p.mod.dropout ? keep_bits<NT_Q * 4, true>(p, b, hcur, j0 + kw * 16, i0) : 0;
@@ -305,6 +305,8 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                                                  x[0] = d0 * (z0 * x[0] - dd[0]);
                                                  x[1] = d1 * (z1 * x[1] - dd[1]);
                                              });
+            else if (UM::on) /* a Lua-written mask alone: no derivative */
+                mod_acc<NT_Q * 4, true, fast_tanh<T>(), UM>(smod, &st[0][0], j0 + kw * 16, i0);
             QueryRange q0 = {0, p.Nq}, q1 = {0, p.Nq};
             if (full.masks(i0, i0 + BWD_BR)) {
                 q0 = flash_queries(p, key[0]);
@@ -473,6 +475,8 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
                                               x[0] = d0 * (z0 * x[0] - Dr[k % 2]);
                                               x[1] = d1 * (z1 * x[1] - Dr[k % 2]);
                                           });
+        else if (UM::on) /* a Lua-written mask alone: no derivative */
+            mod_acc<NT_S * 4, false, fast_tanh<T>(), UM>(smod, &s[0][0], i0 + warp * 16, j0);
 #pragma unroll
         for (int n = 0; n < NT_S; n++)
 #pragma unroll
@@ -579,7 +583,9 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     p.dv = flash_tensor(dv);
     p.D = (float *)work->data;
     p.lse2 = sm90 ? p.D + ft_numel(lse) : nullptr;
-    p.user_mod = rtc != nullptr;
+    /* a score function needs the EXT kernels (its derivatives); a mask
+     * alone runs in the plain ones */
+    p.user_mod = rtc != nullptr && ft_attn_mods_cuda_has_score(s->mods);
     const dim3 block(SIMT_WARPS * FT_WARP);
     flash_bwd_dot_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B), block>>>(p);
     ft_status st = ft_cuda_check_launch(func, __FILE__, __LINE__);

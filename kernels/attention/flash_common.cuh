@@ -565,10 +565,12 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
 /* A modification written in Lua, as rtc.cu generates it: score(b, h, i,
  * j, x, &dx) takes the scaled score x (after the built-in variants) and
  * gives the new one and its derivative in x; keep(b, h, i, j) the mask.
- * Indices are 0-based here (i, j within the sequence). The kernels
- * compiled ahead of time take NoUserMod, whose code never runs. */
+ * Indices are 0-based here (i, j within the sequence); has_score is
+ * false for a mask alone (whose backward needs no derivative, so runs in
+ * the plain instantiations). The kernels compiled ahead of time take
+ * NoUserMod, whose code never runs. */
 struct NoUserMod {
-    static constexpr bool on = false;
+    static constexpr bool on = false, has_score = false;
     static __device__ __forceinline__ float score(int, int, int, int, float x, float *dx)
     {
         *dx = 1.f;
@@ -607,13 +609,13 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
                 if (UM::on) { /* then the Lua-written one, on the scaled score */
                     const int r = row0 + g + 8 * ((i / 2) % 2), c = col0 + 8 * (i / 4) + 2 * t4 + e;
                     const int qi = KEY_ROWS ? c : r, kj = KEY_ROWS ? r : c;
-                    if (UM::keep(m.b, m.h, qi, kj)) {
+                    if (!UM::keep(m.b, m.h, qi, kj)) {
+                        acc[i] = -INFINITY;
+                        d[e] = 0.f;
+                    } else if (UM::has_score) {
                         float dx;
                         acc[i] = UM::score(m.b, m.h, qi, kj, acc[i] * m.scale, &dx) * m.inv_scale;
                         d[e] *= dx;
-                    } else {
-                        acc[i] = -INFINITY;
-                        d[e] = 0.f;
                     }
                 }
             }

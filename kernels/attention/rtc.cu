@@ -85,11 +85,13 @@ static uint64_t library_hash()
     return h;
 }
 
-extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device,
-                                   FlashRtc **out, const char *func)
+/* The mods' FtUserMod for kernels of dtype on device, and the table of
+ * its tensors. */
+static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tensors, int dtype,
+                        int device, FlashRtc **out, const char *func)
 {
     *out = nullptr;
-    const int n = ft_attn_mods_tensors(s->mods);
+    const int n = ft_attn_mods_tensors(mods);
     FlashRtc *r = (FlashRtc *)calloc(1, sizeof *r);
     if (!r)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
@@ -97,7 +99,7 @@ extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device
     r->debug = dbg && *dbg && strcmp(dbg, "0") != 0;
     r->device = device;
     for (int t = 0; t < n; t++) {
-        const ft_tensor *x = s->mod_tensors[t];
+        const ft_tensor *x = tensors[t];
         r->args.t[t].data = x->data;
         for (int d = 0; d < x->ndim; d++) {
             r->args.t[t].stride[d] = x->stride[d];
@@ -113,13 +115,19 @@ extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device
     }
     snprintf(r->arch, sizeof r->arch, "sm_%d%d%s", prop.major, prop.minor,
              prop.major == 9 && prop.minor == 0 ? "a" : "");
-    r->src = ft_attn_mods_cuda_source(s->mods, s->mod_tensors, dtype == FT_BF16, r->debug);
+    r->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, r->debug);
     if (!r->src) {
         free(r);
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the mods' CUDA source");
     }
     *out = r;
     return FT_OK;
+}
+
+extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device,
+                                   FlashRtc **out, const char *func)
+{
+    return rtc_new(s->mods, s->mod_tensors, dtype, device, out, func);
 }
 
 extern "C" void flash_rtc_free(FlashRtc *r)
@@ -386,8 +394,9 @@ static ft_status rtc_kernel(const FlashRtc *rtc, const char *file, const char *n
     return FT_OK;
 }
 
-ft_status flash_rtc_launch(FlashRtc *rtc, const char *file, const char *name, dim3 grid,
-                           int threads, size_t smem, const FlashParams &p, const char *func)
+/* Launches kernel `name` of `file` compiled for rtc's mod with args. */
+static ft_status rtc_launch(FlashRtc *rtc, const char *file, const char *name, dim3 grid,
+                            int threads, size_t smem, void **params, const char *func)
 {
     RtcEntry e;
     FT_TRY(rtc_kernel(rtc, file, name, &e, func));
@@ -404,8 +413,6 @@ ft_status flash_rtc_launch(FlashRtc *rtc, const char *file, const char *name, di
     FT_CUDA_TRY(func, cudaKernelSetAttributeForDevice(
                           e.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem,
                           rtc->device));
-    FlashParams q = p;
-    void *params[1] = {&q};
     FT_CUDA_TRY(func, cudaLaunchKernel((const void *)e.kernel, grid, dim3(threads), params, smem,
                                        0));
     if (rtc->debug) {
@@ -417,6 +424,37 @@ ft_status flash_rtc_launch(FlashRtc *rtc, const char *file, const char *name, di
                            "1-based and must lie within the tensor's shape; FT_MODS_DEBUG)");
     }
     return FT_OK;
+}
+
+ft_status flash_rtc_launch(FlashRtc *rtc, const char *file, const char *name, dim3 grid,
+                           int threads, size_t smem, const FlashParams &p, const char *func)
+{
+    FlashParams q = p;
+    void *params[1] = {&q};
+    return rtc_launch(rtc, file, name, grid, threads, smem, params, func);
+}
+
+/* ft.block_mask on CUDA (lib/mods.c prepares cells and band on device and
+ * reads them back): mods_mask.cuh's kernel for the mods' mask. */
+extern "C" ft_status flash_rtc_block_mask(const ft_attn_mods *mods, const ft_tensor *const *tensors,
+                                          int device, const int64_t *size, int *cells, int *band,
+                                          const char *func)
+{
+    FlashRtc *rtc;
+    FT_TRY(ft_cuda_use_device(device, func));
+    FT_TRY(rtc_new(mods, tensors, FT_F32, device, &rtc, func));
+    int B = (int)size[0], H = (int)size[1], Nq = (int)size[2], Nk = (int)size[3];
+    int bq = (int)size[4], bk = (int)size[5];
+    int nqb = (Nq + bq - 1) / bq, nkb = (Nk + bk - 1) / bk;
+    void *params[10] = {&B, &H, &Nq, &Nk, &bq, &bk, &nqb, &nkb, &cells, &band};
+    const int threads = 128;
+    const ft_status st = Nq == 0 || B == 0 || H == 0
+                             ? FT_OK
+                             : rtc_launch(rtc, "mods_mask.cuh", "ft_block_mask_kernel<FtUserMod>",
+                                          dim3((Nq + threads - 1) / threads, H, B), threads, 0,
+                                          params, func);
+    flash_rtc_free(rtc);
+    return st;
 }
 
 extern "C" void ft_cuda_mods_stats(ft_rtc_stats *out)

@@ -21,6 +21,7 @@ FT_INCBIN(ft_rtc_fwd90, "attention/sm90/flash_fwd_sm90.cu")
 FT_INCBIN(ft_rtc_bwd90, "attention/sm90/flash_bwd_sm90.cu")
 FT_INCBIN(ft_rtc_attn_mod, "../lib/attn_mod.h")
 FT_INCBIN(ft_rtc_philox, "../lib/philox.h")
+FT_INCBIN(ft_rtc_mask, "attention/mods_mask.cuh")
 
 static const char stdint_h[] =
     "#pragma once\n"
@@ -51,6 +52,7 @@ static const struct {
     {"sm90/flash_bwd_sm90.cu", ft_rtc_bwd90},
     {"attn_mod.h", ft_rtc_attn_mod},
     {"philox.h", ft_rtc_philox},
+    {"mods_mask.cuh", ft_rtc_mask},
     {"stdint.h", stdint_h},
     {"stddef.h", stddef_h},
     {"math.h", math_h},

@@ -397,11 +397,14 @@ end
 -- not at all.
 function BlockMask:counts() return core.attention_block_mask_counts(self.data) end
 
---- ft.block_mask(mods, B, H, Nq, Nk [, {block_q = 128, block_k = 128}]): the
--- mods' mask evaluated once per tile (FlexAttention's BlockMask), for
--- ft.attention(q, k, v, {mods = mods, block_mask = bm}): the tiled path
--- skips the tiles the mask hides wholly, and the mask where it hides
--- nothing. The tiles must be the call's (block_q, block_k); cpu.
+--- ft.block_mask(mods, B, H, Nq, Nk [, {block_q = 128, block_k = 128,
+-- device =}]): the mods' mask evaluated once per tile (FlexAttention's
+-- BlockMask), for ft.attention(q, k, v, {mods = mods, block_mask = bm}):
+-- the tiled path skips the tiles the mask hides wholly, and the mask
+-- where it hides nothing (the tiles must be the call's block_q, block_k).
+-- On CUDA (device "cuda", or the mods' tensors there) the mask is
+-- evaluated on the GPU, and the flash kernels skip the tiles outside the
+-- band that holds every pair it keeps.
 function M.block_mask(mods, B, H, Nq, Nk, opts)
   if getmetatable(mods) ~= AttentionMods then
     error("ft.block_mask: argument 1 must be made by ft.attention_mods", 2)
@@ -409,12 +412,12 @@ function M.block_mask(mods, B, H, Nq, Nk, opts)
   opts = opts or {}
   if type(opts) ~= "table" then error("ft.block_mask: options must be a table", 2) end
   for key in pairs(opts) do
-    if key ~= "block_q" and key ~= "block_k" then
-      error(("ft.block_mask: unknown option '%s' (expected block_q or block_k)"):format(tostring(key)), 2)
+    if key ~= "block_q" and key ~= "block_k" and key ~= "device" then
+      error(("ft.block_mask: unknown option '%s' (expected block_q, block_k or device)"):format(tostring(key)), 2)
     end
   end
   local data = core.attention_block_mask(mods.graph, mods.tensors, B, H, Nq, Nk,
-    opts.block_q or 128, opts.block_k or 128)
+    opts.block_q or 128, opts.block_k or 128, opts.device)
   return setmetatable({ data = data, mods = mods, shape = { B, H, Nq, Nk } }, BlockMask)
 end
 

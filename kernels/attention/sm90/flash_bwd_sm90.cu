@@ -185,6 +185,8 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod 
                 dp[2 * k + 1] = d1 * (z1 * dp[2 * k + 1] - Dr[k % 2]);
             });
         });
+    else if (UM::on) /* a Lua-written mask alone: no derivative */
+        mod_acc<N, false, fast_tanh<T>(), UM>(smod, s, row0, col0);
 #pragma unroll
     for (int n = 0; n < N / 4; n++)
 #pragma unroll
@@ -337,6 +339,8 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
                                            const __half2 g2 = __floats2half2_rn(d0, d1);
                                            gmod[k * THREADS] = *reinterpret_cast<const uint32_t *>(&g2);
                                        });
+        else if (UM::on) /* a Lua-written mask alone: no derivative */
+            mod_acc<BM / 2, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0);
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
             const int col = n * 8 + t4 * 2;
@@ -698,6 +702,8 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         float dmod[EXT ? 16 : 1]; /* the modification's derivatives */
         if (EXT)
             mod_acc<16, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
+        else if (UM::on) /* a Lua-written mask alone: no derivative */
+            mod_acc<16, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32);
         auto body = [&](auto drop) {
             const uint64_t bits =
                 decltype(drop)::value ? keep_bits<16, true>(p, b, qs.ch, wkey0, i0 + wg * 32) : 0;
