@@ -365,6 +365,18 @@ typedef struct ft_rtc_stats {
     double last_compile_s, last_load_s; /* the latest of each */
 } ft_rtc_stats;
 FT_API void ft_cuda_mods_stats(ft_rtc_stats *out);
+/* Compiles (or, with use_cache, finds in the disk cache) the flash kernels
+ * a call with these mods runs (passes: 1 the forward, 2 the backward's
+ * dK/dV and dQ, 3 both) for element type dtype
+ * (f16, bf16), head_dim and arch ("sm_90a": the Hopper kernels; "sm_80",
+ * "sm_89"...: the mma.sync ones), without a GPU if need be: to fill the
+ * cache ahead of a run, or to check a mod's CUDA source. *compiled (if not
+ * NULL): how many were compiled. FT_ERR_UNSUPPORTED without CUDA.
+ * Inputs: mods=1, ntensors=2, tensors=3, dtype=4, head_dim=5, arch=6. */
+FT_API ft_status ft_cuda_mods_compile(const ft_attn_mods *mods, int ntensors,
+                                      const ft_tensor *const *tensors, ft_dtype dtype,
+                                      int head_dim, const char *arch, int passes,
+                                      int use_cache, int *compiled);
 
 /* A block mask (FlexAttention's BlockMask): the mods' mask evaluated
  * once for every tile of block_q x block_k of a [B, H, Nq, Nk] call, so

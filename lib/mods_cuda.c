@@ -417,4 +417,15 @@ void ft_cuda_mods_stats(ft_rtc_stats *out)
 {
     memset(out, 0, sizeof *out);
 }
+
+ft_status ft_cuda_mods_compile(const ft_attn_mods *mods, int ntensors,
+                               const ft_tensor *const *tensors, ft_dtype dtype, int head_dim,
+                               const char *arch, int passes, int use_cache, int *compiled)
+{
+    (void)mods, (void)ntensors, (void)tensors, (void)dtype, (void)head_dim, (void)arch, (void)passes;
+    (void)use_cache;
+    if (compiled)
+        *compiled = 0;
+    return ft_fail(FT_ERR_UNSUPPORTED, "ft_cuda_mods_compile", 0, "this build has no CUDA backend");
+}
 #endif

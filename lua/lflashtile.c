@@ -1958,6 +1958,32 @@ static int l_attention_block_mask(lua_State *L)
     return 1;
 }
 
+/* compiled = core.attention_mods_compile(graph, tensors, dtype, head_dim,
+ * arch, passes, use_cache): ft_cuda_mods_compile. */
+static int l_attention_mods_compile(lua_State *L)
+{
+    ud_mods *g = luaL_checkudata(L, 1, MODS_MT);
+    if (!g->m)
+        return luaL_argerror(L, 1, "freed graph");
+    luaL_checktype(L, 2, LUA_TTABLE);
+    const int n = ft_attn_mods_tensors(g->m);
+    if ((int)lua_rawlen(L, 2) != n)
+        return luaL_argerror(L, 2, "the graph's tensors expected");
+    ft_dtype dtype;
+    if (ft_dtype_parse(luaL_checkstring(L, 3), &dtype) != FT_OK)
+        return luaL_argerror(L, 3, lua_pushfstring(L, "unknown dtype '%s'", lua_tostring(L, 3)));
+    const lua_Integer d = luaL_checkinteger(L, 4);
+    const char *arch = luaL_checkstring(L, 5);
+    const int passes = (int)luaL_checkinteger(L, 6);
+    const int use_cache = lua_toboolean(L, 7);
+    const ft_tensor **ts = pin_tensor_list(L, 2, n, 2, "mods compile");
+    int compiled = 0;
+    CALL(L, NO_ARG, ft_cuda_mods_compile(g->m, n, ts, dtype, d < 0 || d > 4096 ? -1 : (int)d,
+                                         arch, passes, use_cache, &compiled));
+    lua_pushinteger(L, compiled);
+    return 1;
+}
+
 /* empty, partial, full = core.attention_block_mask_counts(data) */
 static int l_attention_block_mask_counts(lua_State *L)
 {
@@ -2506,6 +2532,7 @@ static const luaL_Reg module_functions[] = {
     {"get_num_threads", l_get_num_threads},
     {"attention_mods_eval", l_attention_mods_eval},
     {"attention_block_mask", l_attention_block_mask},
+    {"attention_mods_compile", l_attention_mods_compile},
     {"attention_block_mask_counts", l_attention_block_mask_counts},
     {NULL, NULL}};
 

@@ -552,6 +552,11 @@ static ft_status launch_bwd_mma_any(const FlashParams &p, FlashRtc *rtc)
     });
 }
 
+ft_status flash_bwd_mma_rtc(const FlashParams &p, FlashRtc *rtc)
+{
+    return launch_bwd_mma_any(p, rtc);
+}
+
 extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
                                                       const ft_tensor *dout,
                                                       const ft_tensor *q, const ft_tensor *k,

@@ -380,6 +380,23 @@ static ft_status launch_fwd_mma_any(const FlashParams &p, FlashRtc *rtc)
     });
 }
 
+ft_status flash_fwd_mma_rtc(const FlashParams &p, FlashRtc *rtc)
+{
+    return launch_fwd_mma_any(p, rtc);
+}
+
+ft_status flash_rtc_dry_run(FlashParams p, FlashRtc *rtc, bool wgmma, bool has_score,
+                            int passes)
+{
+    p.user_mod = 0; /* the forward applies a mod in its plain kernels */
+    if (passes & 1)
+        FT_TRY(wgmma ? flash_fwd_sm90(p, rtc) : launch_fwd_mma_any(p, rtc));
+    if (!(passes & 2))
+        return FT_OK;
+    p.user_mod = has_score; /* a score function's backward needs EXT */
+    return wgmma ? flash_bwd_sm90(p, rtc) : flash_bwd_mma_rtc(p, rtc);
+}
+
 extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
                                                      const ft_tensor *q, const ft_tensor *k,
                                                      const ft_tensor *v, ft_tensor *out,

@@ -45,6 +45,8 @@ struct FlashRtc {
     FlashModArgsHost args;
     int device, debug;
     char arch[24];
+    int dry;     /* compile (or find on disk) only: no load, no launch (no GPU needed) */
+    int nocache; /* dry: ignore the disk cache, compile */
 };
 
 static ft_rtc_stats rtc_stats;
@@ -347,11 +349,19 @@ static ft_status rtc_kernel(const FlashRtc *rtc, const char *file, const char *n
     char *code = nullptr;
     size_t size = 0;
     const double t0 = now_s();
-    const bool cached = dir[0] && disk_load(path, names, &code, &size);
+    const bool cached = dir[0] && !rtc->nocache && disk_load(path, names, &code, &size);
     if (!cached) {
         FT_TRY(compile(rtc, file, name, names, &code, &size, func));
         if (dir[0])
             disk_store(path, names, code, size);
+    }
+    if (rtc->dry) {
+        free(code);
+        const double dt = now_s() - t0;
+        std::lock_guard<std::mutex> g(rtc_lock);
+        if (!cached)
+            rtc_stats.compiles++, rtc_stats.last_compile_s = dt, rtc_stats.compile_s += dt;
+        return FT_OK;
     }
     RtcEntry e;
     memset(&e, 0, sizeof e);
@@ -400,6 +410,8 @@ static ft_status rtc_launch(FlashRtc *rtc, const char *file, const char *name, d
 {
     RtcEntry e;
     FT_TRY(rtc_kernel(rtc, file, name, &e, func));
+    if (rtc->dry)
+        return FT_OK;
     void *args = nullptr, *fault = nullptr;
     size_t bytes = 0, fbytes = 0;
     FT_CUDA_TRY(func, cudaLibraryGetGlobal(&args, &bytes, e.lib, e.args_name));
@@ -454,6 +466,78 @@ extern "C" ft_status flash_rtc_block_mask(const ft_attn_mods *mods, const ft_ten
                                           dim3((Nq + threads - 1) / threads, H, B), threads, 0,
                                           params, func);
     flash_rtc_free(rtc);
+    return st;
+}
+
+/* ft_cuda_mods_compile: the kernels a call of dtype and head_dim with
+ * these mods runs (forward, dK/dV, dQ) compiled for arch, or found in the
+ * disk cache; no GPU needed. */
+extern "C" ft_status ft_cuda_mods_compile(const ft_attn_mods *mods, int ntensors,
+                                          const ft_tensor *const *tensors, ft_dtype dtype,
+                                          int head_dim, const char *arch, int passes,
+                                          int use_cache, int *compiled)
+{
+    static const char func[] = "ft_cuda_mods_compile";
+    if (!mods)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "mods expected");
+    if (ntensors != ft_attn_mods_tensors(mods) || (ntensors > 0 && !tensors))
+        return ft_fail(FT_ERR_ARGUMENT, func, 2, "mods read %d tensors, %d given",
+                       ft_attn_mods_tensors(mods), ntensors);
+    if (ntensors > FT_RTC_MAX_TENSORS)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 2, "mods on CUDA read at most %d tensors",
+                       FT_RTC_MAX_TENSORS);
+    for (int t = 0; t < ntensors; t++) {
+        FT_TRY(ft_check_tensor(func, 3, tensors[t]));
+        if (tensors[t]->ndim > 4)
+            return ft_fail(FT_ERR_UNSUPPORTED, func, 3,
+                           "mods on CUDA read tensors of at most 4 dims; tensor %d has %d", t + 1,
+                           tensors[t]->ndim);
+    }
+    if (dtype != FT_F16 && dtype != FT_BF16)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 4, "mods on CUDA take f16 or bf16, got %s",
+                       ft_dtype_name(dtype));
+    if (head_dim < 8 || head_dim > 256 || head_dim % 8 != 0)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 5,
+                       "the flash kernels take head dims 8 to 256, multiples of 8; got %d",
+                       head_dim);
+    int major = 0, minor = 0;
+    char suffix = 0;
+    if (!arch || sscanf(arch, "sm_%1d%1d%c", &major, &minor, &suffix) < 2 ||
+        (suffix && suffix != 'a') || major < 8)
+        return ft_fail(FT_ERR_ARGUMENT, func, 6,
+                       "arch must be sm_XY (8.0 or later, e.g. sm_80, sm_90a), got '%s'",
+                       arch ? arch : "(null)");
+    const bool wgmma = major == 9 && minor == 0 && suffix == 'a';
+    FlashRtc *rtc = (FlashRtc *)calloc(1, sizeof *rtc);
+    if (!rtc)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    snprintf(rtc->arch, sizeof rtc->arch, "%s", arch);
+    rtc->dry = 1, rtc->nocache = !use_cache;
+    rtc->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, 0);
+    if (!rtc->src) {
+        free(rtc);
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    }
+    FlashParams p;
+    memset(&p, 0, sizeof p);
+    p.B = p.H = p.Hk = p.Nq = p.Nk = 1;
+    p.d = head_dim;
+    p.dtype = dtype;
+    int64_t before;
+    {
+        std::lock_guard<std::mutex> g(rtc_lock);
+        before = rtc_stats.compiles;
+    }
+    if (passes < 1 || passes > 3) {
+        flash_rtc_free(rtc);
+        return ft_fail(FT_ERR_ARGUMENT, func, 7, "passes must be 1, 2 or 3, got %d", passes);
+    }
+    ft_status st = flash_rtc_dry_run(p, rtc, wgmma, ft_attn_mods_cuda_has_score(mods), passes);
+    flash_rtc_free(rtc);
+    if (compiled) {
+        std::lock_guard<std::mutex> g(rtc_lock);
+        *compiled = (int)(rtc_stats.compiles - before);
+    }
     return st;
 }
 

@@ -11,7 +11,8 @@ local core = require "flashtile.core"
 local ft = {}
 -- (flashtile.mods alone uses the graph functions and op codes of the core)
 local internal = { Tensor_methods = true, attention_mods_graph = true, attention_mods_eval = true,
-                   mod_ops = true, attention_block_mask = true, attention_block_mask_counts = true }
+                   mod_ops = true, attention_block_mask = true, attention_block_mask_counts = true,
+                   attention_mods_compile = true }
 for k, v in pairs(core) do
   if not internal[k] then ft[k] = v end
 end
@@ -151,6 +152,7 @@ do
                           "max" } do
     ft[name] = mods[name]
   end
+  ft.cuda.compile_mods = mods.compile_mods
 end
 
 return ft

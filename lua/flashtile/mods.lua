@@ -421,4 +421,36 @@ function M.block_mask(mods, B, H, Nq, Nk, opts)
   return setmetatable({ data = data, mods = mods, shape = { B, H, Nq, Nk } }, BlockMask)
 end
 
+--- ft.cuda.compile_mods(mods, {dtype = "bf16", head_dim = 128, arch = "sm_90a",
+-- pass = "both", cache = true}): compiles the flash kernels a call with
+-- these mods runs (pass "fwd": the forward; "bwd": dK/dV and dQ; "both")
+-- for that dtype, head dim and architecture
+-- ("sm_90a": Hopper's kernels; "sm_80", "sm_89"...: the mma.sync ones),
+-- without a GPU if need be, into the disk cache (cache = false: compile
+-- even if there); returns how many it compiled. Fills the cache ahead of
+-- a run, or checks that a mod compiles.
+function M.compile_mods(mods, opts)
+  if getmetatable(mods) ~= AttentionMods then
+    error("ft.cuda.compile_mods: argument 1 must be made by ft.attention_mods", 2)
+  end
+  opts = opts or {}
+  if type(opts) ~= "table" then error("ft.cuda.compile_mods: options must be a table", 2) end
+  for key in pairs(opts) do
+    if key ~= "dtype" and key ~= "head_dim" and key ~= "arch" and key ~= "cache" and key ~= "pass" then
+      error(("ft.cuda.compile_mods: unknown option '%s' (expected dtype, head_dim, arch, pass or cache)")
+        :format(tostring(key)), 2)
+    end
+  end
+  local d = opts.head_dim or 128
+  if type(d) ~= "number" or d ~= math.floor(d) then
+    error("ft.cuda.compile_mods: head_dim must be an integer", 2)
+  end
+  local passes = ({ fwd = 1, bwd = 2, both = 3 })[opts.pass or "both"]
+  if not passes then
+    error(("ft.cuda.compile_mods: pass must be fwd, bwd or both, got %s"):format(tostring(opts.pass)), 2)
+  end
+  return core.attention_mods_compile(mods.graph, mods.tensors, opts.dtype or "bf16", d,
+    opts.arch or "sm_90a", passes, opts.cache ~= false)
+end
+
 return M
