@@ -1931,18 +1931,27 @@ static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
 /* data = core.attention_block_mask(graph, tensors, B, H, Nq, Nk, block_q,
  * block_k [, device]): the mask of graph evaluated per tile, on device
  * (default: where its tensors are, else the cpu). */
-static int l_attention_block_mask(lua_State *L)
+/* The graph at 1 (not freed) and the list of its tensors at 2; *n their
+ * count. */
+static const ft_attn_mods *check_graph_args(lua_State *L, int *n)
 {
     ud_mods *g = luaL_checkudata(L, 1, MODS_MT);
     if (!g->m)
-        return luaL_argerror(L, 1, "freed graph");
+        luaL_argerror(L, 1, "freed graph");
     luaL_checktype(L, 2, LUA_TTABLE);
+    *n = ft_attn_mods_tensors(g->m);
+    if ((int)lua_rawlen(L, 2) != *n)
+        luaL_argerror(L, 2, "the graph's tensors expected");
+    return g->m;
+}
+
+static int l_attention_block_mask(lua_State *L)
+{
+    int n;
+    const ft_attn_mods *m = check_graph_args(L, &n);
     int64_t size[6];
     for (int k = 0; k < 6; k++)
         size[k] = (int64_t)luaL_checkinteger(L, 3 + k);
-    const int n = ft_attn_mods_tensors(g->m);
-    if ((int)lua_rawlen(L, 2) != n)
-        return luaL_argerror(L, 2, "the graph's tensors expected");
     const ft_tensor **ts = pin_tensor_list(L, 2, n, 2, "block mask");
     /* the device: the 9th argument, else the tensors', else the cpu */
     ft_device dev = {FT_CPU, 0};
@@ -1953,7 +1962,7 @@ static int l_attention_block_mask(lua_State *L)
     ud_block_mask *u = lua_newuserdata(L, sizeof *u);
     u->bm = NULL;
     luaL_setmetatable(L, BLOCK_MASK_MT);
-    CALL(L, NO_ARG, ft_attn_block_mask_new_on(&u->bm, g->m, n, ts, size[0], size[1], size[2],
+    CALL(L, NO_ARG, ft_attn_block_mask_new_on(&u->bm, m, n, ts, size[0], size[1], size[2],
                                               size[3], size[4], size[5], dev));
     return 1;
 }
@@ -1962,13 +1971,8 @@ static int l_attention_block_mask(lua_State *L)
  * arch, passes, use_cache): ft_cuda_mods_compile. */
 static int l_attention_mods_compile(lua_State *L)
 {
-    ud_mods *g = luaL_checkudata(L, 1, MODS_MT);
-    if (!g->m)
-        return luaL_argerror(L, 1, "freed graph");
-    luaL_checktype(L, 2, LUA_TTABLE);
-    const int n = ft_attn_mods_tensors(g->m);
-    if ((int)lua_rawlen(L, 2) != n)
-        return luaL_argerror(L, 2, "the graph's tensors expected");
+    int n;
+    const ft_attn_mods *m = check_graph_args(L, &n);
     ft_dtype dtype;
     if (ft_dtype_parse(luaL_checkstring(L, 3), &dtype) != FT_OK)
         return luaL_argerror(L, 3, lua_pushfstring(L, "unknown dtype '%s'", lua_tostring(L, 3)));
@@ -1978,7 +1982,7 @@ static int l_attention_mods_compile(lua_State *L)
     const int use_cache = lua_toboolean(L, 7);
     const ft_tensor **ts = pin_tensor_list(L, 2, n, 2, "mods compile");
     int compiled = 0;
-    CALL(L, NO_ARG, ft_cuda_mods_compile(g->m, n, ts, dtype, d < 0 || d > 4096 ? -1 : (int)d,
+    CALL(L, NO_ARG, ft_cuda_mods_compile(m, n, ts, dtype, d < 0 || d > 4096 ? -1 : (int)d,
                                          arch, passes, use_cache, &compiled));
     lua_pushinteger(L, compiled);
     return 1;

@@ -405,17 +405,28 @@ function BlockMask:counts() return core.attention_block_mask_counts(self.data) e
 -- On CUDA (device "cuda", or the mods' tensors there) the mask is
 -- evaluated on the GPU, and the flash kernels skip the tiles outside the
 -- band that holds every pair it keeps.
-function M.block_mask(mods, B, H, Nq, Nk, opts)
+--- The checks a function taking (mods, ..., opts) makes: mods made by
+-- ft.attention_mods, opts a table (or nil) of the listed keys. Returns
+-- opts (a new table for nil). Errors are raised at the caller's caller.
+local function check_mods_call(fname, mods, opts, keys)
   if getmetatable(mods) ~= AttentionMods then
-    error("ft.block_mask: argument 1 must be made by ft.attention_mods", 2)
+    error(("%s: argument 1 must be made by ft.attention_mods"):format(fname), 3)
   end
   opts = opts or {}
-  if type(opts) ~= "table" then error("ft.block_mask: options must be a table", 2) end
+  if type(opts) ~= "table" then error(("%s: options must be a table"):format(fname), 3) end
   for key in pairs(opts) do
-    if key ~= "block_q" and key ~= "block_k" and key ~= "device" then
-      error(("ft.block_mask: unknown option '%s' (expected block_q, block_k or device)"):format(tostring(key)), 2)
+    local known = false
+    for _, k in ipairs(keys) do known = known or key == k end
+    if not known then
+      error(("%s: unknown option '%s' (expected %s or %s)"):format(fname, tostring(key),
+        table.concat(keys, ", ", 1, #keys - 1), keys[#keys]), 3)
     end
   end
+  return opts
+end
+
+function M.block_mask(mods, B, H, Nq, Nk, opts)
+  opts = check_mods_call("ft.block_mask", mods, opts, { "block_q", "block_k", "device" })
   local data = core.attention_block_mask(mods.graph, mods.tensors, B, H, Nq, Nk,
     opts.block_q or 128, opts.block_k or 128, opts.device)
   return setmetatable({ data = data, mods = mods, shape = { B, H, Nq, Nk } }, BlockMask)
@@ -430,17 +441,7 @@ end
 -- even if there); returns how many it compiled. Fills the cache ahead of
 -- a run, or checks that a mod compiles.
 function M.compile_mods(mods, opts)
-  if getmetatable(mods) ~= AttentionMods then
-    error("ft.cuda.compile_mods: argument 1 must be made by ft.attention_mods", 2)
-  end
-  opts = opts or {}
-  if type(opts) ~= "table" then error("ft.cuda.compile_mods: options must be a table", 2) end
-  for key in pairs(opts) do
-    if key ~= "dtype" and key ~= "head_dim" and key ~= "arch" and key ~= "cache" and key ~= "pass" then
-      error(("ft.cuda.compile_mods: unknown option '%s' (expected dtype, head_dim, arch, pass or cache)")
-        :format(tostring(key)), 2)
-    end
-  end
+  opts = check_mods_call("ft.cuda.compile_mods", mods, opts, { "dtype", "head_dim", "arch", "pass", "cache" })
   local d = opts.head_dim or 128
   if type(d) ~= "number" or d ~= math.floor(d) then
     error("ft.cuda.compile_mods: head_dim must be an integer", 2)
