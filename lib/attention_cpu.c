@@ -257,6 +257,25 @@ static int threads_for(int64_t tasks, const ft_attn_shape *s)
     return tasks < n ? (tasks > 0 ? (int)tasks : 1) : n;
 }
 
+/* How many chunks of key blocks the tiled backward splits each (b, hk)
+ * into: enough for about BWD_TASKS tasks when B x Hk is smaller (one
+ * head on many cores, say) and each (b, hk) has BWD_CHUNK_WORK
+ * multiply-adds or more (a chunk's dQ partial sum costs memory as dQ does),
+ * from the shape alone, so that the result is the same bits on any number
+ * of threads. One when the mods' tensors' gradients are asked for (their
+ * buffers are per (b, hk)). */
+#define BWD_TASKS 8
+#define BWD_CHUNK_WORK ((double)(1 << 28))
+static int64_t bwd_chunks(const ft_attn_shape *s)
+{
+    const int64_t tasks = s->B * s->Hk, nkb = (s->Nk + s->block_k - 1) / s->block_k;
+    const double work = (double)s->Nq * (double)s->Nk * (double)s->d * (double)(s->H / s->Hk);
+    if (s->mod_gacc || tasks >= BWD_TASKS || nkb < 2 || work < BWD_CHUNK_WORK)
+        return 1;
+    const int64_t c = (BWD_TASKS + tasks - 1) / tasks;
+    return c < nkb ? c : nkb;
+}
+
 /* Scratch for nthreads threads of per_thread elements plus `extra` shared
  * elements (per_thread < 0: its count overflowed). More than
  * FT_MAX_ELEMENTS fails at once, without asking malloc. */
@@ -429,10 +448,16 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
         per = -1;
     if (impl != FT_ATTN_NAIVE) /* D: one value per query row, B * H * Nq */
         nD = ft_numel(lse);
-    const int nthreads = threads_for(s->B * s->Hk, s);
+    /* tiled: (b, hk) tasks split into chunks of key blocks, whose dQ
+     * partial sums follow D */
+    const int64_t chunks = impl == FT_ATTN_NAIVE ? 1 : bwd_chunks(&sg);
+    int64_t nP = 0;
+    if (chunks > 1 && (ft_mul_size(chunks, ft_numel(dq), &nP) != 0 || nP > FT_MAX_ELEMENTS))
+        nP = -1;
+    const int nthreads = threads_for(s->B * s->Hk * chunks, s);
     ft_storage *scratch = NULL;
-    ft_status st = scratch_new(&scratch, per, nthreads, nD, f64 ? sizeof(double) : sizeof(float),
-                               func);
+    ft_status st = scratch_new(&scratch, per, nthreads, nP < 0 ? -1 : nD + nP,
+                               f64 ? sizeof(double) : sizeof(float), func);
     ft_attn_shape sm = sg;
     sm.mod_scratch = NULL;
     if (st == FT_OK)
@@ -443,11 +468,11 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
     if (st == FT_OK && f64) {
         double *base = scratch->data;
         backward_f64(impl, &sm, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per,
-                     nthreads, base + threads_part);
+                     nthreads, base + threads_part, chunks, base + threads_part + nD);
     } else if (st == FT_OK) {
         float *base = scratch->data;
         backward_f32(impl, &sm, dout, q, k, v, out, lse, dq, dk, dv, base, (size_t)per,
-                     nthreads, base + threads_part);
+                     nthreads, base + threads_part, chunks, base + threads_part + nD);
     }
     blas_single_end(blas);
     free(sm.mod_scratch);

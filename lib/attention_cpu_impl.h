@@ -444,26 +444,29 @@ static int FN(tiled_backward_scratch)(const ft_attn_shape *s, int64_t *n)
            scratch_add(&dq, G, s->Nq) || scratch_add(n, dq, s->d);
 }
 
-/* One (b, hk): for each K/V block, for each query head of the group and
- * each Q block that can see it, recompute P from the saved LSE and
- * accumulate dV, dK (per block) and dQ (across blocks). */
+/* One (b, hk), key blocks [kb0, kb1): for each K/V block, for each query
+ * head of the group and each Q block that can see it, recompute P from the
+ * saved LSE and accumulate dV, dK (per block) and dQ (across blocks). dQ
+ * goes to dq when dQp is NULL (the task has every key block), else it is
+ * this task's partial sum in dQp ([G, Nq, d]), which FN(backward) adds up. */
 static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
                                const ft_tensor *q, const ft_tensor *k,
                                const ft_tensor *v, const ft_tensor *lse, const ACC *D,
                                ft_tensor *dq, ft_tensor *dk, ft_tensor *dv, int64_t b,
-                               int64_t hk, ACC *scratch)
+                               int64_t hk, int64_t kb0, int64_t kb1, ACC *dQp, ACC *scratch)
 {
     const int64_t d = s->d, Bq = s->block_q, Bk = s->block_k, G = s->H / s->Hk;
     const ACC scale = (ACC)s->scale;
     ACC *K = scratch, *Kt = K + Bk * d, *Vt = Kt + Bk * d, *dK = Vt + Bk * d;
     ACC *dV = dK + Bk * d, *Q = dV + Bk * d, *dO = Q + Bq * d, *P = dO + Bq * d;
-    ACC *dS = P + Bq * Bk, *SG = dS + Bq * Bk, *L = SG + Bq * Bk, *row = L + Bq, *dQ = row + d;
+    ACC *dS = P + Bq * Bk, *SG = dS + Bq * Bk, *L = SG + Bq * Bk, *row = L + Bq;
+    ACC *dQ = dQp ? dQp : row + d;
     /* with the mods' tensors' gradients: X, DSP [Bq, Bk] after dQ */
-    ACC *X = s->mod_gbuf ? dQ + G * s->Nq * d : NULL, *DSP = s->mod_gbuf ? X + Bq * Bk : NULL;
+    ACC *X = s->mod_gbuf ? row + d + G * s->Nq * d : NULL, *DSP = s->mod_gbuf ? X + Bq * Bk : NULL;
     double *gbuf = s->mod_gbuf ? s->mod_gbuf + (size_t)(b * s->Hk + hk) * s->mod_gbuf_per_task
                                : NULL;
     memset(dQ, 0, (size_t)(G * s->Nq * d) * sizeof *dQ);
-    for (int64_t j0 = 0; j0 < s->Nk; j0 += Bk) {
+    for (int64_t j0 = kb0 * Bk; j0 < s->Nk && j0 < kb1 * Bk; j0 += Bk) {
         const int64_t nc = imin(Bk, s->Nk - j0);
         FN(load_rows)(K, k, b, hk, j0, nc);
         FN(load_rows_t)(Kt, k, b, hk, j0, nc, row);
@@ -519,7 +522,7 @@ static void FN(tiled_backward)(const ft_attn_shape *s, const ft_tensor *dout,
         FN(store_rows)(dk, b, hk, j0, nc, dK);
         FN(store_rows)(dv, b, hk, j0, nc, dV);
     }
-    for (int64_t g = 0; g < G; g++)
+    for (int64_t g = 0; !dQp && g < G; g++)
         FN(store_rows)(dq, b, hk * G + g, 0, s->Nq, dQ + g * s->Nq * d);
 }
 
@@ -556,15 +559,18 @@ static void FN(forward)(ft_attn_impl impl, const ft_attn_shape *s, const ft_tens
                           t % nqb * s->block_q, scratch + thread_index() * per_thread);
 }
 
-/* One task per (b, hk): the heads of a GQA group share dK and dV, and
- * every task owns its rows of dQ, so nothing is written twice and the
- * result does not depend on the schedule (deterministic by construction).
- * D (tiled only) holds B * H * Nq elements after the per-thread scratch. */
+/* One task per (b, hk) and chunk of key blocks: the heads of a GQA group
+ * share dK and dV, a chunk owns its blocks of them, and the chunks' dQ
+ * partial sums (dQp, [B, Hk, chunks, G, Nq, d], with chunks > 1) are added
+ * in chunk order afterwards, so nothing is written twice and the result
+ * does not depend on the schedule or the thread count (chunks comes from
+ * the shape alone: bwd_chunks). D (tiled only) holds B * H * Nq elements
+ * after the per-thread scratch. */
 static void FN(backward)(ft_attn_impl impl, const ft_attn_shape *s,
                          const ft_tensor *dout, const ft_tensor *q, const ft_tensor *k,
                          const ft_tensor *v, const ft_tensor *out, const ft_tensor *lse,
                          ft_tensor *dq, ft_tensor *dk, ft_tensor *dv, ACC *scratch,
-                         size_t per_thread, int nthreads, ACC *D)
+                         size_t per_thread, int nthreads, ACC *D, int64_t chunks, ACC *dQp)
 {
     const int64_t H = s->H, Hk = s->Hk;
     (void)nthreads; /* used by the OpenMP clauses */
@@ -579,10 +585,28 @@ static void FN(backward)(ft_attn_impl impl, const ft_attn_shape *s,
     for (int64_t t = 0; t < s->B * H; t++)
         FN(tiled_backward_D)(s, dout, out, D, t / H, t % H,
                              scratch + thread_index() * per_thread);
+    const int64_t nkb = (s->Nk + s->block_k - 1) / s->block_k;
+    const int64_t per = (nkb + chunks - 1) / chunks; /* key blocks a chunk */
+    const int64_t part = (s->H / Hk) * s->Nq * s->d; /* one chunk's dQ */
 #pragma omp parallel for schedule(dynamic) num_threads(nthreads)
-    for (int64_t t = 0; t < s->B * Hk; t++)
-        FN(tiled_backward)(s, dout, q, k, v, lse, D, dq, dk, dv, t / Hk, t % Hk,
+    for (int64_t t = 0; t < s->B * Hk * chunks; t++) {
+        const int64_t bh = t / chunks, c = t % chunks;
+        FN(tiled_backward)(s, dout, q, k, v, lse, D, dq, dk, dv, bh / Hk, bh % Hk, c * per,
+                           (c + 1) * per, chunks > 1 ? dQp + t * part : NULL,
                            scratch + thread_index() * per_thread);
+    }
+    if (chunks == 1)
+        return;
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
+    for (int64_t bh = 0; bh < s->B * Hk; bh++) {
+        ACC *sum = dQp + bh * chunks * part;
+        for (int64_t c = 1; c < chunks; c++) /* in chunk order: the same bits always */
+            for (int64_t e = 0; e < part; e++)
+                sum[e] += sum[c * part + e];
+        const int64_t G = s->H / Hk;
+        for (int64_t g = 0; g < G; g++)
+            FN(store_rows)(dq, bh / Hk, bh % Hk * G + g, 0, s->Nq, sum + g * s->Nq * s->d);
+    }
 }
 
 #undef FN

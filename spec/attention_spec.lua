@@ -367,6 +367,31 @@ describe("attention (cpu)", function()
     end
   end)
 
+  it("a large head's tiled backward split into chunks of key blocks (one kv head, 2^28 multiply-adds and more): naive's gradients in f64, and the same bits on 1 and 2 threads, causal or not", function()
+    -- B x Hk = 1 < 8 tasks: the key blocks go to chunks whose dQ partial
+    -- sums are added in a fixed order afterwards (lib/attention_cpu.c)
+    local B, N, H, d = 1, 1100, 2, 128 -- G (N^2 d) = 2.0 x 2^28 for the one kv head
+    local function r(shape) return h.randn(shape, { dtype = "f64" }) end
+    local q, k, v, dout = r { B, N, H, d }, r { B, N, 1, d }, r { B, N, 1, d }, r { B, N, H, d }
+    for _, causal in ipairs { false, true } do
+      local want = h.attention_both(q, k, v, dout, { impl = "naive", causal = causal })
+      local got = h.attention_both(q, k, v, dout, { impl = "tiled", causal = causal })
+      for _, f in ipairs { "dq", "dk", "dv" } do
+        local diff = ft.max_abs_diff(got[f], want[f])
+        assert.is_true(diff < 1e-11, ("%s causal %s: %g"):format(f, tostring(causal), diff))
+      end
+      local runs = {}
+      for n = 1, 2 do
+        ft.set_num_threads(n)
+        runs[n] = h.attention_both(q:float(), k:float(), v:float(), dout:float(), { impl = "tiled", causal = causal })
+      end
+      ft.set_num_threads(0)
+      for _, f in ipairs { "dq", "dk", "dv" } do
+        assert.are.equal(0, ft.max_abs_diff(runs[1][f], runs[2][f]), f)
+      end
+    end
+  end)
+
   describe("peak extra memory", function()
     --- Bytes of tensor storage above in_use that fn's call reached.
     local function extra_peak(fn)
