@@ -154,23 +154,7 @@ static ft_status check_cuda_mods(const char *func, int ap, const ft_tensor *q,
     if (s->d % 8 != 0)
         return ft_fail(FT_ERR_UNSUPPORTED, func, 1,
                        "mods on CUDA need head_dim a multiple of 8, got %lld", (long long)s->d);
-    if (p->mod_ntensors > FT_RTC_MAX_TENSORS)
-        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
-                       "mods on CUDA read at most %d tensors, these read %d", FT_RTC_MAX_TENSORS,
-                       p->mod_ntensors);
-    for (int t = 0; t < p->mod_ntensors; t++) {
-        const ft_tensor *x = p->mod_tensors[t];
-        if (x->ndim > 4)
-            return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
-                           "mods on CUDA read tensors of at most 4 dims; tensor %d has %d", t + 1,
-                           x->ndim);
-        for (int d = 0; d < x->ndim; d++)
-            if (x->shape[d] > INT32_MAX)
-                return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
-                               "mods on CUDA read tensors of sizes below 2^31; tensor %d has "
-                               "%lld", t + 1, (long long)x->shape[d]);
-    }
-    return FT_OK;
+    return ft_attn_mods_cuda_check_tensors(func, ap, p->mod_ntensors, p->mod_tensors);
 }
 
 static ft_status check_variant(const char *func, int ap, const ft_tensor *q,

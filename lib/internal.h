@@ -373,6 +373,10 @@ int ft_attn_mods_root(const ft_attn_mods *m, int which);
 #define FT_RTC_MAX_TENSORS 8
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
                                int debug);
+/* What the CUDA table of a mod's tensors holds (count, dims, sizes);
+ * tensors already checked as tensors. */
+ft_status ft_attn_mods_cuda_check_tensors(const char *func, int arg, int ntensors,
+                                         const ft_tensor *const *tensors);
 /* Whether the graph's score function is more than s itself (a mask
  * alone runs in the kernels' plain instantiations). */
 int ft_attn_mods_cuda_has_score(const ft_attn_mods *m);

@@ -307,6 +307,28 @@ static void emit_root(strbuf *b, int root, int n, const ft_mod_node *nodes,
     emit_nodes(b, n, nodes, indices, ty, need, dep, deriv, fast);
 }
 
+ft_status ft_attn_mods_cuda_check_tensors(const char *func, int arg, int ntensors,
+                                         const ft_tensor *const *tensors)
+{
+    if (ntensors > FT_RTC_MAX_TENSORS)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, arg,
+                       "mods on CUDA read at most %d tensors, these read %d", FT_RTC_MAX_TENSORS,
+                       ntensors);
+    for (int t = 0; t < ntensors; t++) {
+        const ft_tensor *x = tensors[t];
+        if (x->ndim > 4)
+            return ft_fail(FT_ERR_UNSUPPORTED, func, arg,
+                           "mods on CUDA read tensors of at most 4 dims; tensor %d has %d", t + 1,
+                           x->ndim);
+        for (int d = 0; d < x->ndim; d++)
+            if (x->shape[d] > INT32_MAX)
+                return ft_fail(FT_ERR_UNSUPPORTED, func, arg,
+                               "mods on CUDA read tensors of sizes below 2^31; tensor %d has "
+                               "%lld", t + 1, (long long)x->shape[d]);
+    }
+    return FT_OK;
+}
+
 int ft_attn_mods_cuda_has_score(const ft_attn_mods *m)
 {
     const int score = ft_attn_mods_root(m, 0);

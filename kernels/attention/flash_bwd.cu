@@ -541,7 +541,7 @@ static ft_status launch_bwd_mma(const FlashParams &p, FlashRtc *rtc)
 }
 
 /* The row of MMA_BWD_TILES that takes the head dim, for p's dtype and kind. */
-static ft_status launch_bwd_mma_any(const FlashParams &p, FlashRtc *rtc)
+ft_status flash_bwd_mma(const FlashParams &p, FlashRtc *rtc)
 {
     return flash_dispatch(p, [&](auto type, auto ext) {
         using T = typename decltype(type)::type;
@@ -550,11 +550,6 @@ static ft_status launch_bwd_mma_any(const FlashParams &p, FlashRtc *rtc)
             return launch_bwd_mma<T, c.D, c.BC, c.DSPLIT, decltype(ext)::value>(p, rtc);
         });
     });
-}
-
-ft_status flash_bwd_mma_rtc(const FlashParams &p, FlashRtc *rtc)
-{
-    return launch_bwd_mma_any(p, rtc);
 }
 
 extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
@@ -597,7 +592,7 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     if (st == FT_OK && sm90) {
         st = flash_bwd_sm90(p, rtc);
     } else if (st == FT_OK && mma) {
-        st = launch_bwd_mma_any(p, rtc);
+        st = flash_bwd_mma(p, rtc);
     }
     flash_rtc_free(rtc);
     if (!mma && st == FT_OK && s->Nk > 0) {

@@ -282,10 +282,12 @@ extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device
 extern "C" void flash_rtc_free(FlashRtc *rtc);
 ft_status flash_rtc_launch(FlashRtc *rtc, const char *file, const char *name, dim3 grid,
                            int threads, size_t smem, const FlashParams &p, const char *func);
-/* The launchers a call runs, through rtc (flash_fwd.cu, flash_bwd.cu):
- * with a dry rtc they compile its kernels and launch nothing. */
-ft_status flash_fwd_mma_rtc(const FlashParams &p, FlashRtc *rtc);
-ft_status flash_bwd_mma_rtc(const FlashParams &p, FlashRtc *rtc);
+/* The mma.sync launchers (flash_fwd.cu, flash_bwd.cu): the row of
+ * MMA_FWD_TILES / MMA_BWD_TILES that takes the head dim, for p's dtype and
+ * kind; through rtc for a call with mods (a dry rtc compiles its kernels
+ * and launches nothing). */
+ft_status flash_fwd_mma(const FlashParams &p, FlashRtc *rtc);
+ft_status flash_bwd_mma(const FlashParams &p, FlashRtc *rtc);
 /* Every kernel a call with rtc's mod runs, forward and backward, on the
  * Hopper kernels (wgmma) or the mma.sync ones; has_score: the backward's
  * need EXT (rtc.cu). */

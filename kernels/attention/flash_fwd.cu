@@ -369,7 +369,7 @@ static ft_status launch_fwd_mma(const FlashParams &p, FlashRtc *rtc)
 }
 
 /* The row of MMA_FWD_TILES that takes the head dim, for p's dtype and kind. */
-static ft_status launch_fwd_mma_any(const FlashParams &p, FlashRtc *rtc)
+ft_status flash_fwd_mma(const FlashParams &p, FlashRtc *rtc)
 {
     return flash_dispatch(p, [&](auto type, auto ext) {
         using T = typename decltype(type)::type;
@@ -380,21 +380,16 @@ static ft_status launch_fwd_mma_any(const FlashParams &p, FlashRtc *rtc)
     });
 }
 
-ft_status flash_fwd_mma_rtc(const FlashParams &p, FlashRtc *rtc)
-{
-    return launch_fwd_mma_any(p, rtc);
-}
-
 ft_status flash_rtc_dry_run(FlashParams p, FlashRtc *rtc, bool wgmma, bool has_score,
                             int passes)
 {
     p.user_mod = 0; /* the forward applies a mod in its plain kernels */
     if (passes & 1)
-        FT_TRY(wgmma ? flash_fwd_sm90(p, rtc) : launch_fwd_mma_any(p, rtc));
+        FT_TRY(wgmma ? flash_fwd_sm90(p, rtc) : flash_fwd_mma(p, rtc));
     if (!(passes & 2))
         return FT_OK;
     p.user_mod = has_score; /* a score function's backward needs EXT */
-    return wgmma ? flash_bwd_sm90(p, rtc) : flash_bwd_mma_rtc(p, rtc);
+    return wgmma ? flash_bwd_sm90(p, rtc) : flash_bwd_mma(p, rtc);
 }
 
 extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
@@ -419,14 +414,14 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
         /* the forward kernels apply a mod without their EXT state (the
          * backward's keep the mod's derivatives in it) */
         const ft_status st = flash_sm90_usable(q->device.index) ? flash_fwd_sm90(p, rtc)
-                                                                : launch_fwd_mma_any(p, rtc);
+                                                                : flash_fwd_mma(p, rtc);
         flash_rtc_free(rtc);
         return st;
     }
     if (mma && flash_sm90_usable(q->device.index))
         return flash_fwd_sm90(p, nullptr);
     if (mma)
-        return launch_fwd_mma_any(p, nullptr);
+        return flash_fwd_mma(p, nullptr);
     dim3 grid((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B);
     flash_fwd_simt_kernel<<<grid, SIMT_WARPS * FT_WARP>>>(p);
     FT_CUDA_CHECK_LAUNCH("ft_attention_forward");

@@ -483,16 +483,9 @@ extern "C" ft_status ft_cuda_mods_compile(const ft_attn_mods *mods, int ntensors
     if (ntensors != ft_attn_mods_tensors(mods) || (ntensors > 0 && !tensors))
         return ft_fail(FT_ERR_ARGUMENT, func, 2, "mods read %d tensors, %d given",
                        ft_attn_mods_tensors(mods), ntensors);
-    if (ntensors > FT_RTC_MAX_TENSORS)
-        return ft_fail(FT_ERR_UNSUPPORTED, func, 2, "mods on CUDA read at most %d tensors",
-                       FT_RTC_MAX_TENSORS);
-    for (int t = 0; t < ntensors; t++) {
+    for (int t = 0; t < ntensors; t++)
         FT_TRY(ft_check_tensor(func, 3, tensors[t]));
-        if (tensors[t]->ndim > 4)
-            return ft_fail(FT_ERR_UNSUPPORTED, func, 3,
-                           "mods on CUDA read tensors of at most 4 dims; tensor %d has %d", t + 1,
-                           tensors[t]->ndim);
-    }
+    FT_TRY(ft_attn_mods_cuda_check_tensors(func, 3, ntensors, tensors));
     if (dtype != FT_F16 && dtype != FT_BF16)
         return ft_fail(FT_ERR_UNSUPPORTED, func, 4, "mods on CUDA take f16 or bf16, got %s",
                        ft_dtype_name(dtype));
