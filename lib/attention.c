@@ -193,6 +193,7 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
     s->mods = NULL, s->mod_tensors = NULL, s->mod_fault = NULL;
     s->mod_scratch = NULL, s->mod_scratch_per_thread = 0;
     s->mod_gacc = NULL, s->mod_gbuf = NULL, s->mod_gbuf_per_task = 0, s->mod_goff = NULL;
+    s->mod_gdev = NULL;
     if (p->mods) {
         if (p->mod_ntensors > 0 && !p->mod_tensors)
             return ft_fail(FT_ERR_ARGUMENT, func, ap, "mod_tensors is NULL");
@@ -808,19 +809,33 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     s.mod_fault = &fault;
     if (st == FT_OK)
         st = check_backward_inputs(func, &s, dout, q, out, lse);
-    for (int t = 0; st == FT_OK && q->device.type == FT_CUDA && t < ngrad; t++)
-        if (ft_dtype_is_float(s.mod_tensors[t]->dtype))
-            st = ft_fail(FT_ERR_UNSUPPORTED, func, 7,
-                         "the gradients of the float tensors mods read (tensor %d) are computed "
-                         "on the cpu only yet; leave mod_grads NULL (Lua: mod_grads = false) to "
-                         "skip them on CUDA",
-                         t + 1);
     ft_tensor *g[3] = {NULL, NULL, NULL}, *ds = NULL;
     const ft_tensor *like[3] = {q, k, v};
-    /* the mods' float tensors' gradients: f64 running sums, then tensors */
+    /* the mods' float tensors' gradients: on CUDA f32 sums on the device
+     * (atomics), on the cpu f64 running sums; then tensors */
+    ft_tensor *gdev[FT_MOD_MAX_TENSORS] = {NULL};
+    float *gdev_ptr[FT_MOD_MAX_TENSORS] = {NULL};
     double *gacc[FT_MOD_MAX_TENSORS] = {NULL};
     int gacc_n = 0;
-    if (st == FT_OK && ngrad > 0) {
+    if (st == FT_OK && ngrad > 0 && q->device.type == FT_CUDA) {
+        if (p->deterministic)
+            st = ft_fail(FT_ERR_UNSUPPORTED, func, 7,
+                         "deterministic: on CUDA the gradients of the float tensors mods read "
+                         "are summed with atomics (not bitwise reproducible); leave mod_grads "
+                         "NULL (Lua: mod_grads = false) or run on the cpu");
+        for (int t = 0; st == FT_OK && t < ngrad; t++) {
+            const ft_tensor *x = s.mod_tensors[t];
+            if (!ft_dtype_is_float(x->dtype))
+                continue;
+            st = ft_empty_named(&gdev[t], x->ndim, x->shape, FT_F32, q->device, func);
+            if (st == FT_OK)
+                st = ft_fill(gdev[t], 0.0);
+            if (st == FT_OK)
+                gdev_ptr[t] = (float *)gdev[t]->data;
+        }
+        if (st == FT_OK && ft_attn_mods_cuda_has_grad(s.mods, s.mod_tensors))
+            s.mod_gdev = gdev_ptr; /* else every gradient is 0 */
+    } else if (st == FT_OK && ngrad > 0) {
         gacc_n = ngrad;
         for (int t = 0; t < gacc_n; t++) {
             if (ft_dtype_is_float(s.mod_tensors[t]->dtype) && ft_numel(s.mod_tensors[t]) > 0 &&
@@ -863,6 +878,11 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
         st = mod_grads_store(func, &s, gacc, p->mod_grads);
     for (int t = 0; t < gacc_n; t++)
         free(gacc[t]);
+    for (int t = 0; t < ngrad; t++) { /* CUDA: the f32 sums in each tensor's dtype */
+        if (st == FT_OK && gdev[t])
+            st = ft_to(&p->mod_grads[t], gdev[t], s.mod_tensors[t]->dtype, q->device);
+        ft_tensor_free(gdev[t]);
+    }
     shape_free(&s);
     if (st == FT_OK && fault)
         st = mod_fault(func);

@@ -367,7 +367,8 @@ typedef struct ft_rtc_stats {
 FT_API void ft_cuda_mods_stats(ft_rtc_stats *out);
 /* Compiles (or, with use_cache, finds in the disk cache) the flash kernels
  * a call with these mods runs (passes: 1 the forward, 2 the backward's
- * dK/dV and dQ, 3 both) for element type dtype
+ * dK/dV and dQ, 3 both; plus 4: the backward that also gives the
+ * gradients of the float tensors the mods read) for element type dtype
  * (f16, bf16), head_dim and arch ("sm_90a": the Hopper kernels; "sm_80",
  * "sm_89"...: the mma.sync ones), without a GPU if need be: to fill the
  * cache ahead of a run, or to check a mod's CUDA source. *compiled (if not
@@ -437,8 +438,9 @@ typedef struct ft_attn_params {
     const ft_tensor *const *mod_tensors;
     /* Backward with mods: mod_ntensors slots (NULL: none asked) that get a
      * new gradient tensor for each float tensor the mods read (NULL for
-     * the others); cpu only so far (on CUDA, with a float tensor among
-     * them, the call fails: leave it NULL there). */
+     * the others). On CUDA they are f32 sums of atomics in the dK/dV
+     * kernel, not bitwise reproducible (with deterministic set, the call
+     * fails). */
     ft_tensor **mod_grads;
     const ft_attn_block_mask *block_mask; /* with mods: NULL, or made for this call */
 } ft_attn_params;

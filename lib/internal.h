@@ -335,6 +335,10 @@ typedef struct ft_attn_shape {
      * call in a fixed order; mod_gbuf holds one [sum of numels] buffer per
      * backward task, mod_goff each slot's offset in it. */
     double *const *mod_gacc;
+    /* The same on CUDA: per slot an f32 [numel] buffer on q's device,
+     * zeroed, that the dK/dV kernel adds into (NULL: none; the whole table
+     * NULL when no gradient is asked). */
+    float *const *mod_gdev;
     double *mod_gbuf;
     size_t mod_gbuf_per_task;
     const int64_t *mod_goff;
@@ -367,12 +371,18 @@ const int32_t *ft_attn_mods_index_list(const ft_attn_mods *m);
 int ft_attn_mods_root(const ft_attn_mods *m, int which);
 /* mods_cuda.c: the graph as CUDA source, struct FtUserMod (the flash
  * kernels' UM), for these tensors' dtypes; fast: the bf16 kernels' fast
- * exp and tanh; debug: reads out of range set ft_mod_fault. NULL when out
- * of memory; the caller frees it. On CUDA a call's mods read at most
+ * exp and tanh; debug: reads out of range set ft_mod_fault; grads: a
+ * grad(b, h, i, j, s, g) that adds g times the score's derivative in each
+ * float tensor's value read into that tensor's f32 gradient (atomics), with
+ * has_grad true when some read has one. NULL when out of memory; the
+ * caller frees it. On CUDA a call's mods read at most
  * FT_RTC_MAX_TENSORS tensors of at most 4 dims. */
 #define FT_RTC_MAX_TENSORS 8
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
-                               int debug);
+                               int debug, int grads);
+/* Whether some read of a float tensor feeds the score (so that the
+ * tensors have gradients); 0 also when out of memory. */
+int ft_attn_mods_cuda_has_grad(const ft_attn_mods *m, const ft_tensor *const *tensors);
 /* What the CUDA table of a mod's tensors holds (count, dims, sizes);
  * tensors already checked as tensors. */
 ft_status ft_attn_mods_cuda_check_tensors(const char *func, int arg, int ntensors,

@@ -145,166 +145,222 @@ static const char *load_expr(ft_dtype dt)
     }
 }
 
-/* The nodes `need` marks, in order; with deriv, their derivatives in s
- * (d%d; 0 where a node does not depend on s). */
-static void emit_nodes(strbuf *b, int n, const ft_mod_node *nodes, const int32_t *indices,
-                       const unsigned char *ty, const unsigned char *need, const unsigned char *dep,
-                       int deriv, int fast)
+/* Which nodes depend on node seed (seed < 0: on s). */
+static void depends_on(int seed, int n, const ft_mod_node *nodes, const int32_t *indices,
+                       unsigned char *dep)
+{
+    for (int k = 0; k < n; k++) {
+        const ft_mod_node *x = &nodes[k];
+        int d = seed < 0 ? x->op == FT_MOD_S : k == seed;
+        if (x->op == FT_MOD_READ) {
+            for (int q = 0; q < x->c; q++)
+                d |= dep[indices[x->b + q]];
+        } else if (x->op != FT_MOD_CONST && x->op > FT_MOD_J) {
+            d |= dep[x->a];
+            if (x->op != FT_MOD_NEG && x->op != FT_MOD_NOT &&
+                !(x->op >= FT_MOD_ABS && x->op <= FT_MOD_SIGMOID) && x->op != FT_MOD_FLOOR)
+                d |= dep[x->b];
+            if (x->op == FT_MOD_WHERE)
+                d |= dep[x->c];
+        }
+        dep[k] = (unsigned char)d;
+    }
+}
+
+enum { EMIT_VALUES = 1, EMIT_DERIVS = 2 };
+
+/* Node k's value: const float or int v%d. */
+static void emit_value(strbuf *b, int k, const ft_mod_node *nodes, const int32_t *indices,
+                       const unsigned char *ty, int fast)
 {
     const char *ex = fast ? "__expf" : "expf", *th = fast ? "ft_tanh_fast" : "tanhf";
+    const ft_mod_node *x = &nodes[k];
+    const int a = x->a, c2 = x->b, c3 = x->c;
+    const int f = ty[k] == T_FLOAT;
+    put(b, "        const %s v%d = ", f ? "float" : "int", k);
+    switch (x->op) {
+    case FT_MOD_S: put(b, "s"); break;
+    case FT_MOD_B: put(b, "b_ + 1"); break;
+    case FT_MOD_H: put(b, "h_ + 1"); break;
+    case FT_MOD_I: put(b, "i_ + 1"); break;
+    case FT_MOD_J: put(b, "j_ + 1"); break;
+    case FT_MOD_CONST:
+        if (f)
+            put(b, "%.9gf", x->value);
+        else
+            put(b, "%d", (int)x->value);
+        break;
+    case FT_MOD_ADD: case FT_MOD_SUB: case FT_MOD_MUL: {
+        const char *op = x->op == FT_MOD_ADD ? "+" : x->op == FT_MOD_SUB ? "-" : "*";
+        if (f) {
+            fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2);
+        } else {
+            put(b, "v%d %s v%d", a, op, c2);
+        }
+        break;
+    }
+    case FT_MOD_DIV: /* by a constant: times its reciprocal, rounded once */
+        if (nodes[c2].op == FT_MOD_CONST && nodes[c2].value != 0)
+            fval(b, ty, a), put(b, " * %.9gf", 1.0 / nodes[c2].value);
+        else if (fast)
+            put(b, "__fdividef("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")");
+        else
+            fval(b, ty, a), put(b, " / "), fval(b, ty, c2);
+        break;
+    case FT_MOD_MOD:
+        if (f) {
+            put(b, "ft_fmod_lua("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")");
+        } else {
+            put(b, "ft_imod_lua(v%d, v%d)", a, c2);
+        }
+        break;
+    case FT_MOD_POW: put(b, "powf("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")"); break;
+    case FT_MOD_NEG: put(b, "-v%d", a); break;
+    case FT_MOD_EQ: case FT_MOD_NE: case FT_MOD_LT: case FT_MOD_LE: case FT_MOD_GT:
+    case FT_MOD_GE: {
+        static const char *const ops[] = {"==", "!=", "<", "<=", ">", ">="};
+        const char *op = ops[x->op - FT_MOD_EQ];
+        if (ty[a] == T_INT && ty[c2] == T_INT)
+            put(b, "v%d %s v%d", a, op, c2);
+        else
+            fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2);
+        break;
+    }
+    case FT_MOD_AND: put(b, "v%d != 0 && v%d != 0", a, c2); break;
+    case FT_MOD_OR: put(b, "v%d != 0 || v%d != 0", a, c2); break;
+    case FT_MOD_NOT: put(b, "v%d == 0", a); break;
+    case FT_MOD_WHERE:
+        if (f) {
+            put(b, "v%d != 0 ? ", a), fval(b, ty, c2), put(b, " : "), fval(b, ty, c3);
+        } else {
+            put(b, "v%d != 0 ? v%d : v%d", a, c2, c3);
+        }
+        break;
+    case FT_MOD_ABS: put(b, f ? "fabsf(v%d)" : "abs(v%d)", a); break;
+    case FT_MOD_EXP: put(b, "%s(", ex), fval(b, ty, a), put(b, ")"); break;
+    case FT_MOD_LOG: put(b, "logf("), fval(b, ty, a), put(b, ")"); break;
+    case FT_MOD_SQRT: put(b, "sqrtf("), fval(b, ty, a), put(b, ")"); break;
+    case FT_MOD_TANH: put(b, "%s(", th), fval(b, ty, a), put(b, ")"); break;
+    case FT_MOD_SIGMOID: put(b, "1.f / (1.f + %s(-", ex), fval(b, ty, a), put(b, "))"); break;
+    case FT_MOD_MIN: case FT_MOD_MAX: {
+        const char *op = x->op == FT_MOD_MIN ? "<=" : ">=";
+        if (f) {
+            fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2), put(b, " ? "), fval(b, ty, a),
+                put(b, " : "), fval(b, ty, c2);
+        } else {
+            put(b, "v%d %s v%d ? v%d : v%d", a, op, c2, a, c2);
+        }
+        break;
+    }
+    case FT_MOD_FLOOR: put(b, f ? "floorf(v%d)" : "v%d", a); break;
+    case FT_MOD_READ: {
+        put(b, "ft_read%d(", k);
+        for (int d = 0; d < x->c; d++)
+            put(b, "%sv%d", d ? ", " : "", indices[x->b + d]);
+        put(b, ")");
+        break;
+    }
+    }
+    put(b, ";\n");
+}
+
+/* Node k's derivative in node seed (seed < 0: in s), d%d, as mods.c's
+ * interpreter carries it; 0 where the node does not depend on the seed
+ * (dep). Float nodes only. */
+static void emit_deriv(strbuf *b, int k, int seed, const ft_mod_node *nodes,
+                       const unsigned char *ty, const unsigned char *dep)
+{
+    const ft_mod_node *x = &nodes[k];
+    const int a = x->a, c2 = x->b, c3 = x->c;
+    /* d/d(seed), as mods.c's interpreter */
+    put(b, "        const float d%d = ", k);
+#define D(q) (ty[q] == T_FLOAT && dep[q] ? "d" : "0.f*"), q
+    if (!dep[k]) {
+        put(b, "0.f");
+    } else if (seed < 0 ? x->op == FT_MOD_S : k == seed) {
+        put(b, "1.f");
+    } else {
+        switch (x->op) {
+        case FT_MOD_ADD: put(b, "%s%d + %s%d", D(a), D(c2)); break;
+        case FT_MOD_SUB: put(b, "%s%d - %s%d", D(a), D(c2)); break;
+        case FT_MOD_MUL:
+            put(b, "%s%d * ", D(a)), fval(b, ty, c2), put(b, " + "), fval(b, ty, a),
+                put(b, " * %s%d", D(c2));
+            break;
+        case FT_MOD_DIV:
+            if (nodes[c2].op == FT_MOD_CONST && nodes[c2].value != 0)
+                put(b, "%s%d * %.9gf", D(a), 1.0 / nodes[c2].value);
+            else
+                put(b, "(%s%d - v%d * %s%d) / ", D(a), k, D(c2)), fval(b, ty, c2);
+            break;
+        case FT_MOD_MOD:
+            put(b, "%s%d - floorf(", D(a)), fval(b, ty, a), put(b, " / "), fval(b, ty, c2),
+                put(b, ") * %s%d", D(c2));
+            break;
+        case FT_MOD_POW:
+            put(b, "(%s%d != 0.f ? ", D(a)), fval(b, ty, c2), put(b, " * powf("),
+                fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, " - 1.f) * %s%d : 0.f)", D(a));
+            put(b, " + (%s%d != 0.f ? v%d * logf(", D(c2), k), fval(b, ty, a),
+                put(b, ") * %s%d : 0.f)", D(c2));
+            break;
+        case FT_MOD_NEG: put(b, "-%s%d", D(a)); break;
+        case FT_MOD_WHERE: put(b, "v%d != 0 ? %s%d : %s%d", a, D(c2), D(c3)); break;
+        case FT_MOD_ABS: put(b, "v%d < 0.f ? -%s%d : %s%d", a, D(a), D(a)); break;
+        case FT_MOD_EXP: put(b, "v%d * %s%d", k, D(a)); break;
+        case FT_MOD_LOG: put(b, "%s%d / ", D(a)), fval(b, ty, a); break;
+        case FT_MOD_SQRT: put(b, "%s%d != 0.f ? %s%d / (2.f * v%d) : 0.f", D(a), D(a), k); break;
+        case FT_MOD_TANH: put(b, "(1.f - v%d * v%d) * %s%d", k, k, D(a)); break;
+        case FT_MOD_SIGMOID: put(b, "v%d * (1.f - v%d) * %s%d", k, k, D(a)); break;
+        case FT_MOD_MIN:
+            fval(b, ty, a), put(b, " <= "), fval(b, ty, c2), put(b, " ? %s%d : %s%d", D(a), D(c2));
+            break;
+        case FT_MOD_MAX:
+            fval(b, ty, a), put(b, " >= "), fval(b, ty, c2), put(b, " ? %s%d : %s%d", D(a), D(c2));
+            break;
+        default: put(b, "0.f"); break;
+        }
+    }
+#undef D
+    put(b, ";\n");
+}
+
+/* The nodes `need` marks, in order: their values (what & EMIT_VALUES)
+ * and the float ones' derivatives in node seed (what & EMIT_DERIVS). */
+static void emit_nodes(strbuf *b, int n, const ft_mod_node *nodes, const int32_t *indices,
+                       const unsigned char *ty, const unsigned char *need, const unsigned char *dep,
+                       int what, int seed, int fast)
+{
     for (int k = 0; k < n; k++) {
         if (!need[k])
             continue;
-        const ft_mod_node *x = &nodes[k];
-        const int a = x->a, c2 = x->b, c3 = x->c;
-        const int f = ty[k] == T_FLOAT;
-        put(b, "        const %s v%d = ", f ? "float" : "int", k);
-        switch (x->op) {
-        case FT_MOD_S: put(b, "s"); break;
-        case FT_MOD_B: put(b, "b_ + 1"); break;
-        case FT_MOD_H: put(b, "h_ + 1"); break;
-        case FT_MOD_I: put(b, "i_ + 1"); break;
-        case FT_MOD_J: put(b, "j_ + 1"); break;
-        case FT_MOD_CONST:
-            if (f)
-                put(b, "%.9gf", x->value);
-            else
-                put(b, "%d", (int)x->value);
-            break;
-        case FT_MOD_ADD: case FT_MOD_SUB: case FT_MOD_MUL: {
-            const char *op = x->op == FT_MOD_ADD ? "+" : x->op == FT_MOD_SUB ? "-" : "*";
-            if (f) {
-                fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2);
-            } else {
-                put(b, "v%d %s v%d", a, op, c2);
-            }
-            break;
-        }
-        case FT_MOD_DIV: /* by a constant: times its reciprocal, rounded once */
-            if (nodes[c2].op == FT_MOD_CONST && nodes[c2].value != 0)
-                fval(b, ty, a), put(b, " * %.9gf", 1.0 / nodes[c2].value);
-            else if (fast)
-                put(b, "__fdividef("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")");
-            else
-                fval(b, ty, a), put(b, " / "), fval(b, ty, c2);
-            break;
-        case FT_MOD_MOD:
-            if (f) {
-                put(b, "ft_fmod_lua("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")");
-            } else {
-                put(b, "ft_imod_lua(v%d, v%d)", a, c2);
-            }
-            break;
-        case FT_MOD_POW: put(b, "powf("), fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, ")"); break;
-        case FT_MOD_NEG: put(b, "-v%d", a); break;
-        case FT_MOD_EQ: case FT_MOD_NE: case FT_MOD_LT: case FT_MOD_LE: case FT_MOD_GT:
-        case FT_MOD_GE: {
-            static const char *const ops[] = {"==", "!=", "<", "<=", ">", ">="};
-            const char *op = ops[x->op - FT_MOD_EQ];
-            if (ty[a] == T_INT && ty[c2] == T_INT)
-                put(b, "v%d %s v%d", a, op, c2);
-            else
-                fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2);
-            break;
-        }
-        case FT_MOD_AND: put(b, "v%d != 0 && v%d != 0", a, c2); break;
-        case FT_MOD_OR: put(b, "v%d != 0 || v%d != 0", a, c2); break;
-        case FT_MOD_NOT: put(b, "v%d == 0", a); break;
-        case FT_MOD_WHERE:
-            if (f) {
-                put(b, "v%d != 0 ? ", a), fval(b, ty, c2), put(b, " : "), fval(b, ty, c3);
-            } else {
-                put(b, "v%d != 0 ? v%d : v%d", a, c2, c3);
-            }
-            break;
-        case FT_MOD_ABS: put(b, f ? "fabsf(v%d)" : "abs(v%d)", a); break;
-        case FT_MOD_EXP: put(b, "%s(", ex), fval(b, ty, a), put(b, ")"); break;
-        case FT_MOD_LOG: put(b, "logf("), fval(b, ty, a), put(b, ")"); break;
-        case FT_MOD_SQRT: put(b, "sqrtf("), fval(b, ty, a), put(b, ")"); break;
-        case FT_MOD_TANH: put(b, "%s(", th), fval(b, ty, a), put(b, ")"); break;
-        case FT_MOD_SIGMOID: put(b, "1.f / (1.f + %s(-", ex), fval(b, ty, a), put(b, "))"); break;
-        case FT_MOD_MIN: case FT_MOD_MAX: {
-            const char *op = x->op == FT_MOD_MIN ? "<=" : ">=";
-            if (f) {
-                fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2), put(b, " ? "), fval(b, ty, a),
-                    put(b, " : "), fval(b, ty, c2);
-            } else {
-                put(b, "v%d %s v%d ? v%d : v%d", a, op, c2, a, c2);
-            }
-            break;
-        }
-        case FT_MOD_FLOOR: put(b, f ? "floorf(v%d)" : "v%d", a); break;
-        case FT_MOD_READ: {
-            put(b, "ft_read%d(", k);
-            for (int d = 0; d < x->c; d++)
-                put(b, "%sv%d", d ? ", " : "", indices[x->b + d]);
-            put(b, ")");
-            break;
-        }
-        }
-        put(b, ";\n");
-        if (!deriv || !f)
-            continue;
-        /* d/ds, as mods.c's interpreter */
-        put(b, "        const float d%d = ", k);
-#define D(q) (ty[q] == T_FLOAT && dep[q] ? "d" : "0.f*"), q
-        if (!dep[k]) {
-            put(b, "0.f");
-        } else {
-            switch (x->op) {
-            case FT_MOD_S: put(b, "1.f"); break;
-            case FT_MOD_ADD: put(b, "%s%d + %s%d", D(a), D(c2)); break;
-            case FT_MOD_SUB: put(b, "%s%d - %s%d", D(a), D(c2)); break;
-            case FT_MOD_MUL:
-                put(b, "%s%d * ", D(a)), fval(b, ty, c2), put(b, " + "), fval(b, ty, a),
-                    put(b, " * %s%d", D(c2));
-                break;
-            case FT_MOD_DIV:
-                if (nodes[c2].op == FT_MOD_CONST && nodes[c2].value != 0)
-                    put(b, "%s%d * %.9gf", D(a), 1.0 / nodes[c2].value);
-                else
-                    put(b, "(%s%d - v%d * %s%d) / ", D(a), k, D(c2)), fval(b, ty, c2);
-                break;
-            case FT_MOD_MOD:
-                put(b, "%s%d - floorf(", D(a)), fval(b, ty, a), put(b, " / "), fval(b, ty, c2),
-                    put(b, ") * %s%d", D(c2));
-                break;
-            case FT_MOD_POW:
-                put(b, "(%s%d != 0.f ? ", D(a)), fval(b, ty, c2), put(b, " * powf("),
-                    fval(b, ty, a), put(b, ", "), fval(b, ty, c2), put(b, " - 1.f) * %s%d : 0.f)", D(a));
-                put(b, " + (%s%d != 0.f ? v%d * logf(", D(c2), k), fval(b, ty, a),
-                    put(b, ") * %s%d : 0.f)", D(c2));
-                break;
-            case FT_MOD_NEG: put(b, "-%s%d", D(a)); break;
-            case FT_MOD_WHERE: put(b, "v%d != 0 ? %s%d : %s%d", a, D(c2), D(c3)); break;
-            case FT_MOD_ABS: put(b, "v%d < 0.f ? -%s%d : %s%d", a, D(a), D(a)); break;
-            case FT_MOD_EXP: put(b, "v%d * %s%d", k, D(a)); break;
-            case FT_MOD_LOG: put(b, "%s%d / ", D(a)), fval(b, ty, a); break;
-            case FT_MOD_SQRT: put(b, "%s%d != 0.f ? %s%d / (2.f * v%d) : 0.f", D(a), D(a), k); break;
-            case FT_MOD_TANH: put(b, "(1.f - v%d * v%d) * %s%d", k, k, D(a)); break;
-            case FT_MOD_SIGMOID: put(b, "v%d * (1.f - v%d) * %s%d", k, k, D(a)); break;
-            case FT_MOD_MIN:
-                fval(b, ty, a), put(b, " <= "), fval(b, ty, c2), put(b, " ? %s%d : %s%d", D(a), D(c2));
-                break;
-            case FT_MOD_MAX:
-                fval(b, ty, a), put(b, " >= "), fval(b, ty, c2), put(b, " ? %s%d : %s%d", D(a), D(c2));
-                break;
-            default: put(b, "0.f"); break;
-            }
-        }
-#undef D
-        put(b, ";\n");
+        if (what & EMIT_VALUES)
+            emit_value(b, k, nodes, indices, ty, fast);
+        if ((what & EMIT_DERIVS) && ty[k] == T_FLOAT)
+            emit_deriv(b, k, seed, nodes, ty, dep);
     }
 }
 
 /* The nodes root needs, in order (need is scratch). */
 static void emit_root(strbuf *b, int root, int n, const ft_mod_node *nodes,
                       const int32_t *indices, const unsigned char *ty, unsigned char *need,
-                      const unsigned char *dep, int deriv, int fast)
+                      const unsigned char *dep, int what, int fast)
 {
     memset(need, 0, (size_t)n);
     mark_needed(root, nodes, indices, need);
-    emit_nodes(b, n, nodes, indices, ty, need, dep, deriv, fast);
+    emit_nodes(b, n, nodes, indices, ty, need, dep, what, -1, fast);
+}
+
+/* Whether read node k feeds the score with a gradient: a float tensor's
+ * read that the (float) score root depends on. dep: scratch. */
+static int read_has_grad(int k, int score, int n, const ft_mod_node *nodes, const int32_t *indices,
+                         const ft_tensor *const *tensors, const unsigned char *ty,
+                         unsigned char *dep)
+{
+    if (score < 0 || ty[score] != T_FLOAT || nodes[k].op != FT_MOD_READ ||
+        !ft_dtype_is_float(tensors[nodes[k].a]->dtype))
+        return 0;
+    depends_on(k, n, nodes, indices, dep);
+    return dep[score];
 }
 
 ft_status ft_attn_mods_cuda_check_tensors(const char *func, int arg, int ntensors,
@@ -335,40 +391,42 @@ int ft_attn_mods_cuda_has_score(const ft_attn_mods *m)
     return score >= 0 && ft_attn_mods_graph(m)[score].op != FT_MOD_S;
 }
 
+int ft_attn_mods_cuda_has_grad(const ft_attn_mods *m, const ft_tensor *const *tensors)
+{
+    const int n = ft_attn_mods_nodes_count(m), score = ft_attn_mods_root(m, 0);
+    unsigned char *ty = calloc((size_t)n + 1, 1), *dep = calloc((size_t)n + 1, 1);
+    int has = 0;
+    if (ty && dep) {
+        const ft_mod_node *nodes = ft_attn_mods_graph(m);
+        const int32_t *indices = ft_attn_mods_index_list(m);
+        node_types(n, nodes, tensors, ty);
+        for (int k = 0; k < n && !has; k++)
+            has = read_has_grad(k, score, n, nodes, indices, tensors, ty, dep);
+    }
+    free(ty), free(dep);
+    return has;
+}
+
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
-                               int debug)
+                               int debug, int grads)
 {
     const int n = ft_attn_mods_nodes_count(m);
     const ft_mod_node *nodes = ft_attn_mods_graph(m);
     const int32_t *indices = ft_attn_mods_index_list(m);
     const int score = ft_attn_mods_root(m, 0), mask = ft_attn_mods_root(m, 1);
     unsigned char *ty = calloc((size_t)n, 1), *dep = calloc((size_t)n, 1);
-    unsigned char *need = calloc((size_t)n, 1);
+    unsigned char *need = calloc((size_t)n, 1), *gdep = calloc((size_t)n, 1);
     strbuf b = {NULL, 0, 0, 0};
-    if (!ty || !dep || !need)
+    if (!ty || !dep || !need || !gdep)
         b.failed = 1;
     if (!b.failed) {
         node_types(n, nodes, tensors, ty);
-        for (int k = 0; k < n; k++) { /* which nodes depend on s */
-            const ft_mod_node *x = &nodes[k];
-            int d = x->op == FT_MOD_S;
-            if (x->op == FT_MOD_READ) {
-                for (int q = 0; q < x->c; q++)
-                    d |= dep[indices[x->b + q]];
-            } else if (x->op != FT_MOD_CONST && x->op > FT_MOD_J) {
-                d |= dep[x->a];
-                if (x->op != FT_MOD_NEG && x->op != FT_MOD_NOT && !(x->op >= FT_MOD_ABS && x->op <= FT_MOD_SIGMOID) &&
-                    x->op != FT_MOD_FLOOR)
-                    d |= dep[x->b];
-                if (x->op == FT_MOD_WHERE)
-                    d |= dep[x->c];
-            }
-            dep[k] = (unsigned char)d;
-        }
+        depends_on(-1, n, nodes, indices, dep);
     }
     put(&b, "/* flashtile: a modification written in Lua (%d nodes) */\n", n);
     put(&b, "#define FT_RTC_MAX_TENSORS %d\n", FT_RTC_MAX_TENSORS);
-    put(&b, "struct FlashModTensor { const void *data; long long stride[4]; int shape[4]; };\n"
+    put(&b, "struct FlashModTensor\n{\n    const void *data;\n    long long stride[4];\n"
+            "    int shape[4];\n    float *grad; /* the backward's f32 gradient, row-major */\n};\n"
             "struct FlashModArgs { FlashModTensor t[FT_RTC_MAX_TENSORS]; };\n"
             "__constant__ FlashModArgs ft_mod_args;\n"
             "__device__ int ft_mod_fault;\n"
@@ -402,13 +460,39 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
         for (int d = 0; d < x->c; d++)
             put(&b, "    off += ft_index(x%d, t.shape[%d]) * t.stride[%d];\n", d, d, d);
         put(&b, "    return %s;\n}\n", load_expr(tensors[x->a]->dtype));
+        put(&b, "template <"); /* and where its gradient goes */
+        for (int d = 0; d < x->c; d++)
+            put(&b, "%stypename I%d", d ? ", " : "", d);
+        put(&b, ">\nstatic __device__ __forceinline__ long long ft_lin%d(", k);
+        for (int d = 0; d < x->c; d++)
+            put(&b, "%sI%d x%d", d ? ", " : "", d, d);
+        put(&b, ")\n{\n    const FlashModTensor &t = ft_mod_args.t[%d];\n    long long off = 0;\n",
+            x->a);
+        for (int d = 0; d < x->c; d++)
+            put(&b, "    off = off * t.shape[%d] + ft_index(x%d, t.shape[%d]);\n", d, d, d);
+        put(&b, "    return off;\n}\n");
     }
-    put(&b, "struct FtUserMod {\n    static constexpr bool on = true, has_score = %s;\n",
-        ft_attn_mods_cuda_has_score(m) ? "true" : "false");
+    int has_grad = 0;
+    for (int k = 0; grads && k < n && !b.failed; k++)
+        has_grad |= read_has_grad(k, score, n, nodes, indices, tensors, ty, gdep);
+    int nsites = 0; /* the reads with a gradient: a running sum each */
+    for (int k = 0; has_grad && k < n && !b.failed; k++)
+        nsites += read_has_grad(k, score, n, nodes, indices, tensors, ty, gdep);
+    put(&b, "/* g into *p's running sum a, which goes to memory when p moves on */\n"
+            "static __device__ __forceinline__ void ft_grad_add(float *&p, float &a, float *q, "
+            "float g)\n{\n    if (p == q) {\n        a += g;\n        return;\n    }\n"
+            "    if (p)\n        atomicAdd(p, a);\n    p = q, a = g;\n}\n");
+    put(&b, "struct FtUserMod {\n    static constexpr bool on = true, has_score = %s, has_grad = %s;\n",
+        ft_attn_mods_cuda_has_score(m) ? "true" : "false", has_grad ? "true" : "false");
+    put(&b, "    struct GradState {\n        float *p[%d];\n        float a[%d];\n    };\n",
+        nsites > 0 ? nsites : 1, nsites > 0 ? nsites : 1);
+    put(&b, "    static __device__ __forceinline__ void grad_flush(GradState &st)\n    {\n"
+            "        for (int k = 0; k < %d; k++)\n            if (st.p[k])\n"
+            "                atomicAdd(st.p[k], st.a[k]);\n    }\n", nsites);
     put(&b, "    static __device__ __forceinline__ float score(int b_, int h_, int i_, int j_, "
             "float s, float *ds)\n    {\n");
     if (score >= 0 && !b.failed) {
-        emit_root(&b, score, n, nodes, indices, ty, need, dep, 1, fast);
+        emit_root(&b, score, n, nodes, indices, ty, need, dep, EMIT_VALUES | EMIT_DERIVS, fast);
         if (ty[score] == T_FLOAT)
             put(&b, "        *ds = d%d;\n        return v%d;\n", score, score);
         else
@@ -420,13 +504,34 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     put(&b, "    }\n    static __device__ __forceinline__ bool keep(int b_, int h_, int i_, int j_)\n"
             "    {\n");
     if (mask >= 0 && !b.failed) {
-        emit_root(&b, mask, n, nodes, indices, ty, need, dep, 0, fast);
+        emit_root(&b, mask, n, nodes, indices, ty, need, dep, EMIT_VALUES, fast);
         put(&b, "        return v%d != 0;\n", mask);
     } else {
         put(&b, "        (void)b_, (void)h_, (void)i_, (void)j_;\n        return true;\n");
     }
+    /* grad(b, h, i, j, s, g): adds g d score / d(value read) into each
+     * float tensor's gradient where a read of it took its value */
+    put(&b, "    }\n    static __device__ __forceinline__ void grad(int b_, int h_, int i_, int j_, "
+            "float s, float g, GradState &st)\n    {\n        (void)b_, (void)h_, (void)i_, (void)j_, "
+            "(void)s, (void)g, (void)st;\n");
+    if (has_grad && !b.failed) {
+        emit_root(&b, score, n, nodes, indices, ty, need, dep, EMIT_VALUES, fast);
+        for (int k = 0, site = 0; k < n && !b.failed; k++) {
+            if (!read_has_grad(k, score, n, nodes, indices, tensors, ty, gdep))
+                continue;
+            const ft_mod_node *x = &nodes[k];
+            put(&b, "        {\n");
+            emit_nodes(&b, n, nodes, indices, ty, need, gdep, EMIT_DERIVS, k, fast);
+            put(&b, "        if (d%d != 0.f)\n            ft_grad_add(st.p[%d], st.a[%d], "
+                    "ft_mod_args.t[%d].grad + ft_lin%d(", score, site, site, x->a, k);
+            for (int d = 0; d < x->c; d++)
+                put(&b, "%sv%d", d ? ", " : "", indices[x->b + d]);
+            put(&b, "), g * d%d);\n        }\n", score);
+            site++;
+        }
+    }
     put(&b, "    }\n};\n");
-    free(ty), free(dep), free(need);
+    free(ty), free(dep), free(need), free(gdep);
     if (b.failed) {
         free(b.s);
         return NULL;

@@ -34,7 +34,8 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
                      in all, packed with cu_seqlens; compare with none at
                      --tokens 16N), lua:V for none, window:W, alibi or
                      softcap:C written in Lua (ft.attention_mods, mod
-                     tensors' gradients off) (default none); TFLOP/s
+                     tensors' gradients off; lua:alibi+grad takes the
+                     slopes' gradient) (default none); TFLOP/s
                      count the visible scores only
   --pass LIST        fwd, bwd (default fwd,bwd)
   --tokens N         batch = tokens / seqlen (default 16384 | 2048)
@@ -166,12 +167,14 @@ local causals = list("causal", "true or false", bool)
 -- "softcap:C", "sink", "dropout:P" or "varlen".
 local variant_of
 function variant_of(x)
-  -- lua:V: the variant V written as a mod (ft.attention_mods)
+  -- lua:V: the variant V written as a mod (ft.attention_mods); lua:alibi+grad
+  -- also takes the gradient of the slopes it reads
   local inner = x:match("^lua:(.+)$")
   if inner then
-    local v = variant_of(inner)
+    local grad = inner == "alibi+grad"
+    local v = variant_of(grad and "alibi" or inner)
     if v and (v.name == "none" or v.name == "window" or v.name == "alibi" or v.name == "softcap") then
-      v.lua, v.label = true, x
+      v.lua, v.label, v.grad = true, x, grad
       return v
     end
     return nil
@@ -309,7 +312,7 @@ local function variant_opts(impl, causal, var, H, builtin, B, N)
     -- a mask on the GPU: its block mask, made once (the kernels skip the
     -- tiles outside the band it keeps)
     local bm = mask and on_gpu and ft.block_mask(mods, B, H, N, N, { device = device }) or nil
-    return { impl = impl, mods = mods, block_mask = bm, mod_grads = false }
+    return { impl = impl, mods = mods, block_mask = bm, mod_grads = var.grad }
   end
   if var.name == "window" then
     o.window_left = var.value

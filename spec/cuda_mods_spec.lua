@@ -20,10 +20,11 @@ end
 
 local function cpu64(x) return x:cpu():double() end
 
+-- out, lse, dq, dk, dv, and the gradients of the tensors the mods read
 local function run(q, k, v, dout, opts)
   local out, lse = ft.attention(q, k, v, opts)
-  local dq, dk, dv = ft.attention_backward(dout, q, k, v, out, lse, opts)
-  return { out = out, lse = lse, dq = dq, dk = dk, dv = dv }
+  local r = h.pack(ft.attention_backward(dout, q, k, v, out, lse, opts))
+  return { out = out, lse = lse, dq = r[1], dk = r[2], dv = r[3], grads = { h.unpack(r, 4, r.n) } }
 end
 
 --- max |a - b| over each result, relative to the largest |b| (+1).
@@ -80,40 +81,49 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     end
   end
 
-  gpu_it("mods without a built-in follow the f64 cpu running the same mod: a relative-bias table, a document mask, a prefix-LM mask; f16 and bf16, d 32, 96 and 256", function()
+  gpu_it("mods without a built-in follow the f64 cpu running the same mod, with the gradients of the tables they read: a relative-bias table, a per-head gain, a document mask, a prefix-LM mask; f16 and bf16, d 32, 96 and 256", function()
     local Nq = 150
     local rel64 = randn { H, 2 * Nq }
+    local gain64 = ft.tensor({ 0.8, 1.1, 1.3, 0.6 }, { dtype = "f64" })
     local doc64 = ft.tensor((function()
       local t = {}
       for i = 1, Nq do t[i] = i <= 40 and 1 or i <= 41 and 2 or i <= 120 and 3 or 4 end
       return t
     end)(), { dtype = "i32" })
-    local function mods_for(rel, doc)
+    local function mods_for(rel, doc, gain)
       return {
         { "relative bias", { score = function(s, b, hh, i, j) return s + rel[hh][i - j + Nq] end } },
         { "document mask", { mask = function(b, hh, i, j) return ft.all(doc[i]:eq(doc[j]), j:le(i)) end } },
         { "prefix-LM mask", { mask = function(b, hh, i, j) return ft.any(j:le(i), j:le(17)) end } },
-        { "bias, tanh and a mask together", {
-            score = function(s, b, hh, i, j) return (s + rel[hh][i - j + Nq] * 0.5):tanh() * 4 end,
+        { "gain, bias, tanh and a mask together", {
+            score = function(s, b, hh, i, j) return (s * gain[hh] + rel[hh][i - j + Nq] * 0.5):tanh() * 4 end,
             mask = function(b, hh, i, j) return ft.negate(ft.all(j:gt(i), ((i + j) % 3):eq(0))) end } },
       }
     end
-    local cpu_cases, gpu_cases = mods_for(rel64, doc64), nil
-    -- (dtype, head dim, which mods)
-    for _, c in ipairs { { "f16", 32, { 1, 2 } }, { "bf16", 256, { 1, 3 } }, { "bf16", 96, { 4 } } } do
-      local dtype, d = c[1], c[2]
-      local q, k, v, dout = randn { 1, Nq, H, d }, randn { 1, Nq, Hk, d }, randn { 1, Nq, Hk, d },
-          randn { 1, Nq, H, d }
-      do
-        gpu_cases = mods_for(rel64:float():cuda(), doc64:cuda())
-        local function g(t) return t:to(dtype):cuda() end
-        for _, n in ipairs(c[3]) do
-          local case = gpu_cases[n]
-          local want = run(q, k, v, dout, { mods = ft.attention_mods(cpu_cases[n][2]), impl = "tiled",
-                                           mod_grads = false })
-          local got = run(g(q), g(k), g(v), g(dout), { mods = ft.attention_mods(case[2]),
-                                                       mod_grads = false })
-          assert_close(("%s, %s, d %d"):format(case[1], dtype, d), got, want, CPU[dtype])
+    local cpu_cases = mods_for(rel64, doc64, gain64)
+    -- (dtype, head dim, batch, which mods)
+    for _, c in ipairs { { "f16", 32, 2, { 1, 2 } }, { "bf16", 256, 1, { 1, 3 } }, { "bf16", 96, 2, { 4 } } } do
+      local dtype, d, B1 = c[1], c[2], c[3]
+      local q, k, v, dout = randn { B1, Nq, H, d }, randn { B1, Nq, Hk, d }, randn { B1, Nq, Hk, d },
+          randn { B1, Nq, H, d }
+      local gpu_cases = mods_for(rel64:float():cuda(), doc64:cuda(), gain64:to("bf16"):cuda())
+      local function g(t) return t:to(dtype):cuda() end
+      for _, n in ipairs(c[4]) do
+        local case = gpu_cases[n]
+        local label = ("%s, %s, d %d"):format(case[1], dtype, d)
+        local want = run(q, k, v, dout, { mods = ft.attention_mods(cpu_cases[n][2]), impl = "tiled" })
+        local got = run(g(q), g(k), g(v), g(dout), { mods = ft.attention_mods(case[2]) })
+        assert_close(label, got, want, CPU[dtype])
+        -- the tables' gradients, each in its tensor's dtype on the GPU
+        assert.are.equal(#want.grads, #got.grads, label)
+        for t = 1, #want.grads do
+          assert.are.equal("cuda:0", got.grads[t].device, label)
+          -- relative to the largest entry (a gradient of all zeros fails)
+          local scale = ft.max_abs_diff(want.grads[t], want.grads[t] * 0)
+          local diff = ft.max_abs_diff(cpu64(got.grads[t]), want.grads[t])
+          assert.is_true(scale > 0, label)
+          assert.is_true(diff == diff and diff <= CPU[dtype] * scale,
+            ("%s: gradient %d off by %g (scale %g)"):format(label, t, diff, scale))
         end
       end
     end
@@ -184,7 +194,7 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     assert.is_true(tonumber(load_s) < 0.5, out)
   end)
 
-  gpu_it("bad uses are clear errors: f32, the naive impl, a block mask, gradients of read tensors, a cpu tensor read", function()
+  gpu_it("bad uses are clear errors: f32, the naive impl, deterministic gradients of read tensors, a cpu tensor read", function()
     local q32 = ft.randn({ 1, 16, 2, 64 }, { device = "cuda", seed = 1 })
     local q = q32:to("bf16")
     local slopes = slopes64:float():cuda()
@@ -193,10 +203,14 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     h.assert_error(function() ft.attention(q, q, q, { mods = alibi, impl = "naive" }) end,
       "impl 'flash' or 'auto'")
     local out, lse = ft.attention(q, q, q, { mods = alibi })
-    h.assert_error(function() ft.attention_backward(out, q, q, q, out, lse, { mods = alibi }) end,
-      "mod_grads = false")
+    h.assert_error(function()
+      ft.attention_backward(out, q, q, q, out, lse, { mods = alibi, deterministic = true })
+    end, "deterministic: on CUDA the gradients of the float tensors mods read are summed with atomics")
     local r = h.pack(ft.attention_backward(out, q, q, q, out, lse, { mods = alibi, mod_grads = false }))
     assert.are.equal(3, r.n)
+    r = h.pack(ft.attention_backward(out, q, q, q, out, lse, { mods = alibi }))
+    assert.are.equal(4, r.n)
+    assert.are.same({ 4 }, r[4].shape)
     local cpu_slopes = ft.attention_mods { score = function(s, b, hh, i, j) return s - slopes64[hh] end }
     h.assert_error(function() ft.attention(q, q, q, { mods = cpu_slopes }) end, "not on q's device")
   end)

@@ -67,6 +67,25 @@ describe("mods as CUDA source, compiled with NVRTC (no GPU needed)", function()
     assert.are.equal(0, ft.cuda.compile_mods(score, { dtype = "f16", head_dim = 64, arch = "sm_80" }))
   end)
 
+  cuda_it("the backward that gives the gradients of the float tensors a mod reads (grads, the default) is its own pair of kernels; a mod that reads no float tensor has none", function()
+    -- a constant of this run keeps the kernels out of any earlier cache
+    local c = 1 + math.random(1, 1000000) / 1e7
+    local bias = ft.attention_mods { score = function(s, b, hh, i, j) return s * c + rel[hh][(i - j) % 64 + 1] end }
+    assert.are.equal(2, ft.cuda.compile_mods(bias, { dtype = "bf16", head_dim = 64, arch = "sm_90a", pass = "bwd" }))
+    assert.are.equal(2, ft.cuda.compile_mods(bias, { dtype = "bf16", head_dim = 64, arch = "sm_90a", pass = "bwd",
+                                                     grads = false }))
+    assert.are.equal(0, ft.cuda.compile_mods(bias, { dtype = "bf16", head_dim = 64, arch = "sm_90a", pass = "bwd",
+                                                     grads = true }))
+    local by_doc = ft.attention_mods { score = function(s, b, hh, i, j) return s * c + doc[(j - 1) % 8 + 1] end }
+    assert.are.equal(2, ft.cuda.compile_mods(by_doc, { dtype = "f16", head_dim = 64, arch = "sm_80", pass = "bwd",
+                                                       grads = false }))
+    assert.are.equal(0, ft.cuda.compile_mods(by_doc, { dtype = "f16", head_dim = 64, arch = "sm_80", pass = "bwd" }))
+    -- reads of f32, bf16, f64 and f16 tensors, each with its gradient
+    assert.are.equal(2, ft.cuda.compile_mods(three_mods()[1][2], { dtype = "f16", head_dim = 64, arch = "sm_80",
+                                                                   pass = "bwd", cache = false }))
+    h.assert_error(function() ft.cuda.compile_mods(bias, { grads = 1 }) end, "grads must be a boolean")
+  end)
+
   cuda_it("bad options are clear errors", function()
     local mods = ft.attention_mods { score = function(s) return s * 2 end }
     h.assert_error(function() ft.cuda.compile_mods(mods, { arch = "sm_70" }) end, "sm_80")

@@ -284,7 +284,7 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
         assert.is_truthy(out:find("^demo.lua: bad arguments '" .. bad .. "'\nusage: "), out)
       end
 
-      out, status = lua("scripts/mods_demo.lua", "", { env = env })
+      out, status = lua("scripts/mods_demo.lua", "cpu", { env = env })
       assert.are.equal(0, status, out)
       for _, want in ipairs { "equals plain attention with a zero table: 0",
                               "document 2 equals it alone, causal: 0",

@@ -181,6 +181,52 @@ template <typename T, int D, int BC> struct MmaBwdSmem {
     static constexpr size_t q_bytes = (size_t)(Q_K + 4 * BC * LD) * sizeof(T);
 };
 
+/* The gradients of the tensors a Lua-written mod read (UM::has_grad), in
+ * two steps. user_mod_gscore, for entries 2 k and 2 k + 1 of a warp's S^T
+ * fragment (modified scores in st, dP^T in dp, D of the queries in dd,
+ * their LSE in log2 units in sl, the dropout factors z0, z1): each
+ * visible entry's dL / d score = P (z dP - D) into gsc (0 where hidden).
+ * Keys are the rows from key0, queries the columns from q0. Then
+ * user_mod_grads hands every entry with one to UM::grad, with the mod's
+ * input score from um_in, in a loop kept rolled: one copy of the mod's
+ * gradient code, not one an entry. */
+__device__ __forceinline__ void user_mod_gscore(const FlashParams &p, const float *st,
+                                                const float *dp, const float *dd, const float *sl,
+                                                int k, float z0, float z1, int key0, int q0,
+                                                float *gsc)
+{
+    const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const int i = 2 * k + e, qc = 8 * (k / 2) + 2 * t4 + e;
+        const int kj = key0 + g + 8 * (k % 2), qi = q0 + qc;
+        const bool seen = !flash_queries(p, kj).hides(qi) && st[i] != -INFINITY;
+        const float pt = exp2f(st[i] * p.scale_log2 - sl[qc]); /* 0 past the queries' end */
+        gsc[i] = seen ? pt * ((e ? z1 : z0) * dp[e] - dd[e]) : 0.f;
+    }
+}
+
+template <typename UM, int N>
+__device__ __forceinline__ void user_mod_grads(const ScoreMod &m, const float *um_in,
+                                               const float *gsc, int key0, int q0,
+                                               typename UM::GradState &gst)
+{
+    const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+    /* in the order 1, 0, 3, 2, 5, 4 ... of k (pairs), entry e of each pair
+     * apart: then neighbours in the loop share i - j (k = 2 a - 2 and
+     * 2 a + 1), and a table indexed by it (a relative bias) sums them
+     * before its atomic */
+#pragma unroll 1
+    for (int n = 0; n < N; n++) {
+        const int u = n % (N / 2), e = n / (N / 2);
+        const int k = u == 0 ? 1 : u % 2 ? u - 1 : u + 1, i = 2 * k + e;
+        if (gsc[i] == 0.f)
+            continue;
+        const int kj = key0 + g + 8 * (k % 2), qi = q0 + 8 * (k / 2) + 2 * t4 + e;
+        UM::grad(m.b, m.h, qi, kj, um_in[i], gsc[i], gst);
+    }
+}
+
 template <typename T, int D, int BC, int DSPLIT, bool EXT, typename UM = NoUserMod>
 __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
     flash_bwd_dkdv_mma_kernel(FlashParams p)
@@ -240,6 +286,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
         issue(0, 0);
     cp_async_commit();
 
+    typename UM::GradState gst{}; /* UM::has_grad: the running sums of the mod's gradients */
     float dk[NT_D][4], dv[NT_D][4];
 #pragma unroll
     for (int n = 0; n < NT_D; n++)
@@ -294,7 +341,9 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
              * the queries each key sees are worked out at an edge only.
              * EXT: S^T modified first, and dP^T - D times its derivative
              * (g (dP - D) in place of dP - D). */
-            if (EXT)
+            /* UM::has_grad: the Lua-written mod's input scores, dL / d its output */
+            float um_in[UM::has_grad ? NT_Q * 4 : 1], gsc[UM::has_grad ? NT_Q * 4 : 1];
+            if (EXT) {
                 mod_acc_with<NT_Q * 4, true, fast_tanh<T>(), UM>(smod, &st[0][0], j0 + kw * 16, i0,
                                              [&](int k, float d0, float d1) {
                                                  float *x = &dpt[0][0] + 2 * k;
@@ -302,11 +351,16 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                                                  const bool drop = p.mod.dropout;
                                                  const float z0 = drop ? drop_factor(p, kbits, 2 * k) : 1.f;
                                                  const float z1 = drop ? drop_factor(p, kbits, 2 * k + 1) : 1.f;
+                                                 if (UM::has_grad)
+                                                     user_mod_gscore(p, &st[0][0], x, dd, sL, k, z0, z1,
+                                                                     j0 + kw * 16, i0, gsc);
                                                  x[0] = d0 * (z0 * x[0] - dd[0]);
                                                  x[1] = d1 * (z1 * x[1] - dd[1]);
-                                             });
-            else if (UM::on) /* a Lua-written mask alone: no derivative */
-                mod_acc<NT_Q * 4, true, fast_tanh<T>(), UM>(smod, &st[0][0], j0 + kw * 16, i0);
+                                             }, um_in);
+                if (UM::has_grad && dpart == 0) /* the other column parts' S^T is the same */
+                    user_mod_grads<UM, NT_Q * 4>(smod, um_in, gsc, j0 + kw * 16, i0, gst);
+            } else if (UM::on) /* a Lua-written mask alone: no derivative */
+                mod_acc<NT_Q * 4, true, fast_tanh<T>(), UM, false>(smod, &st[0][0], j0 + kw * 16, i0);
             QueryRange q0 = {0, p.Nq}, q1 = {0, p.Nq};
             if (full.masks(i0, i0 + BWD_BR)) {
                 q0 = flash_queries(p, key[0]);
@@ -351,6 +405,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
         }
     }
 
+    UM::grad_flush(gst);
     /* store dK (scaled) and dV for this warp's keys and columns */
     T *dkp = reinterpret_cast<T *>(p.dk.data), *dvp = reinterpret_cast<T *>(p.dv.data);
 #pragma unroll
@@ -476,7 +531,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
                                               x[1] = d1 * (z1 * x[1] - Dr[k % 2]);
                                           });
         else if (UM::on) /* a Lua-written mask alone: no derivative */
-            mod_acc<NT_S * 4, false, fast_tanh<T>(), UM>(smod, &s[0][0], i0 + warp * 16, j0);
+            mod_acc<NT_S * 4, false, fast_tanh<T>(), UM, false>(smod, &s[0][0], i0 + warp * 16, j0);
 #pragma unroll
         for (int n = 0; n < NT_S; n++)
 #pragma unroll
@@ -589,7 +644,8 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
     const dim3 block(SIMT_WARPS * FT_WARP);
     flash_bwd_dot_kernel<<<dim3((p.Nq + SIMT_WARPS - 1) / SIMT_WARPS, p.H, p.B), block>>>(p);
     ft_status st = ft_cuda_check_launch(func, __FILE__, __LINE__);
-    if (st == FT_OK && sm90) {
+    /* the gradients of a mod's tensors come from the mma.sync dK/dV kernel */
+    if (st == FT_OK && sm90 && !s->mod_gdev) {
         st = flash_bwd_sm90(p, rtc);
     } else if (st == FT_OK && mma) {
         st = flash_bwd_mma(p, rtc);

@@ -578,16 +578,24 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
  * gives the new one and its derivative in x; keep(b, h, i, j) the mask.
  * Indices are 0-based here (i, j within the sequence); has_score is
  * false for a mask alone (whose backward needs no derivative, so runs in
- * the plain instantiations). The kernels compiled ahead of time take
- * NoUserMod, whose code never runs. */
+ * the plain instantiations). With has_grad, grad(b, h, i, j, x, g, st)
+ * adds g times the score's derivatives in the values it read from float
+ * tensors into their gradients (the dK/dV kernel calls it with g = dL /
+ * d score): into a thread's running sum in st while the element stays the
+ * same (a per-head table: one atomic a thread and head, not one a score),
+ * with an atomic when it moves on and in grad_flush(st) at the end. The
+ * kernels compiled ahead of time take NoUserMod, whose code never runs. */
 struct NoUserMod {
-    static constexpr bool on = false, has_score = false;
+    static constexpr bool on = false, has_score = false, has_grad = false;
+    struct GradState {};
     static __device__ __forceinline__ float score(int, int, int, int, float x, float *dx)
     {
         *dx = 1.f;
         return x;
     }
     static __device__ __forceinline__ bool keep(int, int, int, int) { return true; }
+    static __device__ __forceinline__ void grad(int, int, int, int, float, float, GradState &) {}
+    static __device__ __forceinline__ void grad_flush(GradState &) {}
 };
 
 /* The modification over an accumulator fragment in the C layout of
@@ -595,10 +603,14 @@ struct NoUserMod {
  * col0 + 8 (i / 4) + 2 t + i % 2 (g = lane / 4, t = lane % 4). Rows are
  * queries and columns keys, or (KEY_ROWS) the transposed products of the
  * dK/dV kernels. sink(k, d0, d1) takes the derivatives of entries 2 k and
- * 2 k + 1 (a row's neighbours); mod_acc drops them or stores them in grad. */
-template <int N, bool KEY_ROWS, bool FAST = false, typename UM = NoUserMod, typename Sink>
+ * 2 k + 1 (a row's neighbours); mod_acc drops them or stores them in grad.
+ * um_in (UM::has_grad): the scores the Lua-written mod took, entry by
+ * entry, for UM::grad. BUILTIN false: a kernel without the built-in
+ * variants (not EXT), so only UM acts. */
+template <int N, bool KEY_ROWS, bool FAST = false, typename UM = NoUserMod, bool BUILTIN = true,
+          typename Sink>
 __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int row0, int col0,
-                                             Sink sink)
+                                             Sink sink, float *um_in = nullptr)
 {
     const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
     /* positions as floats: two rows, and the columns from one base */
@@ -607,7 +619,7 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
     for (int r = 0; r < 2; r++)
         rpos[r] = KEY_ROWS ? (float)(row0 + g + 8 * r) : m.pos(row0 + g + 8 * r);
     const float cbase = KEY_ROWS ? m.pos(col0 + 2 * t4) : (float)(col0 + 2 * t4);
-    with_mod_kind<FAST>(m, [&](auto kind) {
+    auto body = [&](auto kind) {
 #pragma unroll
         for (int k = 0; k < N / 2; k++) {
             float d[2];
@@ -625,6 +637,8 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
                         d[e] = 0.f;
                     } else if (UM::has_score) {
                         float dx;
+                        if (UM::has_grad && um_in) /* the dK/dV kernel's */
+                            um_in[i] = acc[i] * m.scale;
                         acc[i] = UM::score(m.b, m.h, qi, kj, acc[i] * m.scale, &dx) * m.inv_scale;
                         d[e] *= dx;
                     }
@@ -632,14 +646,19 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
             }
             sink(k, d[0], d[1]);
         }
-    });
+    };
+    if (BUILTIN)
+        with_mod_kind<FAST>(m, body);
+    else
+        body(ModKind<false, false>());
 }
 
-template <int N, bool KEY_ROWS = false, bool FAST = false, typename UM = NoUserMod>
+template <int N, bool KEY_ROWS = false, bool FAST = false, typename UM = NoUserMod,
+          bool BUILTIN = true>
 __device__ __forceinline__ void mod_acc(const ScoreMod &m, float *acc, int row0, int col0,
                                         float *grad = nullptr)
 {
-    mod_acc_with<N, KEY_ROWS, FAST, UM>(m, acc, row0, col0, [&](int k, float d0, float d1) {
+    mod_acc_with<N, KEY_ROWS, FAST, UM, BUILTIN>(m, acc, row0, col0, [&](int k, float d0, float d1) {
         if (grad) {
             grad[2 * k] = d0;
             grad[2 * k + 1] = d1;

@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
         if (EXT || UM::on) /* a Lua-written mod alone needs none of EXT's state */
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
-                mod_acc<NT_S * 4, false, fast_tanh<T>(), UM>(smod, &s[mt][0][0], wrow0 + mt * 16, j0);
+                mod_acc<NT_S * 4, false, fast_tanh<T>(), UM, EXT>(smod, &s[mt][0][0], wrow0 + mt * 16, j0);
         const bool edge = full.masks(j0, j0 + BC);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -389,7 +389,8 @@ ft_status flash_rtc_dry_run(FlashParams p, FlashRtc *rtc, bool wgmma, bool has_s
     if (!(passes & 2))
         return FT_OK;
     p.user_mod = has_score; /* a score function's backward needs EXT */
-    return wgmma ? flash_bwd_sm90(p, rtc) : flash_bwd_mma(p, rtc);
+    /* the gradients of the mods' tensors: the mma.sync kernels */
+    return wgmma && !(passes & 4) ? flash_bwd_sm90(p, rtc) : flash_bwd_mma(p, rtc);
 }
 
 extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,

@@ -35,6 +35,7 @@ struct FlashModTensorHost {
     const void *data;
     long long stride[4];
     int shape[4];
+    float *grad;
 };
 struct FlashModArgsHost {
     FlashModTensorHost t[FT_RTC_MAX_TENSORS];
@@ -89,8 +90,9 @@ static uint64_t library_hash()
 
 /* The mods' FtUserMod for kernels of dtype on device, and the table of
  * its tensors. */
-static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tensors, int dtype,
-                        int device, FlashRtc **out, const char *func)
+static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tensors,
+                        float *const *grads, int dtype, int device, FlashRtc **out,
+                        const char *func)
 {
     *out = nullptr;
     const int n = ft_attn_mods_tensors(mods);
@@ -107,6 +109,7 @@ static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tenso
             r->args.t[t].stride[d] = x->stride[d];
             r->args.t[t].shape[d] = (int)x->shape[d]; /* lib/ checked: below 2^31 */
         }
+        r->args.t[t].grad = grads ? grads[t] : nullptr;
     }
     cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
@@ -117,7 +120,7 @@ static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tenso
     }
     snprintf(r->arch, sizeof r->arch, "sm_%d%d%s", prop.major, prop.minor,
              prop.major == 9 && prop.minor == 0 ? "a" : "");
-    r->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, r->debug);
+    r->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, r->debug, grads != nullptr);
     if (!r->src) {
         free(r);
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the mods' CUDA source");
@@ -129,7 +132,7 @@ static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tenso
 extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device,
                                    FlashRtc **out, const char *func)
 {
-    return rtc_new(s->mods, s->mod_tensors, dtype, device, out, func);
+    return rtc_new(s->mods, s->mod_tensors, s->mod_gdev, dtype, device, out, func);
 }
 
 extern "C" void flash_rtc_free(FlashRtc *r)
@@ -454,7 +457,7 @@ extern "C" ft_status flash_rtc_block_mask(const ft_attn_mods *mods, const ft_ten
 {
     FlashRtc *rtc;
     FT_TRY(ft_cuda_use_device(device, func));
-    FT_TRY(rtc_new(mods, tensors, FT_F32, device, &rtc, func));
+    FT_TRY(rtc_new(mods, tensors, nullptr, FT_F32, device, &rtc, func));
     int B = (int)size[0], H = (int)size[1], Nq = (int)size[2], Nk = (int)size[3];
     int bq = (int)size[4], bk = (int)size[5];
     int nqb = (Nq + bq - 1) / bq, nkb = (Nk + bk - 1) / bk;
@@ -501,12 +504,18 @@ extern "C" ft_status ft_cuda_mods_compile(const ft_attn_mods *mods, int ntensors
                        "arch must be sm_XY (8.0 or later, e.g. sm_80, sm_90a), got '%s'",
                        arch ? arch : "(null)");
     const bool wgmma = major == 9 && minor == 0 && suffix == 'a';
+    if (passes < 1 || passes > 7 || ((passes & 4) && !(passes & 2)))
+        return ft_fail(FT_ERR_ARGUMENT, func, 7,
+                       "passes must be 1, 2 or 3, plus 4 for the tensors' gradients with 2; got %d",
+                       passes);
     FlashRtc *rtc = (FlashRtc *)calloc(1, sizeof *rtc);
     if (!rtc)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
     snprintf(rtc->arch, sizeof rtc->arch, "%s", arch);
     rtc->dry = 1, rtc->nocache = !use_cache;
-    rtc->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, 0);
+    if ((passes & 4) && !ft_attn_mods_cuda_has_grad(mods, tensors))
+        passes &= 3; /* no gradients: the backward of mod_grads = false */
+    rtc->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, 0, (passes & 4) != 0);
     if (!rtc->src) {
         free(rtc);
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
@@ -520,10 +529,6 @@ extern "C" ft_status ft_cuda_mods_compile(const ft_attn_mods *mods, int ntensors
     {
         std::lock_guard<std::mutex> g(rtc_lock);
         before = rtc_stats.compiles;
-    }
-    if (passes < 1 || passes > 3) {
-        flash_rtc_free(rtc);
-        return ft_fail(FT_ERR_ARGUMENT, func, 7, "passes must be 1, 2 or 3, got %d", passes);
     }
     ft_status st = flash_rtc_dry_run(p, rtc, wgmma, ft_attn_mods_cuda_has_score(mods), passes);
     flash_rtc_free(rtc);

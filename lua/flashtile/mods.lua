@@ -433,15 +433,18 @@ function M.block_mask(mods, B, H, Nq, Nk, opts)
 end
 
 --- ft.cuda.compile_mods(mods, {dtype = "bf16", head_dim = 128, arch = "sm_90a",
--- pass = "both", cache = true}): compiles the flash kernels a call with
--- these mods runs (pass "fwd": the forward; "bwd": dK/dV and dQ; "both")
--- for that dtype, head dim and architecture
+-- pass = "both", grads = true, cache = true}): compiles the flash kernels
+-- a call with these mods runs (pass "fwd": the forward; "bwd": dK/dV and
+-- dQ; "both"; grads = false: the backward of mod_grads = false, which
+-- skips the gradients of the float tensors the mods read) for that dtype,
+-- head dim and architecture
 -- ("sm_90a": Hopper's kernels; "sm_80", "sm_89"...: the mma.sync ones),
 -- without a GPU if need be, into the disk cache (cache = false: compile
 -- even if there); returns how many it compiled. Fills the cache ahead of
 -- a run, or checks that a mod compiles.
 function M.compile_mods(mods, opts)
-  opts = check_mods_call("ft.cuda.compile_mods", mods, opts, { "dtype", "head_dim", "arch", "pass", "cache" })
+  opts = check_mods_call("ft.cuda.compile_mods", mods, opts,
+    { "dtype", "head_dim", "arch", "pass", "grads", "cache" })
   local d = opts.head_dim or 128
   if type(d) ~= "number" or d ~= math.floor(d) then
     error("ft.cuda.compile_mods: head_dim must be an integer", 2)
@@ -450,6 +453,10 @@ function M.compile_mods(mods, opts)
   if not passes then
     error(("ft.cuda.compile_mods: pass must be fwd, bwd or both, got %s"):format(tostring(opts.pass)), 2)
   end
+  if opts.grads ~= nil and type(opts.grads) ~= "boolean" then
+    error(("ft.cuda.compile_mods: grads must be a boolean, got %s"):format(type(opts.grads)), 2)
+  end
+  if passes >= 2 and opts.grads ~= false then passes = passes + 4 end
   return core.attention_mods_compile(mods.graph, mods.tensors, opts.dtype or "bf16", d,
     opts.arch or "sm_90a", passes, opts.cache ~= false)
 end

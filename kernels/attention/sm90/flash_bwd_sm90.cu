@@ -186,7 +186,7 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod 
             });
         });
     else if (UM::on) /* a Lua-written mask alone: no derivative */
-        mod_acc<N, false, fast_tanh<T>(), UM>(smod, s, row0, col0);
+        mod_acc<N, false, fast_tanh<T>(), UM, false>(smod, s, row0, col0);
 #pragma unroll
     for (int n = 0; n < N / 4; n++)
 #pragma unroll
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
                                            gmod[k * THREADS] = *reinterpret_cast<const uint32_t *>(&g2);
                                        });
         else if (UM::on) /* a Lua-written mask alone: no derivative */
-            mod_acc<BM / 2, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0);
+            mod_acc<BM / 2, true, fast_tanh<T>(), UM, false>(flash_score_mod(p, b, qs.ch), s, wkey0, i0);
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
             const int col = n * 8 + t4 * 2;
@@ -703,7 +703,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
         if (EXT)
             mod_acc<16, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32, dmod);
         else if (UM::on) /* a Lua-written mask alone: no derivative */
-            mod_acc<16, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32);
+            mod_acc<16, true, fast_tanh<T>(), UM, false>(flash_score_mod(p, b, qs.ch), s, wkey0, i0 + wg * 32);
         auto body = [&](auto drop) {
             const uint64_t bits =
                 decltype(drop)::value ? keep_bits<16, true>(p, b, qs.ch, wkey0, i0 + wg * 32) : 0;

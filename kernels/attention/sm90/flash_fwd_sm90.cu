@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
         if (EXT || UM::on) /* a Lua-written mod alone needs none of EXT's state */
-            mod_acc<BC / 2, false, fast_tanh<T>(), UM>(smod, s, wrow0, j0);
+            mod_acc<BC / 2, false, fast_tanh<T>(), UM, EXT>(smod, s, wrow0, j0);
         if (full.masks(j0, j0 + BC)) {
             const KeyRange k0 = flash_keys(p, wrow0 + g), k1 = flash_keys(p, wrow0 + g + 8);
 #pragma unroll
