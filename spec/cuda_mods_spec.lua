@@ -129,11 +129,11 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     end
   end)
 
-  gpu_it("block masks made on CUDA: the tiles counted on the GPU, and the same results with the kernels skipping the tiles outside the mask's band", function()
+  gpu_it("block masks made on CUDA: the tiles counted on the GPU, and the same results with the kernels skipping the tiles outside the mask's band (tiles of 64 x 64 and of 48 x 80)", function()
     local Nq = 200
     local doc64 = ft.tensor((function()
       local t = {}
-      for i = 1, Nq do t[i] = math.floor((i - 1) / 30) end
+      for i = 1, Nq do t[i] = math.floor((i - 1) / 90) end -- documents of 90: some full tiles
       return t
     end)(), { dtype = "i32" })
     local doc = doc64:cuda()
@@ -148,17 +148,20 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     local q, k, v, dout = randn { B, Nq, H, 64 }, randn { B, Nq, Hk, 64 }, randn { B, Nq, Hk, 64 },
         randn { B, Nq, H, 64 }
     local function g(t) return t:to("bf16"):cuda() end
-    for _, case in ipairs(cases) do
-      local mods = ft.attention_mods(case[2])
-      local bm = ft.block_mask(mods, B, H, Nq, Nq, { device = "cuda", block_q = 64, block_k = 64 })
-      local want = run(g(q), g(k), g(v), g(dout), case[3] or { mods = mods, mod_grads = false })
-      local got = run(g(q), g(k), g(v), g(dout), { mods = mods, block_mask = bm, mod_grads = false })
-      assert_close(case[1] .. " with its block mask", got, want, SAME.bf16)
-      -- the same counts as the cpu's block mask of the same mask
-      local cpu_mods = ft.attention_mods(case[1] == "document mask"
-        and { mask = function(b, hh, i, j) return ft.all(doc64[i]:eq(doc64[j]), j:le(i)) end } or case[2])
-      local cbm = ft.block_mask(cpu_mods, B, H, Nq, Nq, { block_q = 64, block_k = 64 })
-      assert.are.same({ cbm:counts() }, { bm:counts() }, case[1])
+    for _, tiles in ipairs { { 64, 64 }, { 48, 80 } } do
+      for _, case in ipairs(cases) do
+        local label = ("%s with its block mask of %d x %d tiles"):format(case[1], tiles[1], tiles[2])
+        local mods = ft.attention_mods(case[2])
+        local bm = ft.block_mask(mods, B, H, Nq, Nq, { device = "cuda", block_q = tiles[1], block_k = tiles[2] })
+        local want = run(g(q), g(k), g(v), g(dout), case[3] or { mods = mods, mod_grads = false })
+        local got = run(g(q), g(k), g(v), g(dout), { mods = mods, block_mask = bm, mod_grads = false })
+        assert_close(label, got, want, SAME.bf16)
+        -- the same counts as the cpu's block mask of the same mask
+        local cpu_mods = ft.attention_mods(case[1] == "document mask"
+          and { mask = function(b, hh, i, j) return ft.all(doc64[i]:eq(doc64[j]), j:le(i)) end } or case[2])
+        local cbm = ft.block_mask(cpu_mods, B, H, Nq, Nq, { block_q = tiles[1], block_k = tiles[2] })
+        assert.are.same({ cbm:counts() }, { bm:counts() }, label)
+      end
     end
     -- causal over 200 x 200 in 64 x 64 tiles: 6 hidden, 4 on the diagonal, 6 whole, per (b, h)
     local causal = ft.attention_mods(cases[1][2])
