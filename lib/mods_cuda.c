@@ -324,16 +324,19 @@ static void emit_deriv(strbuf *b, int k, int seed, const ft_mod_node *nodes,
     put(b, ";\n");
 }
 
-/* The nodes `need` marks, in order: their values (what & EMIT_VALUES)
- * and the float ones' derivatives in node seed (what & EMIT_DERIVS). */
+/* The nodes `need` marks, in order: their values (what & EMIT_VALUES;
+ * those ctx marks taken from the Ctx c that prepare made) and the float
+ * ones' derivatives in node seed (what & EMIT_DERIVS). */
 static void emit_nodes(strbuf *b, int n, const ft_mod_node *nodes, const int32_t *indices,
                        const unsigned char *ty, const unsigned char *need, const unsigned char *dep,
-                       int what, int seed, int fast)
+                       const unsigned char *ctx, int what, int seed, int fast)
 {
     for (int k = 0; k < n; k++) {
         if (!need[k])
             continue;
-        if (what & EMIT_VALUES)
+        if ((what & EMIT_VALUES) && ctx && ctx[k])
+            put(b, "        const %s v%d = c.v%d;\n", ty[k] == T_FLOAT ? "float" : "int", k, k);
+        else if (what & EMIT_VALUES)
             emit_value(b, k, nodes, indices, ty, fast);
         if ((what & EMIT_DERIVS) && ty[k] == T_FLOAT)
             emit_deriv(b, k, seed, nodes, ty, dep);
@@ -343,11 +346,42 @@ static void emit_nodes(strbuf *b, int n, const ft_mod_node *nodes, const int32_t
 /* The nodes root needs, in order (need is scratch). */
 static void emit_root(strbuf *b, int root, int n, const ft_mod_node *nodes,
                       const int32_t *indices, const unsigned char *ty, unsigned char *need,
-                      const unsigned char *dep, int what, int fast)
+                      const unsigned char *dep, const unsigned char *ctx, int what, int fast)
 {
     memset(need, 0, (size_t)n);
     mark_needed(root, nodes, indices, need);
-    emit_nodes(b, n, nodes, indices, ty, need, dep, what, -1, fast);
+    emit_nodes(b, n, nodes, indices, ty, need, dep, ctx, what, -1, fast);
+}
+
+/* Which nodes take the same value over a call's (b, h) tile: none of s,
+ * i, j reaches them (indices, constants, reads at such indices). */
+static void tile_invariant(int n, const ft_mod_node *nodes, const int32_t *indices,
+                           unsigned char *inv)
+{
+    for (int k = 0; k < n; k++) {
+        const ft_mod_node *x = &nodes[k];
+        int v = 1;
+        switch (x->op) {
+        case FT_MOD_S: case FT_MOD_I: case FT_MOD_J:
+            v = 0;
+            break;
+        case FT_MOD_B: case FT_MOD_H: case FT_MOD_CONST:
+            break;
+        case FT_MOD_READ:
+            for (int q = 0; q < x->c; q++)
+                v &= inv[indices[x->b + q]];
+            break;
+        default:
+            v = inv[x->a];
+            if (x->op != FT_MOD_NEG && x->op != FT_MOD_NOT &&
+                !(x->op >= FT_MOD_ABS && x->op <= FT_MOD_SIGMOID) && x->op != FT_MOD_FLOOR)
+                v &= inv[x->b];
+            if (x->op == FT_MOD_WHERE)
+                v &= inv[x->c];
+            break;
+        }
+        inv[k] = (unsigned char)v;
+    }
 }
 
 /* Whether read node k feeds the score with a gradient: a float tensor's
@@ -361,6 +395,19 @@ static int read_has_grad(int k, int score, int n, const ft_mod_node *nodes, cons
         return 0;
     depends_on(k, n, nodes, indices, dep);
     return dep[score];
+}
+
+/* The head of read node k's function ft_<what><k>(x0, ...) of return
+ * type ret: its tensor t and an offset off from 0. */
+static void read_head(strbuf *b, const ft_mod_node *x, const char *ret, const char *what, int k)
+{
+    put(b, "template <");
+    for (int d = 0; d < x->c; d++)
+        put(b, "%stypename I%d", d ? ", " : "", d);
+    put(b, ">\nstatic __device__ __forceinline__ %s ft_%s%d(", ret, what, k);
+    for (int d = 0; d < x->c; d++)
+        put(b, "%sI%d x%d", d ? ", " : "", d, d);
+    put(b, ")\n{\n    const FlashModTensor &t = ft_mod_args.t[%d];\n    long long off = 0;\n", x->a);
 }
 
 ft_status ft_attn_mods_cuda_check_tensors(const char *func, int arg, int ntensors,
@@ -416,12 +463,22 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     const int score = ft_attn_mods_root(m, 0), mask = ft_attn_mods_root(m, 1);
     unsigned char *ty = calloc((size_t)n, 1), *dep = calloc((size_t)n, 1);
     unsigned char *need = calloc((size_t)n, 1), *gdep = calloc((size_t)n, 1);
+    unsigned char *ctx = calloc((size_t)n, 1);
     strbuf b = {NULL, 0, 0, 0};
-    if (!ty || !dep || !need || !gdep)
+    if (!ty || !dep || !need || !gdep || !ctx)
         b.failed = 1;
     if (!b.failed) {
         node_types(n, nodes, tensors, ty);
         depends_on(-1, n, nodes, indices, dep);
+        /* the Ctx: the tile-invariant nodes the roots need but constants,
+         * worked out once a tile by prepare (a per-head slope: one read a
+         * tile, not one a score) */
+        tile_invariant(n, nodes, indices, gdep);
+        for (int r = 0; r < 2; r++)
+            if (ft_attn_mods_root(m, r) >= 0)
+                mark_needed(ft_attn_mods_root(m, r), nodes, indices, need);
+        for (int k = 0; k < n; k++)
+            ctx[k] = (unsigned char)(need[k] && gdep[k] && nodes[k].op != FT_MOD_CONST);
     }
     put(&b, "/* flashtile: a modification written in Lua (%d nodes) */\n", n);
     put(&b, "#define FT_RTC_MAX_TENSORS %d\n", FT_RTC_MAX_TENSORS);
@@ -448,26 +505,11 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
         const ft_mod_node *x = &nodes[k];
         if (x->op != FT_MOD_READ)
             continue;
-        put(&b, "template <");
-        for (int d = 0; d < x->c; d++)
-            put(&b, "%stypename I%d", d ? ", " : "", d);
-        put(&b, ">\nstatic __device__ __forceinline__ %s ft_read%d(",
-            ft_dtype_is_float(tensors[x->a]->dtype) ? "float" : "int", k);
-        for (int d = 0; d < x->c; d++)
-            put(&b, "%sI%d x%d", d ? ", " : "", d, d);
-        put(&b, ")\n{\n    const FlashModTensor &t = ft_mod_args.t[%d];\n    long long off = 0;\n",
-            x->a);
+        read_head(&b, x, ft_dtype_is_float(tensors[x->a]->dtype) ? "float" : "int", "read", k);
         for (int d = 0; d < x->c; d++)
             put(&b, "    off += ft_index(x%d, t.shape[%d]) * t.stride[%d];\n", d, d, d);
         put(&b, "    return %s;\n}\n", load_expr(tensors[x->a]->dtype));
-        put(&b, "template <"); /* and where its gradient goes */
-        for (int d = 0; d < x->c; d++)
-            put(&b, "%stypename I%d", d ? ", " : "", d);
-        put(&b, ">\nstatic __device__ __forceinline__ long long ft_lin%d(", k);
-        for (int d = 0; d < x->c; d++)
-            put(&b, "%sI%d x%d", d ? ", " : "", d, d);
-        put(&b, ")\n{\n    const FlashModTensor &t = ft_mod_args.t[%d];\n    long long off = 0;\n",
-            x->a);
+        read_head(&b, x, "long long", "lin", k); /* and where its gradient goes */
         for (int d = 0; d < x->c; d++)
             put(&b, "    off = off * t.shape[%d] + ft_index(x%d, t.shape[%d]);\n", d, d, d);
         put(&b, "    return off;\n}\n");
@@ -484,44 +526,62 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
             "    if (p)\n        atomicAdd(p, a);\n    p = q, a = g;\n}\n");
     put(&b, "struct FtUserMod {\n    static constexpr bool on = true, has_score = %s, has_grad = %s;\n",
         ft_attn_mods_cuda_has_score(m) ? "true" : "false", has_grad ? "true" : "false");
+    put(&b, "    struct Ctx {\n");
+    for (int k = 0; k < n && !b.failed; k++)
+        if (ctx[k])
+            put(&b, "        %s v%d;\n", ty[k] == T_FLOAT ? "float" : "int", k);
+    put(&b, "        int unused_;\n    };\n"
+            "    static __device__ __forceinline__ Ctx prepare(int b_, int h_)\n    {\n"
+            "        (void)b_, (void)h_;\n        Ctx c;\n        c.unused_ = 0;\n");
+    if (!b.failed) {
+        memset(need, 0, (size_t)n);
+        for (int k = 0; k < n; k++)
+            if (ctx[k])
+                mark_needed(k, nodes, indices, need);
+        emit_nodes(&b, n, nodes, indices, ty, need, dep, NULL, EMIT_VALUES, -1, fast);
+        for (int k = 0; k < n; k++)
+            if (ctx[k])
+                put(&b, "        c.v%d = v%d;\n", k, k);
+    }
+    put(&b, "        return c;\n    }\n");
     put(&b, "    struct GradState {\n        float *p[%d];\n        float a[%d];\n    };\n",
         nsites > 0 ? nsites : 1, nsites > 0 ? nsites : 1);
     put(&b, "    static __device__ __forceinline__ void grad_flush(GradState &st)\n    {\n"
             "        for (int k = 0; k < %d; k++)\n            if (st.p[k])\n"
             "                atomicAdd(st.p[k], st.a[k]);\n    }\n", nsites);
-    put(&b, "    static __device__ __forceinline__ float score(int b_, int h_, int i_, int j_, "
-            "float s, float *ds)\n    {\n");
+    put(&b, "    static __device__ __forceinline__ float score(const Ctx &c, int i_, int j_, "
+            "float s, float *ds)\n    {\n        (void)c, (void)i_, (void)j_;\n");
     if (score >= 0 && !b.failed) {
-        emit_root(&b, score, n, nodes, indices, ty, need, dep, EMIT_VALUES | EMIT_DERIVS, fast);
+        emit_root(&b, score, n, nodes, indices, ty, need, dep, ctx, EMIT_VALUES | EMIT_DERIVS,
+                  fast);
         if (ty[score] == T_FLOAT)
             put(&b, "        *ds = d%d;\n        return v%d;\n", score, score);
         else
             put(&b, "        *ds = 0.f;\n        return (float)v%d;\n", score);
     } else {
-        put(&b, "        (void)b_, (void)h_, (void)i_, (void)j_;\n        *ds = 1.f;\n"
-                "        return s;\n");
+        put(&b, "        *ds = 1.f;\n        return s;\n");
     }
-    put(&b, "    }\n    static __device__ __forceinline__ bool keep(int b_, int h_, int i_, int j_)\n"
-            "    {\n");
+    put(&b, "    }\n    static __device__ __forceinline__ bool keep(const Ctx &c, int i_, int j_)\n"
+            "    {\n        (void)c, (void)i_, (void)j_;\n");
     if (mask >= 0 && !b.failed) {
-        emit_root(&b, mask, n, nodes, indices, ty, need, dep, EMIT_VALUES, fast);
+        emit_root(&b, mask, n, nodes, indices, ty, need, dep, ctx, EMIT_VALUES, fast);
         put(&b, "        return v%d != 0;\n", mask);
     } else {
-        put(&b, "        (void)b_, (void)h_, (void)i_, (void)j_;\n        return true;\n");
+        put(&b, "        return true;\n");
     }
     /* grad(b, h, i, j, s, g): adds g d score / d(value read) into each
      * float tensor's gradient where a read of it took its value */
-    put(&b, "    }\n    static __device__ __forceinline__ void grad(int b_, int h_, int i_, int j_, "
-            "float s, float g, GradState &st)\n    {\n        (void)b_, (void)h_, (void)i_, (void)j_, "
+    put(&b, "    }\n    static __device__ __forceinline__ void grad(const Ctx &c, int i_, int j_, "
+            "float s, float g, GradState &st)\n    {\n        (void)c, (void)i_, (void)j_, "
             "(void)s, (void)g, (void)st;\n");
     if (has_grad && !b.failed) {
-        emit_root(&b, score, n, nodes, indices, ty, need, dep, EMIT_VALUES, fast);
+        emit_root(&b, score, n, nodes, indices, ty, need, dep, ctx, EMIT_VALUES, fast);
         for (int k = 0, site = 0; k < n && !b.failed; k++) {
             if (!read_has_grad(k, score, n, nodes, indices, tensors, ty, gdep))
                 continue;
             const ft_mod_node *x = &nodes[k];
             put(&b, "        {\n");
-            emit_nodes(&b, n, nodes, indices, ty, need, gdep, EMIT_DERIVS, k, fast);
+            emit_nodes(&b, n, nodes, indices, ty, need, gdep, ctx, EMIT_DERIVS, k, fast);
             put(&b, "        if (d%d != 0.f)\n            ft_grad_add(st.p[%d], st.a[%d], "
                     "ft_mod_args.t[%d].grad + ft_lin%d(", score, site, site, x->a, k);
             for (int d = 0; d < x->c; d++)
@@ -531,7 +591,7 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
         }
     }
     put(&b, "    }\n};\n");
-    free(ty), free(dep), free(need), free(gdep);
+    free(ty), free(dep), free(need), free(gdep), free(ctx);
     if (b.failed) {
         free(b.s);
         return NULL;

@@ -212,6 +212,7 @@ __device__ __forceinline__ void user_mod_grads(const ScoreMod &m, const float *u
                                                typename UM::GradState &gst)
 {
     const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
+    const typename UM::Ctx uc = UM::prepare(m.b, m.h);
     /* in the order 1, 0, 3, 2, 5, 4 ... of k (pairs), entry e of each pair
      * apart: then neighbours in the loop share i - j (k = 2 a - 2 and
      * 2 a + 1), and a table indexed by it (a relative bias) sums them
@@ -223,7 +224,7 @@ __device__ __forceinline__ void user_mod_grads(const ScoreMod &m, const float *u
         if (gsc[i] == 0.f)
             continue;
         const int kj = key0 + g + 8 * (k % 2), qi = q0 + 8 * (k / 2) + 2 * t4 + e;
-        UM::grad(m.b, m.h, qi, kj, um_in[i], gsc[i], gst);
+        UM::grad(uc, qi, kj, um_in[i], gsc[i], gst);
     }
 }
 

@@ -573,9 +573,11 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
         acc[i] *= drop_factor(p, bits, i);
 }
 
-/* A modification written in Lua, as rtc.cu generates it: score(b, h, i,
- * j, x, &dx) takes the scaled score x (after the built-in variants) and
- * gives the new one and its derivative in x; keep(b, h, i, j) the mask.
+/* A modification written in Lua, as rtc.cu generates it: prepare(b, h)
+ * works out once what a (batch, head) tile shares (reads at indices of b
+ * and h alone: a per-head slope) into a Ctx; score(ctx, i, j, x, &dx)
+ * takes the scaled score x (after the built-in variants) and gives the
+ * new one and its derivative in x; keep(ctx, i, j) the mask.
  * Indices are 0-based here (i, j within the sequence); has_score is
  * false for a mask alone (whose backward needs no derivative, so runs in
  * the plain instantiations). With has_grad, grad(b, h, i, j, x, g, st)
@@ -588,13 +590,15 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
 struct NoUserMod {
     static constexpr bool on = false, has_score = false, has_grad = false;
     struct GradState {};
-    static __device__ __forceinline__ float score(int, int, int, int, float x, float *dx)
+    struct Ctx {};
+    static __device__ __forceinline__ Ctx prepare(int, int) { return Ctx(); }
+    static __device__ __forceinline__ float score(const Ctx &, int, int, float x, float *dx)
     {
         *dx = 1.f;
         return x;
     }
-    static __device__ __forceinline__ bool keep(int, int, int, int) { return true; }
-    static __device__ __forceinline__ void grad(int, int, int, int, float, float, GradState &) {}
+    static __device__ __forceinline__ bool keep(const Ctx &, int, int) { return true; }
+    static __device__ __forceinline__ void grad(const Ctx &, int, int, float, float, GradState &) {}
     static __device__ __forceinline__ void grad_flush(GradState &) {}
 };
 
@@ -619,6 +623,7 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
     for (int r = 0; r < 2; r++)
         rpos[r] = KEY_ROWS ? (float)(row0 + g + 8 * r) : m.pos(row0 + g + 8 * r);
     const float cbase = KEY_ROWS ? m.pos(col0 + 2 * t4) : (float)(col0 + 2 * t4);
+    const typename UM::Ctx uc = UM::prepare(m.b, m.h);
     auto body = [&](auto kind) {
 #pragma unroll
         for (int k = 0; k < N / 2; k++) {
@@ -632,14 +637,14 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
                 if (UM::on) { /* then the Lua-written one, on the scaled score */
                     const int r = row0 + g + 8 * ((i / 2) % 2), c = col0 + 8 * (i / 4) + 2 * t4 + e;
                     const int qi = KEY_ROWS ? c : r, kj = KEY_ROWS ? r : c;
-                    if (!UM::keep(m.b, m.h, qi, kj)) {
+                    if (!UM::keep(uc, qi, kj)) {
                         acc[i] = -INFINITY;
                         d[e] = 0.f;
                     } else if (UM::has_score) {
                         float dx;
                         if (UM::has_grad && um_in) /* the dK/dV kernel's */
                             um_in[i] = acc[i] * m.scale;
-                        acc[i] = UM::score(m.b, m.h, qi, kj, acc[i] * m.scale, &dx) * m.inv_scale;
+                        acc[i] = UM::score(uc, qi, kj, acc[i] * m.scale, &dx) * m.inv_scale;
                         d[e] *= dx;
                     }
                 }

@@ -23,6 +23,7 @@ __global__ void ft_block_mask_kernel(int B, int H, int Nq, int Nk, int bq, int b
     const int shift = Nk - Nq, none = -2147483647 - 1;
     int left = none, right = none;
     if (i < Nq) {
+        const typename UM::Ctx uc = UM::prepare(b, h);
         int *row = cells + (((long long)b * H + h) * nqb + i / bq) * nkb;
         int cell = 0, next = bk, count = 0;
         for (int j = 0; j < Nk; j++) {
@@ -31,7 +32,7 @@ __global__ void ft_block_mask_kernel(int B, int H, int Nq, int Nk, int bq, int b
                     atomicAdd(row + cell, count);
                 cell++, next += bk, count = 0;
             }
-            if (UM::keep(b, h, i, j)) {
+            if (UM::keep(uc, i, j)) {
                 count++;
                 left = max(left, i + shift - j);
                 right = max(right, j - i - shift);
