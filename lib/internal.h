@@ -408,6 +408,11 @@ ft_status ft_attn_block_mask_check(const ft_attn_block_mask *bm, const ft_attn_m
  * i, bottom-right aligned, keeps keys within [i + shift - left, i + shift
  * + right]; both -1 when it keeps none); 0 for one made on the cpu. */
 int ft_attn_block_mask_band(const ft_attn_block_mask *bm, int64_t *left, int64_t *right);
+/* A block mask made on CUDA whose mask keeps every key from left before
+ * to right after each query's diagonal (INT32_MAX: to the end; keys past
+ * the ends count as kept): that inner band; 0 when there is none (some
+ * row drops its diagonal key) or the mask was made on the cpu. */
+int ft_attn_block_mask_inner(const ft_attn_block_mask *bm, int64_t *left, int64_t *right);
 int ft_attn_block_kind(const ft_attn_block_mask *bm, int64_t b, int64_t h, int64_t i0,
                        int64_t i1, int64_t j0, int64_t j1);
 

@@ -360,7 +360,9 @@ struct ft_attn_block_mask {
     int64_t B, H, Nq, Nk, bq, bk, nqb, nkb;
     unsigned char *kind; /* [B][H][nqb][nkb]: ft_block_kind */
     ft_device device;    /* where it was made, and where calls may take it */
-    int64_t band[2];     /* CUDA: the band of kept pairs (left, right; -1: none kept) */
+    int64_t band[4];     /* CUDA: the band of kept pairs (left, right; -1: none kept), and
+                          * the inner band where every pair is kept (left, right; -1:
+                          * none; INT32_MAX: unbounded) */
 };
 
 #ifdef FT_HAVE_CUDA
@@ -376,14 +378,20 @@ static ft_status block_mask_cuda(const char *func, const ft_attn_mods *mods,
                                  int64_t *band)
 {
     ft_tensor *c = NULL, *bd = NULL, *ch = NULL, *bh = NULL;
-    const int64_t nb = 2, ncell = cells > 0 ? cells : 1;
+    const int64_t nb = 4, ncell = cells > 0 ? cells : 1;
+    const ft_device cpu = {FT_CPU, 0};
     ft_status st = ft_empty_named(&c, 1, &ncell, FT_I32, dev, func);
     if (st == FT_OK)
-        st = ft_empty_named(&bd, 1, &nb, FT_I32, dev, func);
+        st = ft_empty_named(&bh, 1, &nb, FT_I32, cpu, func);
+    if (st == FT_OK) { /* the band from below, the inner band from above */
+        int32_t *b = (int32_t *)bh->data;
+        b[0] = b[1] = INT32_MIN, b[2] = b[3] = INT32_MAX;
+        st = ft_to(&bd, bh, FT_I32, dev);
+    }
+    ft_tensor_free(bh);
+    bh = NULL;
     if (st == FT_OK)
         st = ft_fill(c, 0);
-    if (st == FT_OK)
-        st = ft_fill(bd, (double)INT32_MIN);
     if (st == FT_OK)
         st = flash_rtc_block_mask(mods, tensors, dev.index, size, (int *)c->data, (int *)bd->data,
                                   func);
@@ -397,6 +405,8 @@ static ft_status block_mask_cuda(const char *func, const ft_attn_mods *mods,
         const int32_t *b = (const int32_t *)bh->data;
         band[0] = b[0] == INT32_MIN ? -1 : b[0] < 0 ? 0 : b[0];
         band[1] = b[0] == INT32_MIN ? -1 : b[1] < 0 ? 0 : b[1];
+        band[2] = b[2] < 0 || b[3] < 0 ? -1 : b[2]; /* INT32_MAX: unbounded */
+        band[3] = b[2] < 0 || b[3] < 0 ? -1 : b[3];
     }
     ft_tensor_free(c), ft_tensor_free(bd), ft_tensor_free(ch), ft_tensor_free(bh);
     return st;
@@ -470,7 +480,7 @@ ft_status ft_attn_block_mask_new_on(ft_attn_block_mask **out, const ft_attn_mods
     }
     bm->mods = mods, bm->B = B, bm->H = H, bm->Nq = Nq, bm->Nk = Nk;
     bm->bq = block_q, bm->bk = block_k, bm->nqb = nqb, bm->nkb = nkb;
-    bm->device = device, bm->band[0] = bm->band[1] = -1;
+    bm->device = device, bm->band[0] = bm->band[1] = bm->band[2] = bm->band[3] = -1;
     int fault = 0;
     if (device.type == FT_CUDA) {
 #ifdef FT_HAVE_CUDA
@@ -594,5 +604,13 @@ int ft_attn_block_mask_band(const ft_attn_block_mask *bm, int64_t *left, int64_t
     if (bm->device.type != FT_CUDA)
         return 0;
     *left = bm->band[0], *right = bm->band[1];
+    return 1;
+}
+
+int ft_attn_block_mask_inner(const ft_attn_block_mask *bm, int64_t *left, int64_t *right)
+{
+    if (bm->device.type != FT_CUDA || bm->band[2] < 0)
+        return 0;
+    *left = bm->band[2], *right = bm->band[3];
     return 1;
 }

@@ -66,6 +66,10 @@ struct FlashParams {
     float scale;      /* softmax scale */
     float scale_log2; /* scale * log2(e): exp(x * scale) = exp2(x * scale_log2) */
     int user_mod;     /* a modification written in Lua: the kernels compiled for it (rtc.cu) */
+    /* its mask keeps every key from um_left before to um_right after each
+     * query's diagonal (its block mask's inner band; um_left -1: unknown):
+     * the tiles inside skip the mask */
+    int um_left, um_right;
 };
 
 #ifndef __CUDACC_RTC__
@@ -396,6 +400,7 @@ struct ScoreMod {
     int shift;   /* Nk - Nq: query i sits at key position i + shift */
     float scale, inv_scale; /* for a modification written in Lua: its s is scaled */
     int b, h;
+    int um_left, um_right; /* FlashParams' */
     /* The query's position among the keys, as apply takes it. */
     __device__ __forceinline__ float pos(int qi) const { return (float)(qi + shift); }
     /* The modified score of the query at key position a (pos) against key
@@ -449,6 +454,7 @@ __device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b,
     m.scale = p.scale;
     m.inv_scale = 1.f / p.scale;
     m.b = b, m.h = h;
+    m.um_left = p.um_left, m.um_right = p.um_right;
     return m;
 }
 
@@ -624,7 +630,12 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
         rpos[r] = KEY_ROWS ? (float)(row0 + g + 8 * r) : m.pos(row0 + g + 8 * r);
     const float cbase = KEY_ROWS ? m.pos(col0 + 2 * t4) : (float)(col0 + 2 * t4);
     const typename UM::Ctx uc = UM::prepare(m.b, m.h);
-    auto body = [&](auto kind) {
+    /* the fragment inside the mask's inner band: no mask to evaluate */
+    const long long q0 = KEY_ROWS ? col0 : row0, q1 = q0 + (KEY_ROWS ? 2 * N : 16);
+    const long long k0 = KEY_ROWS ? row0 : col0, k1 = k0 + (KEY_ROWS ? 16 : 2 * N);
+    const bool inside = m.um_left >= 0 && k0 - (q1 - 1) - m.shift >= -(long long)m.um_left &&
+                        (k1 - 1) - q0 - m.shift <= (long long)m.um_right;
+    auto body = [&](auto kind, auto mask) {
 #pragma unroll
         for (int k = 0; k < N / 2; k++) {
             float d[2];
@@ -637,7 +648,7 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
                 if (UM::on) { /* then the Lua-written one, on the scaled score */
                     const int r = row0 + g + 8 * ((i / 2) % 2), c = col0 + 8 * (i / 4) + 2 * t4 + e;
                     const int qi = KEY_ROWS ? c : r, kj = KEY_ROWS ? r : c;
-                    if (!UM::keep(uc, qi, kj)) {
+                    if (decltype(mask)::value && !UM::keep(uc, qi, kj)) {
                         acc[i] = -INFINITY;
                         d[e] = 0.f;
                     } else if (UM::has_score) {
@@ -652,10 +663,16 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
             sink(k, d[0], d[1]);
         }
     };
+    auto run = [&](auto kind) {
+        if (UM::on && inside)
+            body(kind, Bool<false>());
+        else
+            body(kind, Bool<true>());
+    };
     if (BUILTIN)
-        with_mod_kind<FAST>(m, body);
+        with_mod_kind<FAST>(m, run);
     else
-        body(ModKind<false, false>());
+        run(ModKind<false, false>());
 }
 
 template <int N, bool KEY_ROWS = false, bool FAST = false, typename UM = NoUserMod,

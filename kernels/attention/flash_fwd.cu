@@ -317,6 +317,11 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
     }
     p.scale = (float)s->scale;
     p.scale_log2 = (float)(s->scale * 1.4426950408889634);
+    /* a Lua-written mask's inner band, from its block mask made on CUDA */
+    int64_t il, ir;
+    p.um_left = p.um_right = -1;
+    if (s->mods && s->block_mask && ft_attn_block_mask_inner(s->block_mask, &il, &ir))
+        p.um_left = (int)il, p.um_right = (int)ir; /* at most INT32_MAX */
     return p;
 }
 
