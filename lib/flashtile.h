@@ -392,7 +392,9 @@ FT_API ft_status ft_attn_block_mask_new(ft_attn_block_mask **out, const ft_attn_
                                         int64_t block_q, int64_t block_k);
 /* The same for calls on `device`: on CUDA the mask is evaluated on the GPU
  * (its tensors there too), and the flash kernels skip the tiles outside
- * the band that holds every pair it keeps, as they skip a window's. */
+ * the band that holds every pair it keeps, as they skip a window's, and
+ * leave the mask out of the tiles inside its inner band (where it keeps
+ * every pair). */
 FT_API ft_status ft_attn_block_mask_new_on(ft_attn_block_mask **out, const ft_attn_mods *mods,
                                            int ntensors, const ft_tensor *const *tensors,
                                            int64_t B, int64_t H, int64_t Nq, int64_t Nk,

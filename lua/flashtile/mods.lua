@@ -404,7 +404,8 @@ function BlockMask:counts() return core.attention_block_mask_counts(self.data) e
 -- where it hides nothing (the tiles must be the call's block_q, block_k).
 -- On CUDA (device "cuda", or the mods' tensors there) the mask is
 -- evaluated on the GPU, and the flash kernels skip the tiles outside the
--- band that holds every pair it keeps.
+-- band that holds every pair it keeps and leave the mask out of the tiles
+-- inside the band where it keeps every pair.
 --- The checks a function taking (mods, ..., opts) makes: mods made by
 -- ft.attention_mods, opts a table (or nil) of the listed keys. Returns
 -- opts (a new table for nil). Errors are raised at the caller's caller.
