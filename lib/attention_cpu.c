@@ -147,73 +147,134 @@ static int scratch_add(int64_t *n, int64_t a, int64_t b)
     return ft_mul_size(a, b, &p) != 0 || ft_add_size(*n, p, n) != 0;
 }
 
-/* x[c] = e^(x[c] - sub) along a row of scores (-inf gives 0): the
- * softmax's exponentials, the CPU path's largest cost after the tile
- * products. In f32 a polynomial the compiler vectorises (Cody-Waite
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FT_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FT_ROW_CLONES
+#endif
+
+/* The row work of the online softmax keeps FT_LANES running maxima and
+ * sums, each over every FT_LANES-th score, combined in a fixed order at
+ * the end: loops the compiler vectorises (a single running value is a
+ * chain of dependent instructions, a quarter of the d = 64 forward's
+ * time), and the same bits whatever the thread count. */
+#define FT_LANES 16
+
+/* The largest of m and x[0 .. n) (NaNs passed over). */
+FT_ROW_CLONES
+static float max_row_f32(const float *x, int64_t n, float m)
+{
+    float acc[FT_LANES];
+    for (int u = 0; u < FT_LANES; u++)
+        acc[u] = m;
+    int64_t c = 0;
+    for (; c + FT_LANES <= n; c += FT_LANES)
+        for (int u = 0; u < FT_LANES; u++)
+            acc[u] = x[c + u] > acc[u] ? x[c + u] : acc[u];
+    for (; c < n; c++)
+        m = x[c] > m ? x[c] : m;
+    for (int u = 0; u < FT_LANES; u++)
+        m = acc[u] > m ? acc[u] : m;
+    return m;
+}
+
+static double max_row_f64(const double *x, int64_t n, double m)
+{
+    for (int64_t c = 0; c < n; c++)
+        m = x[c] > m ? x[c] : m;
+    return m;
+}
+
+/* e^(v) for v = a score less the row's max (f32; see exp_row_f32). */
+static inline float exp_shifted_f32(float v)
+{
+    float t = v > -87.3f ? v : -87.3f; /* -inf, NaN and below: set at the end */
+    t = t < 88.7f ? t : 88.7f;
+    /* k = t log2(e) rounded to nearest (adding and taking away 1.5 2^23
+     * rounds in every SIMD width, with no rounding instruction) */
+    const float k = (t * 1.44269504f + 12582912.f) - 12582912.f;
+    const float r = (t - k * 0.693359375f) + k * 2.12194440e-4f; /* t - k ln 2 */
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union {
+        float f;
+        int32_t i;
+    } two = {.i = ((int32_t)k + 127) << 23}; /* 2^k, k in [-126, 128] */
+    return v < -87.3f ? 0.f : v != v ? v : p * two.f;
+}
+
+/* x[c] = e^(x[c] - sub) along a row of scores (-inf gives 0), and their
+ * sum: the softmax's exponentials, the CPU path's largest cost after the
+ * tile products. In f32 a polynomial the compiler vectorises (Cody-Waite
  * reduction to [-ln 2 / 2, ln 2 / 2], a degree-6 Taylor polynomial there,
  * the power of two put into the exponent bits; within a few ulp of expf,
  * 0 below e^-87.3, where a float has no normal value left, NaN kept),
  * compiled for
  * AVX-512 and AVX2 as well as the baseline, chosen at load time from the
- * CPU (x86-64 with GCC's target_clones; the baseline elsewhere). In f64
- * libm's exp, as before: the f64 path keeps its accuracy. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-static void exp_row_f32(float *x, int64_t n, float sub)
+ * CPU (x86-64 with GCC's target_clones; the baseline elsewhere), the sum
+ * in FT_LANES running sums. In f64 libm's exp and one running sum, as
+ * before: the f64 path keeps its accuracy. */
+FT_ROW_CLONES
+static float exp_row_f32(float *x, int64_t n, float sub)
 {
-    for (int64_t c = 0; c < n; c++) {
-        const float v = x[c] - sub;
-        float t = v > -87.3f ? v : -87.3f; /* -inf, NaN and below: set at the end */
-        t = t < 88.7f ? t : 88.7f;
-        /* k = t log2(e) rounded to nearest (adding and taking away
-         * 1.5 2^23 rounds in every SIMD width, with no rounding
-         * instruction) */
-        const float k = (t * 1.44269504f + 12582912.f) - 12582912.f;
-        const float r = (t - k * 0.693359375f) + k * 2.12194440e-4f; /* t - k ln 2 */
-        float p = 1.f / 720.f;
-        p = p * r + 1.f / 120.f;
-        p = p * r + 1.f / 24.f;
-        p = p * r + 1.f / 6.f;
-        p = p * r + 0.5f;
-        p = p * r + 1.f;
-        p = p * r + 1.f;
-        union {
-            float f;
-            int32_t i;
-        } two = {.i = ((int32_t)k + 127) << 23}; /* 2^k, k in [-126, 128] */
-        x[c] = v < -87.3f ? 0.f : v != v ? v : p * two.f;
+    float acc[FT_LANES] = {0};
+    int64_t c = 0;
+    for (; c + FT_LANES <= n; c += FT_LANES)
+        for (int u = 0; u < FT_LANES; u++) {
+            x[c + u] = exp_shifted_f32(x[c + u] - sub);
+            acc[u] += x[c + u];
+        }
+    float sum = 0;
+    for (; c < n; c++) {
+        x[c] = exp_shifted_f32(x[c] - sub);
+        sum += x[c];
     }
+    for (int u = 0; u < FT_LANES; u++)
+        sum += acc[u];
+    return sum;
 }
 
-static void exp_row_f64(double *x, int64_t n, double sub)
+static double exp_row_f64(double *x, int64_t n, double sub)
 {
-    for (int64_t c = 0; c < n; c++)
+    double sum = 0;
+    for (int64_t c = 0; c < n; c++) {
         x[c] = exp(x[c] - sub);
+        sum += x[c];
+    }
+    return sum;
 }
 
 #define ACC float
 #define SFX _f32
 #define ACC_EXP expf
 #define ACC_EXP_ROW exp_row_f32
+#define ACC_MAX_ROW max_row_f32
 #define ACC_GEMM cblas_sgemm
 #include "attention_cpu_impl.h"
 #undef ACC
 #undef SFX
 #undef ACC_EXP
 #undef ACC_EXP_ROW
+#undef ACC_MAX_ROW
 #undef ACC_GEMM
 
 #define ACC double
 #define SFX _f64
 #define ACC_EXP exp
 #define ACC_EXP_ROW exp_row_f64
+#define ACC_MAX_ROW max_row_f64
 #define ACC_GEMM cblas_dgemm
 #include "attention_cpu_impl.h"
 #undef ACC
 #undef SFX
 #undef ACC_EXP
 #undef ACC_EXP_ROW
+#undef ACC_MAX_ROW
 
 /* OpenBLAS's own threads inside flashtile's OpenMP team oversubscribe the
  * cores (the d = 128 backward ran 5 times slower on two cores): while an

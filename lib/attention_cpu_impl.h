@@ -380,21 +380,18 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
          * (dropped, with dropout), then O += P V as one product */
         for (int64_t r = 0; r < nr; r++) {
             ACC *srow = S + r * nc;
-            ACC m_new = m[r];
-            for (int64_t c = 0; c < nc; c++)
-                m_new = srow[c] > m_new ? srow[c] : m_new;
+            const ACC m_new = ACC_MAX_ROW(srow, nc, m[r]);
             if (m_new == (ACC)-INFINITY) { /* nothing visible yet: P = 0 */
                 memset(srow, 0, (size_t)nc * sizeof *srow);
                 continue;
             }
             /* exp(-inf) = 0 drops the empty state of a first visible block. */
             const ACC alpha = ACC_EXP(m[r] - m_new);
-            ACC *o = O + r * d, sum = 0;
+            ACC *o = O + r * d;
             for (int64_t j = 0; j < d; j++)
                 o[j] *= alpha;
-            ACC_EXP_ROW(srow, nc, m_new);
-            for (int64_t c = 0; c < nc; c++)
-                sum += srow[c]; /* the softmax's sum is of the undropped P */
+            /* the softmax's sum is of the undropped P */
+            const ACC sum = ACC_EXP_ROW(srow, nc, m_new);
             if (s->mod.dropout)
                 for (int64_t c = 0; c < nc; c++)
                     srow[c] *= (ACC)keep_scale(s, b, h, i0 + r, j0 + c);

@@ -533,7 +533,7 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     put(&b, "        int unused_;\n    };\n"
             "    static __device__ __forceinline__ Ctx prepare(int b_, int h_)\n    {\n"
             "        (void)b_, (void)h_;\n        Ctx c;\n        c.unused_ = 0;\n");
-    if (!b.failed) {
+    if (!b.failed && n > 0) {
         memset(need, 0, (size_t)n);
         for (int k = 0; k < n; k++)
             if (ctx[k])
