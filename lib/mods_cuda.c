@@ -463,9 +463,9 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     const int score = ft_attn_mods_root(m, 0), mask = ft_attn_mods_root(m, 1);
     unsigned char *ty = calloc((size_t)n, 1), *dep = calloc((size_t)n, 1);
     unsigned char *need = calloc((size_t)n, 1), *gdep = calloc((size_t)n, 1);
-    unsigned char *ctx = calloc((size_t)n, 1);
+    unsigned char *ctx = calloc((size_t)n, 1), *gread = calloc((size_t)n, 1);
     strbuf b = {NULL, 0, 0, 0};
-    if (!ty || !dep || !need || !gdep || !ctx)
+    if (!ty || !dep || !need || !gdep || !ctx || !gread)
         b.failed = 1;
     if (!b.failed) {
         node_types(n, nodes, tensors, ty);
@@ -514,12 +514,11 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
             put(&b, "    off = off * t.shape[%d] + ft_index(x%d, t.shape[%d]);\n", d, d, d);
         put(&b, "    return off;\n}\n");
     }
-    int has_grad = 0;
+    int nsites = 0; /* the reads with a gradient (gread): a running sum each */
     for (int k = 0; grads && k < n && !b.failed; k++)
-        has_grad |= read_has_grad(k, score, n, nodes, indices, tensors, ty, gdep);
-    int nsites = 0; /* the reads with a gradient: a running sum each */
-    for (int k = 0; has_grad && k < n && !b.failed; k++)
-        nsites += read_has_grad(k, score, n, nodes, indices, tensors, ty, gdep);
+        nsites += gread[k] =
+            (unsigned char)read_has_grad(k, score, n, nodes, indices, tensors, ty, gdep);
+    const int has_grad = nsites > 0;
     put(&b, "/* g into *p's running sum a, which goes to memory when p moves on */\n"
             "static __device__ __forceinline__ void ft_grad_add(float *&p, float &a, float *q, "
             "float g)\n{\n    if (p == q) {\n        a += g;\n        return;\n    }\n"
@@ -577,8 +576,9 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     if (has_grad && !b.failed) {
         emit_root(&b, score, n, nodes, indices, ty, need, dep, ctx, EMIT_VALUES, fast);
         for (int k = 0, site = 0; k < n && !b.failed; k++) {
-            if (!read_has_grad(k, score, n, nodes, indices, tensors, ty, gdep))
+            if (!gread[k])
                 continue;
+            depends_on(k, n, nodes, indices, gdep); /* the derivatives in read k */
             const ft_mod_node *x = &nodes[k];
             put(&b, "        {\n");
             emit_nodes(&b, n, nodes, indices, ty, need, gdep, ctx, EMIT_DERIVS, k, fast);
@@ -591,7 +591,7 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
         }
     }
     put(&b, "    }\n};\n");
-    free(ty), free(dep), free(need), free(gdep), free(ctx);
+    free(ty), free(dep), free(need), free(gdep), free(ctx), free(gread);
     if (b.failed) {
         free(b.s);
         return NULL;
