@@ -22,7 +22,7 @@
 #define DEFAULT_BLOCK_Q 128 /* 128 x 128 tiles: their CBLAS products ran 30% faster */
 #define DEFAULT_BLOCK_K 128 /* than 64 x 64 on two cores (d = 64, f32) */
 
-static const char *const impl_names[] = {"auto", "naive", "tiled", "flash"};
+static const char *const impl_names[] = {"auto", "naive", "tiled", "flash", "cudnn"};
 
 void ft_attn_params_init(ft_attn_params *p)
 {
@@ -34,20 +34,20 @@ void ft_attn_params_init(ft_attn_params *p)
 
 const char *ft_attn_impl_name(ft_attn_impl impl)
 {
-    return impl >= FT_ATTN_AUTO && impl <= FT_ATTN_FLASH ? impl_names[impl] : "invalid";
+    return impl >= FT_ATTN_AUTO && impl <= FT_ATTN_CUDNN ? impl_names[impl] : "invalid";
 }
 
 ft_status ft_attn_impl_parse(const char *name, ft_attn_impl *out)
 {
     if (!out)
         return ft_fail(FT_ERR_ARGUMENT, "ft_attn_impl_parse", 0, "result pointer is NULL");
-    for (int i = 0; name && i <= FT_ATTN_FLASH; i++)
+    for (int i = 0; name && i <= FT_ATTN_CUDNN; i++)
         if (strcmp(name, impl_names[i]) == 0) {
             *out = (ft_attn_impl)i;
             return FT_OK;
         }
     return ft_fail(FT_ERR_ARGUMENT, "ft_attn_impl_parse", 1,
-                   "unknown impl '%s' (expected auto, naive, tiled or flash)",
+                   "unknown impl '%s' (expected auto, naive, tiled, flash or cudnn)",
                    name ? name : "(null)");
 }
 
@@ -319,6 +319,50 @@ static ft_status check_varlen(const char *func, int aq, int ap, const ft_tensor 
     return FT_OK;
 }
 
+/* impl "cudnn" (attention_cudnn.c): cuDNN's fused attention on CUDA, f16
+ * or bf16, causal or not, with a scale, GQA/MQA. Every other option is
+ * refused here rather than ignored there. */
+static ft_status check_cudnn(const char *func, int aq, int ap, const ft_tensor *q,
+                             const ft_attn_params *p, const ft_attn_shape *s)
+{
+    const int built = ft_cudnn_version() != 0;
+    if (q->device.type != FT_CUDA)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "impl 'cudnn' runs on CUDA tensors; these are on the cpu (use 'tiled' "
+                       "or 'naive')%s", built ? "" : ", and flashtile was built without cuDNN");
+    if (!built)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "impl 'cudnn': flashtile was built without cuDNN (use 'flash')");
+    if (q->dtype != FT_F16 && q->dtype != FT_BF16)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
+                       "impl 'cudnn' takes f16 or bf16 tensors (cuDNN's fused attention), got %s",
+                       ft_dtype_name(q->dtype));
+    if (s->d % FT_CUDNN_HEAD_DIM_STEP != 0 || s->d > FT_CUDNN_MAX_HEAD_DIM)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, aq,
+                       "impl 'cudnn' takes head_dim a multiple of %d up to %d (cuDNN's fused "
+                       "attention), got %lld", FT_CUDNN_HEAD_DIM_STEP, FT_CUDNN_MAX_HEAD_DIM,
+                       (long long)s->d);
+    const char *opt = NULL;
+    if (p->cu_seqlens_q || p->cu_seqlens_k)
+        opt = "cu_seqlens (variable lengths)";
+    else if (p->window_left != -1 || (p->window_right != -1 && !(s->causal && p->window_right == 0)))
+        opt = "a sliding window (window_left, window_right)";
+    else if (p->softcap != 0)
+        opt = "softcap";
+    else if (p->alibi_slopes)
+        opt = "alibi_slopes";
+    else if (p->sink)
+        opt = "sink";
+    else if (p->dropout_p != 0)
+        opt = "dropout_p";
+    else if (p->mods || p->block_mask)
+        opt = p->mods ? "mods" : "block_mask";
+    if (opt)
+        return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
+                       "impl 'cudnn' takes causal and scale, not %s (impl 'flash' does)", opt);
+    return FT_OK;
+}
+
 /* Checks q, k, v (inputs at positions aq, aq+1, aq+2) and the options
  * (position ap), and fills s. A varlen call leaves host arrays in s that
  * shape_free releases, also after a failure. */
@@ -389,7 +433,7 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
                        (long long)s->B, (long long)s->H, (long long)s->Nq,
                        (long long)s->Nk);
 
-    if (p->impl < FT_ATTN_AUTO || p->impl > FT_ATTN_FLASH)
+    if (p->impl < FT_ATTN_AUTO || p->impl > FT_ATTN_CUDNN)
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "invalid impl %d", (int)p->impl);
     const int cuda = q->device.type == FT_CUDA;
     if (p->impl == FT_ATTN_FLASH && !cuda)
@@ -419,7 +463,8 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
     s->block_q = p->block_q ? p->block_q : DEFAULT_BLOCK_Q;
     s->block_k = p->block_k ? p->block_k : DEFAULT_BLOCK_K;
 
-    return check_variant(func, ap, q, p, s);
+    FT_TRY(check_variant(func, ap, q, p, s));
+    return p->impl == FT_ATTN_CUDNN ? check_cudnn(func, aq, ap, q, p, s) : FT_OK;
 }
 
 #ifdef FT_HAVE_CUDA
@@ -471,6 +516,8 @@ static ft_status run_forward(ft_attn_impl impl, const ft_attn_shape *s,
                              ft_tensor *out, ft_tensor *lse)
 {
 #ifdef FT_HAVE_CUDA
+    if (q->device.type == FT_CUDA && impl == FT_ATTN_CUDNN)
+        return ft_attention_forward_cudnn(s, q, k, v, out, lse);
     if (q->device.type == FT_CUDA)
         return use_naive_cuda(impl, s) ? ft_attention_forward_naive_cuda(s, q, k, v, out, lse)
                                        : forward_flash_cuda(s, q, k, v, out, lse);
@@ -520,6 +567,8 @@ static ft_status run_backward(ft_attn_impl impl, const ft_attn_shape *s,
                               ft_tensor *dq, ft_tensor *dk, ft_tensor *dv)
 {
 #ifdef FT_HAVE_CUDA
+    if (q->device.type == FT_CUDA && impl == FT_ATTN_CUDNN)
+        return ft_attention_backward_cudnn(s, dout, q, k, v, out, lse, dq, dk, dv);
     if (q->device.type == FT_CUDA)
         return use_naive_cuda(impl, s)
                    ? ft_attention_backward_naive_cuda(s, dout, q, k, v, out, lse, dq, dk, dv)
@@ -809,6 +858,10 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     s.mod_fault = &fault;
     if (st == FT_OK)
         st = check_backward_inputs(func, &s, dout, q, out, lse);
+    if (st == FT_OK && p->impl == FT_ATTN_CUDNN && p->deterministic)
+        st = ft_fail(FT_ERR_UNSUPPORTED, func, 7,
+                     "deterministic: cuDNN's backward (impl 'cudnn') sums dQ with atomics, "
+                     "not bitwise reproducibly; use impl 'flash'");
     ft_tensor *g[3] = {NULL, NULL, NULL}, *ds = NULL;
     const ft_tensor *like[3] = {q, k, v};
     /* the mods' float tensors' gradients: on CUDA f32 sums on the device

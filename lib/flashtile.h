@@ -305,7 +305,11 @@ typedef enum ft_attn_impl {
     FT_ATTN_AUTO = 0,  /* the best for the device: tiled on cpu */
     FT_ATTN_NAIVE = 1, /* materialises S and P: O(N^2) memory */
     FT_ATTN_TILED = 2, /* FlashAttention's algorithm on the cpu: O(N) memory */
-    FT_ATTN_FLASH = 3  /* the CUDA kernels (a CUDA build) */
+    FT_ATTN_FLASH = 3, /* the CUDA kernels (a CUDA build) */
+    FT_ATTN_CUDNN = 4  /* cuDNN's fused attention (a CUDA build with cuDNN):
+                        * f16/bf16, causal or not, GQA/MQA, head_dim a
+                        * multiple of 8 up to 256, the scale; no other
+                        * variant, no varlen, not deterministic backward */
 } ft_attn_impl;
 
 /* Attention modifications (Lua: ft.attention_mods): a score function
@@ -449,7 +453,7 @@ typedef struct ft_attn_params {
 
 FT_API void ft_attn_params_init(ft_attn_params *p);
 FT_API const char *ft_attn_impl_name(ft_attn_impl impl);
-/* "auto", "naive", "tiled", "flash"; FT_ERR_ARGUMENT for others. */
+/* "auto", "naive", "tiled", "flash", "cudnn"; FT_ERR_ARGUMENT for others. */
 FT_API ft_status ft_attn_impl_parse(const char *name, ft_attn_impl *out);
 
 /* The threads the CPU attention may use: at most n from now on (n <= 0:
@@ -549,6 +553,9 @@ FT_API void ft_safetensors_free(ft_safetensors *st);
 
 /* 1 if this build has the CUDA backend (whether or not a GPU is present). */
 FT_API int ft_cuda_built(void);
+/* The version of the cuDNN library impl "cudnn" runs on, as cuDNN numbers
+ * it (91400 for 9.14.0); 0 when this build has no cuDNN. Needs no GPU. */
+FT_API int ft_cudnn_version(void);
 /* Number of usable CUDA devices; 0 when none (or no driver). */
 FT_API int ft_cuda_device_count(void);
 /* Writes the device's name (e.g. "NVIDIA H200") into buf. */

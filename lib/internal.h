@@ -434,6 +434,21 @@ ft_status ft_attention_backward_cpu(ft_attn_impl impl, const ft_attn_shape *s,
                                     ft_tensor *dq, ft_tensor *dk,
                                     ft_tensor *dv);
 
+/* impl "cudnn" (attention_cudnn.c): cuDNN's fused attention on CUDA, for
+ * calls attention.c has checked (check_cudnn: f16 or bf16, head_dim a
+ * multiple of FT_CUDNN_HEAD_DIM_STEP up to FT_CUDNN_MAX_HEAD_DIM, no
+ * variant but causal, fixed lengths); out, lse and the gradients are
+ * allocated and contiguous. In a build without cuDNN they fail saying so. */
+#define FT_CUDNN_HEAD_DIM_STEP 8
+#define FT_CUDNN_MAX_HEAD_DIM 256
+ft_status ft_attention_forward_cudnn(const ft_attn_shape *s, const ft_tensor *q,
+                                     const ft_tensor *k, const ft_tensor *v, ft_tensor *out,
+                                     ft_tensor *lse);
+ft_status ft_attention_backward_cudnn(const ft_attn_shape *s, const ft_tensor *dout,
+                                      const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
+                                      const ft_tensor *out, const ft_tensor *lse, ft_tensor *dq,
+                                      ft_tensor *dk, ft_tensor *dv);
+
 /* File helpers shared by the .npy and .safetensors readers (npy.c). */
 int ft_host_is_little_endian(void);
 /* Reverses the bytes of each of n elements of esize bytes at data. */

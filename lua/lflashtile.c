@@ -2213,6 +2213,18 @@ static int cuda_is_built(lua_State *L)
     return 1;
 }
 
+/* ft.cuda.cudnn_version(): the cuDNN impl "cudnn" runs on (91400 for
+ * 9.14.0), or nil in a build without cuDNN. */
+static int cuda_cudnn_version(lua_State *L)
+{
+    int v = ft_cudnn_version();
+    if (v > 0)
+        lua_pushinteger(L, v);
+    else
+        lua_pushnil(L);
+    return 1;
+}
+
 /* ft.cuda.mods_stats(): what the run-time compiler did for mods on CUDA
  * since the process started: {compiles, disk_loads, memory_hits,
  * compile_s, load_s, last_compile_s, last_load_s}. */
@@ -2343,7 +2355,8 @@ static const luaL_Reg cuda_functions[] = {
     {"is_available", cuda_is_available}, {"is_built", cuda_is_built},
     {"device_count", cuda_device_count}, {"device_name", cuda_device_name},
     {"synchronize", cuda_synchronize},   {"Event", cuda_event_new},
-    {"mods_stats", cuda_mods_stats},     {NULL, NULL}};
+    {"mods_stats", cuda_mods_stats},     {"cudnn_version", cuda_cudnn_version},
+    {NULL, NULL}};
 
 /* ---- lifetime ---- */
 

@@ -673,7 +673,7 @@ describe("attention (cpu)", function()
         end, { "bad argument #1", "head_dim 257 is not supported (1 to 256)" } },
       { "unknown impl name", function()
           return A(q4, k4, v4, { impl = "fast" })
-        end, { "bad argument #4", "option 'impl': unknown impl 'fast' (expected auto, naive, tiled or flash)" } },
+        end, { "bad argument #4", "option 'impl': unknown impl 'fast' (expected auto, naive, tiled, flash or cudnn)" } },
       { "impl 'flash' on cpu tensors", function()
           return A(q4, k4, v4, { impl = "flash" })
         end, { "bad argument #4", "impl 'flash' runs on CUDA tensors; these are on the cpu (use 'tiled' or 'naive')" } },
