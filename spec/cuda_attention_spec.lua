@@ -16,14 +16,10 @@ local FLOOR = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }
 local function err(x, ref) return ft.max_abs_diff(x:cpu():double(), ref) end
 
 --- Runs forward and backward with impl on the GPU in dtype, from the f64
--- CPU inputs; returns out, lse, dq, dk, dv on the CPU in f64.
+-- CPU inputs: {out, lse, dq, dk, dv} on the GPU.
 local function run_gpu(impl, dtype, q, k, v, dout, opts)
-  local o = { impl = impl, causal = opts.causal, window_left = opts.window_left,
-              window_right = opts.window_right }
-  local qg, kg, vg = q:to(dtype):cuda(), k:to(dtype):cuda(), v:to(dtype):cuda()
-  local out, lse = ft.attention(qg, kg, vg, o)
-  local dq, dk, dv = ft.attention_backward(dout:to(dtype):cuda(), qg, kg, vg, out, lse, o)
-  return out, lse, dq, dk, dv
+  local o = { causal = opts.causal, window_left = opts.window_left, window_right = opts.window_right }
+  return h.attention_on_gpu(impl, dtype, q, k, v, dout, o)
 end
 
 local function reference(q, k, v, dout, opts)
@@ -34,13 +30,7 @@ local function reference(q, k, v, dout, opts)
   return { out = out, dq = dq, dk = dk, dv = dv }, lse
 end
 
-local function inputs(B, Nq, Nk, H, Hk, d)
-  local q = ft.randn({ B, Nq, H, d }, { dtype = "f64", seed = h.next_seed() })
-  local k = ft.randn({ B, Nk, Hk, d }, { dtype = "f64", seed = h.next_seed() })
-  local v = ft.randn({ B, Nk, Hk, d }, { dtype = "f64", seed = h.next_seed() })
-  local dout = ft.randn({ B, Nq, H, d }, { dtype = "f64", seed = h.next_seed() })
-  return q, k, v, dout
-end
+local inputs = h.attention_inputs
 
 --- causal: a boolean, or the options table (causal, window_left, window_right).
 local function check_against_naive(dtype, B, Nq, Nk, H, Hk, d, causal)
@@ -51,8 +41,8 @@ local function check_against_naive(dtype, B, Nq, Nk, H, Hk, d, causal)
       tostring(opts.window_right))
   end
   local ref, ref_lse = reference(q, k, v, dout, opts)
-  local f = h.pack(run_gpu("flash", dtype, q, k, v, dout, opts))
-  local n = h.pack(run_gpu("naive", dtype, q, k, v, dout, opts))
+  local f = run_gpu("flash", dtype, q, k, v, dout, opts)
+  local n = run_gpu("naive", dtype, q, k, v, dout, opts)
   local names = { "out", "lse", "dq", "dk", "dv" }
   local where = ("%s B=%d Nq=%d Nk=%d H=%d Hk=%d d=%d causal=%s"):format(
     dtype, B, Nq, Nk, H, Hk, d, tostring(causal))

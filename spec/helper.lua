@@ -548,6 +548,23 @@ function h.merge(t, extra)
   return r
 end
 
+--- Fresh random q [B, Nq, H, d], k and v [B, Nk, Hk, d], dout [B, Nq, H, d]
+-- in dtype (default f64).
+function h.attention_inputs(B, Nq, Nk, H, Hk, d, dtype)
+  local function r(shape) return h.ft.randn(shape, { dtype = dtype or "f64", seed = h.next_seed() }) end
+  return r { B, Nq, H, d }, r { B, Nk, Hk, d }, r { B, Nk, Hk, d }, r { B, Nq, H, d }
+end
+
+--- Forward and backward with opts and impl on the GPU in dtype, from
+-- inputs anywhere: {out, lse, dq, dk, dv} on the GPU.
+function h.attention_on_gpu(impl, dtype, q, k, v, dout, opts)
+  local o = h.merge(opts, { impl = impl })
+  local qg, kg, vg = q:to(dtype):cuda(), k:to(dtype):cuda(), v:to(dtype):cuda()
+  local out, lse = h.ft.attention(qg, kg, vg, o)
+  local dq, dk, dv = h.ft.attention_backward(dout:to(dtype):cuda(), qg, kg, vg, out, lse, o)
+  return { out, lse, dq, dk, dv }
+end
+
 --- Forward then backward of sum(out * dout) with opts: {out, lse, dq, dk,
 -- dv, dsink (with a sink)}.
 function h.attention_both(q, k, v, dout, opts)

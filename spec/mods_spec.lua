@@ -11,10 +11,7 @@ local IMPLS = { "naive", "tiled" }
 
 local copy = h.merge
 
-local function inputs(B, Nq, Nk, H, Hk, d, dtype)
-  local function r(shape) return ft.randn(shape, { dtype = dtype or "f64", seed = h.next_seed() }) end
-  return r { B, Nq, H, d }, r { B, Nk, Hk, d }, r { B, Nk, Hk, d }, r { B, Nq, H, d }
-end
+local inputs = h.attention_inputs
 
 local run = h.attention_both
 
