@@ -13,7 +13,10 @@ time), then times it (median of --reps runs after --warmup runs; CUDA
 events on the GPU, the wall clock on the CPU) and prints a table:
 milliseconds, TFLOP/s (FlashAttention's FLOP count), peak extra memory,
 and the ratio to the rows of a reference file for the same configuration.
-It writes a CSV and an SVG plot of TFLOP/s against seqlen.
+With two or more implementations it also gives each row's speed against
+the last one listed, timed in the same run (--impl flash,cudnn: the flash
+kernels against cuDNN's fused attention, flash/cudnn). It writes a CSV
+and an SVG plot of TFLOP/s against seqlen.
 
 The benchmark is made for a CUDA GPU. Without one (no GPU, or flashtile
 built without CUDA) it stops at once with one line and exit status 1,
@@ -22,8 +25,10 @@ unless --device cpu is given: then it times the CPU implementations
 
 Options (LIST: comma-separated values, e.g. --hdim 64,128):
   --device DEVICE    cuda, cuda:N or cpu (default cuda)
-  --impl LIST        flash, naive on cuda; tiled, naive on cpu
-                     (default flash | tiled,naive)
+  --impl LIST        flash, naive, cudnn (cuDNN's fused attention, in a
+                     build with cuDNN) on cuda; tiled, naive on cpu
+                     (default flash | tiled,naive); rows are also put
+                     against the last one of the list, in this run
   --dtype LIST       f16, bf16, f32 (default f16,bf16 | f32)
   --hdim LIST        head dims (default 64,128 | 64)
   --seqlen LIST      sequence lengths (default 1024,4096,16384 | 256,1024)
@@ -54,6 +59,7 @@ the table) or no GPU is there for a GPU run, 2 for a bad option.
 
 Examples:
   lua scripts/bench.lua --dtype f16,bf16 --hdim 64,128 --reference bench/sdpa-h200.csv
+  lua scripts/bench.lua --impl flash,cudnn --hdim 64,128
   lua scripts/bench.lua --device cpu --seqlen 128,256,512
 ]]
 
@@ -156,9 +162,9 @@ local function bool(x)
   if x == "true" then return true elseif x == "false" then return false end
 end
 
-local impls = list("impl", on_gpu and "an implementation on cuda (flash, naive; tiled needs --device cpu)"
-  or "an implementation on the cpu (tiled, naive; flash needs a CUDA GPU)",
-  on_gpu and one_of("flash", "naive") or one_of("tiled", "naive"))
+local impls = list("impl", on_gpu and "an implementation on cuda (flash, naive, cudnn; tiled needs --device cpu)"
+  or "an implementation on the cpu (tiled, naive; flash and cudnn need a CUDA GPU)",
+  on_gpu and one_of("flash", "naive", "cudnn") or one_of("tiled", "naive"))
 local dtypes = list("dtype", "a dtype (f16, bf16, f32)", one_of("f16", "bf16", "f32"))
 local hdims = list("hdim", "a positive integer", positive_int)
 local seqlens = list("seqlen", "a positive integer", positive_int)
@@ -577,6 +583,22 @@ end
 for _, r in ipairs(rows) do
   if r.tflops and gemm_rate[r.dtype] then r.of_gemm = r.tflops / gemm_rate[r.dtype] end
 end
+-- With two or more implementations, each row against the last one listed
+-- in the same configuration, from this run (--impl flash,cudnn: flash/cudnn).
+local base_impl = #impls >= 2 and impls[#impls] or nil
+if base_impl then
+  local function config(r)
+    return table.concat({ r.variant, r.dtype, r.d, r.N, tostring(r.causal), r.pass }, "/")
+  end
+  local base = {}
+  for _, r in ipairs(rows) do
+    if r.impl == base_impl and r.tflops then base[config(r)] = r.tflops end
+  end
+  for _, r in ipairs(rows) do
+    local b = base[config(r)]
+    if r.tflops and b and b > 0 then r.ratio_run = r.tflops / b end
+  end
+end
 -- mods written in Lua on CUDA: what their run-time compiles took
 local st = on_gpu and ft.cuda.mods_stats()
 if st and st.compiles + st.disk_loads > 0 then
@@ -589,35 +611,49 @@ print(("\n%s, %s, %s"):format(device_name, os.date("!%Y-%m-%d"),
 for dtype, rate in pairs(gemm_rate) do
   print(("ft.matmul at n = 2048 in %s, the same run: %s TFLOP/s"):format(dtype, fmt_tflops(rate, 1)))
 end
-print("| variant | impl | dtype | B | H | N | d | causal | pass | ms | TFLOP/s | peak MiB | vs flash | vs cudnn | of gemm |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+-- the column of this run's ratio, with two or more implementations
+local run_head = base_impl and (" vs %s here |"):format(base_impl) or ""
+local run_rule = base_impl and " --- |" or ""
+local function run_cell(r)
+  if not base_impl then return "" end
+  return (" %s |"):format(r.ratio_run and ("%.2fx"):format(r.ratio_run) or "-")
+end
+print("| variant | impl | dtype | B | H | N | d | causal | pass | ms | TFLOP/s | peak MiB | vs flash | vs cudnn | of gemm |"
+  .. run_head)
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" .. run_rule)
 local any_proxy = false
 for _, r in ipairs(rows) do
   if r.error then
-    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | FAILED: %s | | | | | |"):format(r.variant, r.impl, r.dtype,
-      r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.error))
+    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | FAILED: %s | | | | | |%s"):format(r.variant, r.impl, r.dtype,
+      r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.error, run_cell(r)))
   else
     any_proxy = any_proxy or (r.proxy and (r.ref_flash or r.ref_cudnn) ~= nil)
-    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | %.3f | %s | %.1f | %s | %s | %s |"):format(
+    print(("| %s | %s | %s | %d | %d | %d | %d | %s | %s | %.3f | %s | %.1f | %s | %s | %s |%s"):format(
       r.variant, r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass, r.ms,
       fmt_tflops(r.tflops, 1), r.peak / 2^20,
       fmt_ratio(r.ref_flash, r.proxy), fmt_ratio(r.ref_cudnn, r.proxy),
-      r.of_gemm and ("%.0f%%"):format(100 * r.of_gemm) or "-"))
+      r.of_gemm and ("%.0f%%"):format(100 * r.of_gemm) or "-", run_cell(r)))
   end
 end
 if any_proxy then
   print("(* : no bf16 row in the reference file; compared with the f16 row of the same configuration)")
 end
+if base_impl then
+  print(("(vs %s here: TFLOP/s over %s's in the same configuration, timed in this run)"):format(base_impl,
+    base_impl))
+end
 
 local csv = assert(io.open(opts.csv, "w"))
-csv:write("variant,impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error,of_gemm\n")
+csv:write("variant,impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error,of_gemm,"
+  .. "ratio_run,ratio_run_impl\n")
 for _, r in ipairs(rows) do
   csv:write(table.concat({ r.variant, r.impl, r.dtype, r.B, r.H, r.N, r.d, tostring(r.causal), r.pass,
     r.ms and ("%.4f"):format(r.ms) or "", r.tflops and fmt_tflops(r.tflops, 2) or "",
     r.peak and ("%d"):format(r.peak) or "", r.ref_flash and ("%.3f"):format(r.ref_flash) or "",
     r.ref_cudnn and ("%.3f"):format(r.ref_cudnn) or "",
     r.error and ('"' .. r.error:gsub('"', "'"):gsub("\n", " ") .. '"') or "",
-    r.of_gemm and ("%.3f"):format(r.of_gemm) or "" }, ","), "\n")
+    r.of_gemm and ("%.3f"):format(r.of_gemm) or "",
+    r.ratio_run and ("%.3f"):format(r.ratio_run) or "", r.ratio_run and base_impl or "" }, ","), "\n")
 end
 csv:close()
 

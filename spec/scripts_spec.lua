@@ -194,7 +194,16 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       assert.is_truthy(out:find("| naive | f32 | 1 | 2 | 64 | 16 | true | bwd |", 1, true), out)
       local rows = lines_of(read_all(csv))
       assert.are.equal(1 + 8, #rows)
-      assert.are.equal("variant,impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error,of_gemm", rows[1])
+      assert.are.equal("variant,impl,dtype,B,H,N,d,causal,pass,ms,tflops,peak_bytes,ratio_flash,ratio_cudnn,error,of_gemm,"
+        .. "ratio_run,ratio_run_impl", rows[1])
+      -- two implementations: each row against the last one, naive, from this run
+      assert.is_truthy(out:find("| of gemm | vs naive here |", 1, true), out)
+      for i = 2, #rows do
+        local ratio, impl = rows[i]:match(",([%d.]+),(%a+)$")
+        assert.are.equal("naive", impl, rows[i])
+        assert.is_true(tonumber(ratio) > 0, rows[i])
+        if rows[i]:find("^none,naive,") then assert.are.equal("1.000", ratio, rows[i]) end
+      end
       assert.is_truthy(read_all(svg):find("^<svg"))
       rmdir(clone)
       rmdir(work)
@@ -223,6 +232,8 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
         .. " --tokens 16 --width 8 --warmup 0 --reps 1", { dir = work, env = "FT_BUILD_DIR=" .. quote(BUILD) })
       assert.are.equal(0, status, out)
       assert.is_truthy(out:find("| tiled | f32 | 1 | 1 | 16 | 8 | false | fwd |", 1, true), out)
+      -- one implementation: no ratio of this run
+      assert.is_nil(out:find(" here |", 1, true), out)
       -- the default files, in the current directory
       assert.is_true(exists(work .. "/bench-results.csv") and exists(work .. "/bench-results.svg"))
       rmdir(work)
