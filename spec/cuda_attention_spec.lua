@@ -10,11 +10,6 @@ local ft = h.ft
 
 local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
--- the smallest error worth comparing: a few units of the input's rounding
-local FLOOR = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }
-
-local function err(x, ref) return ft.max_abs_diff(x:cpu():double(), ref) end
-
 --- Runs forward and backward with impl on the GPU in dtype, from the f64
 -- CPU inputs: {out, lse, dq, dk, dv} on the GPU.
 local function run_gpu(impl, dtype, q, k, v, dout, opts)
@@ -43,23 +38,9 @@ local function check_against_naive(dtype, B, Nq, Nk, H, Hk, d, causal)
   local ref, ref_lse = reference(q, k, v, dout, opts)
   local f = run_gpu("flash", dtype, q, k, v, dout, opts)
   local n = run_gpu("naive", dtype, q, k, v, dout, opts)
-  local names = { "out", "lse", "dq", "dk", "dv" }
   local where = ("%s B=%d Nq=%d Nk=%d H=%d Hk=%d d=%d causal=%s"):format(
     dtype, B, Nq, Nk, H, Hk, d, tostring(causal))
-  for i, name in ipairs(names) do
-    local r = name == "lse" and ref_lse or ref[name]
-    local ef, en
-    if name == "lse" then
-      -- rows that see no key have lse = -inf in both; compare the rest
-      ef = ft.max_abs_diff(f[i]:cpu():double(), r)
-      en = ft.max_abs_diff(n[i]:cpu():double(), r)
-    else
-      ef, en = err(f[i], r), err(n[i], r)
-    end
-    assert.is_true(ef == ef, ("%s: flash %s has NaN"):format(where, name))
-    assert.is_true(ef <= 2 * en + FLOOR[dtype] * (name == "lse" and 1 or 4),
-      ("%s: flash %s error %.3e > 2 x naive error %.3e"):format(where, name, ef, en))
-  end
+  h.assert_within_naive("flash", dtype, f, n, { ref.out, ref_lse, ref.dq, ref.dk, ref.dv }, where)
 end
 
 describe("attention on CUDA #gpu", function()

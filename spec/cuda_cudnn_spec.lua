@@ -22,8 +22,6 @@ local function cudnn_it(name, body)
   end)
 end
 
-local FLOOR = { f16 = 2^-10, bf16 = 2^-7 }
-
 local inputs = h.attention_inputs
 local run_gpu = h.attention_on_gpu
 
@@ -41,12 +39,8 @@ local function check(dtype, B, Nq, Nk, H, Hk, d, opts)
     Hk, d, tostring(opts.causal), tostring(opts.scale))
   for i, name in ipairs(NAMES) do
     assert.are.same(ref[i].shape, c[i].shape, where .. ": " .. name .. "'s shape")
-    local ec = ft.max_abs_diff(c[i]:cpu():double(), ref[i])
-    local en = ft.max_abs_diff(n[i]:cpu():double(), ref[i])
-    assert.is_true(ec == ec, ("%s: cudnn %s has NaN"):format(where, name))
-    assert.is_true(ec <= 2 * en + FLOOR[dtype] * (name == "lse" and 1 or 4),
-      ("%s: cudnn %s error %.3e > 2 x naive error %.3e"):format(where, name, ec, en))
   end
+  h.assert_within_naive("cudnn", dtype, c, n, ref, where)
 end
 
 describe("impl 'cudnn' (cuDNN's fused attention) #gpu", function()

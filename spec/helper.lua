@@ -565,6 +565,23 @@ function h.attention_on_gpu(impl, dtype, q, k, v, dout, opts)
   return { out, lse, dq, dk, dv }
 end
 
+--- flashtile's accuracy standard for a GPU result in dtype (FlashAttention's):
+-- got's error against the f64 reference ref is at most twice that of the
+-- naive path in the same precision (naive), plus a floor at the input's
+-- rounding unit (4 of them, 1 for LSE), and never NaN. got, naive, ref:
+-- {out, lse, dq, dk, dv}; rows that see no key have lse = -inf in each.
+local ROUNDING = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }
+local ATTENTION_RESULTS = { "out", "lse", "dq", "dk", "dv" }
+function h.assert_within_naive(impl, dtype, got, naive, ref, where)
+  for i, name in ipairs(ATTENTION_RESULTS) do
+    local e = h.ft.max_abs_diff(got[i]:cpu():double(), ref[i])
+    local en = h.ft.max_abs_diff(naive[i]:cpu():double(), ref[i])
+    assert.is_true(e == e, ("%s: %s %s has NaN"):format(where, impl, name))
+    assert.is_true(e <= 2 * en + ROUNDING[dtype] * (name == "lse" and 1 or 4),
+      ("%s: %s %s error %.3e > 2 x naive error %.3e"):format(where, impl, name, e, en))
+  end
+end
+
 --- Forward then backward of sum(out * dout) with opts: {out, lse, dq, dk,
 -- dv, dsink (with a sink)}.
 function h.attention_both(q, k, v, dout, opts)
