@@ -38,7 +38,8 @@
  * FT_CUDNN_DEBUG=1 in the environment prints each step to stderr (the
  * graph, the heuristics' engine count, each plan tried, the workspace):
  * the one place the library prints, so that a first run on a new GPU or
- * cuDNN can be read.
+ * cuDNN can be read. cuDNN's own log comes with CUDNN_LOGLEVEL_DBG=2
+ * CUDNN_LOGDEST_DBG=stderr.
  *
  * Limits (attention.c refuses the rest, cuDNN names what it cannot run):
  * f16 and bf16, head_dim a multiple of 8 up to 256, no variant but causal,
@@ -668,8 +669,9 @@ static ft_status device_handle(const char *func, int index, cudnnHandle_t *out)
             return st;
         }
         handles[index] = h;
-        debug("handle for cuda:%d: cuDNN %zu (built with %d), CUDA runtime %zu", index, runtime,
-              CUDNN_VERSION, cudnnGetCudartVersion());
+        debug("handle for cuda:%d: cuDNN %zu (built with %d), CUDA runtime %zu; cuDNN's own log: "
+              "CUDNN_LOGLEVEL_DBG=2 CUDNN_LOGDEST_DBG=stderr", index, runtime, CUDNN_VERSION,
+              cudnnGetCudartVersion());
     }
     *out = handles[index];
     return FT_OK;
