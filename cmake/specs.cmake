@@ -70,19 +70,27 @@ foreach(spec ${FT_SPECS})
   set_tests_properties(${name} PROPERTIES ENVIRONMENT "${FT_SPEC_ENV}")
 endforeach()
 
-# On a Hopper GPU the flash kernels of kernels/*_sm90.cu take f16/bf16; the
-# same spec again with FT_NO_WGMMA=1 keeps the mma.sync kernels (what other
-# GPUs run) checked there too.
-if(FT_CUDA_ENABLED)
-  set(FT_MMA_ENV ${FT_SPEC_ENV})
-  list(APPEND FT_MMA_ENV "FT_NO_WGMMA=1")
+# The GPU specs again with a variable that picks other kernels: spec
+# <name> runs as <name>_<suffix> with VAR=1.
+function(ft_spec_again suffix var)
+  set(env ${FT_SPEC_ENV})
+  list(APPEND env "${var}=1")
   foreach(name cuda_attention_spec cuda_variants_spec cuda_mods_spec)
-    add_test(NAME ${name}_mma
+    add_test(NAME ${name}_${suffix}
       COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
               --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/${name}.lua
       WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
-    set_tests_properties(${name}_mma PROPERTIES ENVIRONMENT "${FT_MMA_ENV}")
+    set_tests_properties(${name}_${suffix} PROPERTIES ENVIRONMENT "${env}")
   endforeach()
+endfunction()
+
+# On a Hopper GPU the flash kernels of kernels/attention/sm90/ take f16/bf16;
+# with FT_NO_WGMMA=1 the mma.sync kernels (what other GPUs run) are checked
+# there too. The warp-specialised Hopper forward runs from a length on
+# (flash_tiles.cuh): FT_WS=1 takes it at the specs' shorter lengths too.
+if(FT_CUDA_ENABLED)
+  ft_spec_again(mma FT_NO_WGMMA)
+  ft_spec_again(ws FT_WS)
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

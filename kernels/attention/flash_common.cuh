@@ -285,7 +285,8 @@ extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device
                                    FlashRtc **out, const char *func);
 extern "C" void flash_rtc_free(FlashRtc *rtc);
 ft_status flash_rtc_launch(FlashRtc *rtc, const char *file, const char *name, dim3 grid,
-                           int threads, size_t smem, const FlashParams &p, const char *func);
+                           int threads, size_t smem, const FlashParams &p, const char *func,
+                           void *extra = nullptr);
 /* The mma.sync launchers (flash_fwd.cu, flash_bwd.cu): the row of
  * MMA_FWD_TILES / MMA_BWD_TILES that takes the head dim, for p's dtype and
  * kind; through rtc for a call with mods (a dry rtc compiles its kernels
@@ -319,20 +320,24 @@ template <typename... A> static RtcName rtc_name(const char *kernel, A... args)
     return r;
 }
 
-/* Launches kernel(p) with `smem` bytes of dynamic shared memory (raising
- * the kernel's limit first); CUDA failures become ft_status for `func`.
+/* Launches kernel(p), or kernel(p, extra) (one more parameter), with `smem`
+ * bytes of dynamic shared memory (raising the kernel's limit first); CUDA
+ * failures become ft_status for `func`.
  * With rtc, the kernel of the same template arguments and rtc's
  * modification instead: name() gives its RtcName, file its source. */
-template <typename Kernel, typename Name>
+template <typename Kernel, typename Name, typename... Extra>
 static ft_status flash_launch(FlashRtc *rtc, const char *file, Kernel kernel, Name name,
                               dim3 grid, int threads, size_t smem, const FlashParams &p,
-                              const char *func)
+                              const char *func, Extra... extra)
 {
-    if (rtc)
-        return flash_rtc_launch(rtc, file, name().s, grid, threads, smem, p, func);
+    static_assert(sizeof...(Extra) <= 1, "kernel(p) or kernel(p, extra)");
+    if (rtc) {
+        void *ex[] = {(void *)&extra..., nullptr};
+        return flash_rtc_launch(rtc, file, name().s, grid, threads, smem, p, func, ex[0]);
+    }
     FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)smem));
-    kernel<<<grid, threads, smem>>>(p);
+    kernel<<<grid, threads, smem>>>(p, extra...);
     FT_CUDA_CHECK_LAUNCH(func);
     return FT_OK;
 }
@@ -532,6 +537,7 @@ template <int N, bool KEY_ROWS = false>
 __device__ __forceinline__ uint64_t keep_bits(const FlashParams &p, int b, int h, int row0,
                                               int col0)
 {
+    static_assert(N <= 64, "one word of keep bits");
     const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
     uint64_t bits = 0;
     if (KEY_ROWS) {
@@ -568,15 +574,21 @@ __device__ __forceinline__ float drop_factor(const FlashParams &p, uint64_t bits
     return (bits >> i) & 1 ? (float)p.mod.drop_scale : 0.f;
 }
 
-/* Dropout over an accumulator fragment of probabilities (rows queries). */
+/* Dropout over an accumulator fragment of probabilities (rows queries);
+ * a word of keep bits takes 64 entries (128 columns) at a time. */
 template <int N>
 __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, float *acc, int row0,
                                          int col0)
 {
-    const uint64_t bits = keep_bits<N>(p, b, h, row0, col0);
+    if constexpr (N > 64) {
+        drop_acc<64>(p, b, h, acc, row0, col0);
+        drop_acc<N - 64>(p, b, h, acc + 64, row0, col0 + 128);
+    } else {
+        const uint64_t bits = keep_bits<N>(p, b, h, row0, col0);
 #pragma unroll
-    for (int i = 0; i < N; i++)
-        acc[i] *= drop_factor(p, bits, i);
+        for (int i = 0; i < N; i++)
+            acc[i] *= drop_factor(p, bits, i);
+    }
 }
 
 /* A modification written in Lua, as rtc.cu generates it: prepare(b, h)

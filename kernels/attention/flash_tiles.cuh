@@ -72,6 +72,32 @@ static constexpr Sm90FwdTile SM90_FWD_TILES[] = {
     {256, 256, 256, 64, 2, 1, false, "as d <= 192"},
 };
 
+/* Hopper forward, warp-specialised (flash_fwd_ws_kernel in
+ * flash_fwd_sm90.cu): 128 query rows a CTA (two consumer warpgroups),
+ * BC keys a block, STAGES K and V stages, turns: the consumers take turns
+ * issuing products. It runs when a call has at least min_keys keys
+ * (min_keys_causal under the causal mask): below, its longer start and end
+ * (one CTA an SM, barriers, the first product with nothing to overlap)
+ * weigh more than its faster loop and the wgmma kernel above is faster.
+ * BC = 0: the wgmma kernel at any length. Measured on the H200, bf16
+ * (kernels/README.md). */
+struct Sm90WsFwdTile {
+    int max_d, D, DK, BC, STAGES;
+    bool turns;
+    int min_keys, min_keys_causal;
+    const char *why;
+};
+static constexpr Sm90WsFwdTile SM90_WS_FWD_TILES[] = {
+    {32, 32, 32, 0, 0, false, 0, 0, "the wgmma kernel (two CTAs an SM) is faster at every length"},
+    {64, 64, 64, 192, 2, false, 4096, 4096,
+     "192-key blocks: 1.06x-1.18x of 128 from 4096 keys; below, the wgmma kernel"},
+    {96, 128, 96, 128, 2, false, 0, 4096, "128-key blocks; causal below 4096 keys: the wgmma kernel"},
+    {128, 128, 128, 128, 2, false, 0, 4096,
+     "128-key blocks (with turns: 0.72x-0.75x); causal below 4096 keys: the wgmma kernel"},
+    {192, 256, 192, 64, 2, false, 0, 0, "O takes 128 registers a thread: 64-key blocks; ones column"},
+    {256, 256, 256, 64, 2, false, 0, 0, "as d <= 192"},
+};
+
 /* Hopper backward (flash_bwd_sm90.cu): BM queries a dK/dV step, BC keys a
  * dQ step; wide: the two-warpgroup kernels for DK 192 and 256, where dK and
  * dV of 64 rows do not fit one warpgroup's registers. */

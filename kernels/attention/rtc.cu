@@ -442,10 +442,11 @@ static ft_status rtc_launch(FlashRtc *rtc, const char *file, const char *name, d
 }
 
 ft_status flash_rtc_launch(FlashRtc *rtc, const char *file, const char *name, dim3 grid,
-                           int threads, size_t smem, const FlashParams &p, const char *func)
+                           int threads, size_t smem, const FlashParams &p, const char *func,
+                           void *extra)
 {
     FlashParams q = p;
-    void *params[1] = {&q};
+    void *params[2] = {&q, extra};
     return rtc_launch(rtc, file, name, grid, threads, smem, params, func);
 }
 

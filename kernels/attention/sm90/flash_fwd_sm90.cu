@@ -1,17 +1,28 @@
 /*
  * flash_fwd_sm90.cu - the flash forward pass on Hopper's warpgroup matrix
- * products (wgmma, sm_90a): flash_fwd_wgmma_kernel, f16/bf16, every head
- * dim up to 256 (12 instantiations).
+ * products (wgmma, sm_90a), f16/bf16: flash_fwd_ws_kernel, warp-specialised
+ * (a producer warpgroup copying through the copy engine, two consumer
+ * warpgroups), for the head dims and lengths of SM90_WS_FWD_TILES; and
+ * flash_fwd_wgmma_kernel (every warpgroup copies with cp.async), every head
+ * dim up to 256, for the rest and for varlen. Both run FwdRows.
  * Built when the CUDA architectures include 90a (FT_HAVE_SM90A); used on
- * devices of compute capability 9.0 unless FT_NO_WGMMA is set. Needs
+ * devices of compute capability 9.0 unless FT_NO_WGMMA is set (FT_NO_WS:
+ * never the warp-specialised kernel; FT_WS: at any length). Needs
  * head_dim % 8 == 0 and 16-byte aligned rows (the caller checks).
- * Check: spec/cuda_attention_spec.lua (busted, tag gpu) against the CPU f64
- * reference; scripts/bench.lua checks, then times; scripts/profile.lua runs
- * one call for ncu. Design and measurements: kernels/README.md.
+ * Check: spec/cuda_attention_spec.lua (busted, tag gpu; ctest's *_ws runs
+ * with FT_WS=1) against the CPU f64 reference; scripts/bench.lua checks,
+ * then times; scripts/profile.lua runs one call for ncu. Design and
+ * measurements: kernels/README.md.
  */
 #include "flash_wgmma.cuh"
 
 #include <math.h>
+#ifndef __CUDACC_RTC__
+#include <cuda.h> /* CUtensorMap; the encoder comes through the runtime, no driver link */
+#include <cudaTypedefs.h>
+#include <stdlib.h>
+#include <string.h>
+#endif
 
 #define FLASH_FILE "sm90/flash_fwd_sm90.cu" /* rtc.cu compiles it again for a Lua-written mod */
 
@@ -26,100 +37,59 @@ template <int D, int BC, int NWG> struct Sm90FwdSmem {
     static constexpr size_t bytes = 1024 + (size_t)V + 2 * KV_BYTES;
 };
 
-template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT,
-          typename UM = NoUserMod>
-__global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
-{
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using L = Sm90FwdSmem<D, BC, NWG>;
-    constexpr int BR = L::BR, THREADS = NWG * WG_THREADS;
-    constexpr int TW = L::TW, KV_BYTES = L::KV_BYTES;
-    /* When the tiles are wider than the score products' DK columns (d = 32
-     * in 64-wide rows, d = 192 in D = 256) and the blocks have 64 keys,
-     * V's columns DK .. DK+7 hold ones and P V's column DK is P's row sum:
-     * added up by the tensor cores and rescaled with O, no per-score add
-     * (d = 96, 128-key blocks, measured slower with it and keeps the adds). */
-    constexpr bool ONES = !EXT && DK < TW && BC == 64; /* EXT: dropout drops from P V, not the sum */
-    constexpr int DO = ONES && DK + 8 > D ? DK + 8 : D; /* the width of P V */
-    constexpr int NT_S = BC / 8, NT_O = DO / 8;
-    extern __shared__ unsigned char smem_raw[];
-    /* the swizzle is on address bits: chunks must start on 1024 bytes */
-    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sQ = smem, *const sK = smem + L::K, *const sV = smem + L::V;
+/* Whether the tiles hold V's column of ones (see FwdRows) and the width of
+ * P V then. */
+template <int D, int DK, int BC, bool EXT> struct FwdOnes {
+    /* EXT: dropout drops from P V, not from the sum */
+    static constexpr bool on = !EXT && DK < FT_TW(D) && BC == 64;
+    static constexpr int DO = on && DK + 8 > D ? DK + 8 : D;
+};
 
-    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
-    const int wwarp = (tid / FT_WARP) % 4; /* warp in the warpgroup */
-    const int g = lane / 4, t4 = lane % 4;
-    if (EXT) /* varlen: this CTA's sequence */
-        flash_enter_seq(p, blockIdx.z);
-    const QueryBlock qblk = query_block<BR, BC>(p);
-    if (EXT && (qblk.i0 < 0 || qblk.i0 >= p.Nq))
-        return; /* past its end: nothing to do */
-    const int i0 = qblk.i0, nq = qblk.nq, kb0 = qblk.kb0, nkb = qblk.nkb;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / (p.H / p.Hk);
-    const float sink2 = flash_sink_log2(p, h);
-    if (nkb == kb0) { /* no row sees a key: O = 0, LSE = -inf (or the sink) */
-        for (int idx = tid; idx < nq * p.d; idx += THREADS)
-            store_elem(p.out.data, row_offset(p.out, b, i0 + idx / p.d, h) + idx % p.d, p.dtype, 0.f);
-        for (int idx = tid; idx < nq; idx += THREADS)
-            p.lse[flash_stat(p, b, h) + i0 + idx] = sink2 / FT_LOG2E;
-        return;
-    }
-    const int wrow0 = i0 + wg * 64 + wwarp * 16; /* this warp's first row */
-    const FullKeys full = flash_full_keys(p, wrow0, wrow0 + 16);
-    const float sl2 = p.scale_log2;
-    const ScoreMod smod = flash_score_mod(p, b, h);
+/* A warpgroup's 64 query rows (each thread: rows g and g + 8 of its warp's
+ * 16), as both forward kernels run them: the row statistics and the steps
+ * on the accumulators. softmax(s, j) masks and modifies S_j, takes the
+ * running maximum and sum in raw units (exp2 by one FFMA) and leaves P in
+ * s; rescale_pack scales O by exp(m_old - m_new) and packs P (16 bits)
+ * into the A fragments of P V (S's accumulators are P's A fragments);
+ * finish normalises and stores O and LSE.
+ * With ONES (the tiles wider than the score products' DK columns: d = 32
+ * in 64-wide rows, d = 192 in D = 256; 64-key blocks) V's columns DK ..
+ * DK+7 hold ones and P V's column DK is P's row sum: added up by the
+ * tensor cores and rescaled with O, no per-score add (d = 96, 128-key
+ * blocks, measured slower with it and keeps the adds). */
+template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRows {
+    static constexpr bool ONES = FwdOnes<D, DK, BC, EXT>::on;
+    static constexpr int DO = FwdOnes<D, DK, BC, EXT>::DO; /* the width of P V */
+    static constexpr int NT_S = BC / 8, NT_O = DO / 8;
+    const FlashParams &p;
+    const int b, h, wrow0, g, t4;
+    const FullKeys full;
+    const float sl2;
+    const ScoreMod smod;
+    float m[2], l[2], alpha[2];
 
-    /* the copies fill D columns (zeros past d): the products read no more */
-    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d),
-        vload(p.v, b, hk, p.Nk, p.d, ONES ? DK : -1);
-    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
-    kload.load(sK + (kb0 & 1) * KV_BYTES, kb0 * BC);
-    cp_async_commit();
-    if (ONES && tid < 2 * BC) { /* both V stages; made visible by top(0) */
-        const uint32_t one = MmaType<T>::pack(1.f, 1.f);
-        *reinterpret_cast<uint4 *>(sV + (tid / BC) * KV_BYTES + swz_offset<BC>(tid % BC, DK)) =
-            make_uint4(one, one, one, one);
-    }
-
-    float o[DO / 2], s[BC / 2];
-    uint32_t pa[BC / 16][4];
-    /* rows g, g+8; raw units (times sl2: log2 units); a sink starts them */
-    const float m0 = sink2 == -INFINITY ? -INFINITY : sink2 / sl2;
-    const float l0 = flash_sink_sum(sink2, t4 == 0);
-    float m[2] = {m0, m0}, l[2] = {ONES ? 0.f : l0, ONES ? 0.f : l0};
+    /* O = 0; a sink starts the rows (raw units: times sl2 is log2 units) */
+    __device__ __forceinline__ FwdRows(const FlashParams &p_, int b_, int h_, int wrow0_,
+                                       float sink2, float *o)
+        : p(p_), b(b_), h(h_), wrow0(wrow0_), g(threadIdx.x % FT_WARP / 4),
+          t4(threadIdx.x % 4), full(flash_full_keys(p_, wrow0_, wrow0_ + 16)),
+          sl2(p_.scale_log2), smod(flash_score_mod(p_, b_, h_))
+    {
+        const float m0 = sink2 == -INFINITY ? -INFINITY : sink2 / sl2;
+        const float l0 = flash_sink_sum(sink2, t4 == 0);
+        m[0] = m[1] = m0;
+        l[0] = l[1] = ONES ? 0.f : l0;
 #pragma unroll
-    for (int i = 0; i < DO / 2; i++)
-        o[i] = 0.f;
-    if (ONES) { /* the sum sits in O's column DK, lane t4 = 0 */
-        o[4 * (DK / 8)] = l0;
-        o[4 * (DK / 8) + 2] = l0;
+        for (int i = 0; i < DO / 2; i++)
+            o[i] = 0.f;
+        if (ONES) { /* the sum sits in O's column DK, lane t4 = 0 */
+            o[4 * (DK / 8)] = l0;
+            o[4 * (DK / 8) + 2] = l0;
+        }
     }
 
-    const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128;
-    /* The top of iteration j: K_j and V_{j-1} have landed; K_{j+1} and V_j
-     * are copied into the stages that K_{j-1} and V_{j-2} left (K runs one
-     * block ahead of V). */
-    auto top = [&](int j) {
-        stages_ready();
-        if (j + 1 < nkb)
-            kload.load(sK + ((j + 1) & 1) * KV_BYTES, (j + 1) * BC);
-        if (j < nkb)
-            vload.load(sV + (j & 1) * KV_BYTES, j * BC);
-        cp_async_commit();
-    };
-    auto issue_s = [&](int j) {
-        product_abt<T, BC, DK, BR, BC>(s, q_addr, smem_addr(sK + (j & 1) * KV_BYTES));
-        wgmma_commit();
-    };
-    auto issue_pv = [&](int j) {
-        product_fb<T, BC, DO>(o, pa, smem_addr(sV + (j & 1) * KV_BYTES));
-        wgmma_commit();
-    };
-    /* mask where needed, online softmax in raw units (exp2 by one FFMA) */
-    float alpha[2];
-    auto softmax = [&](int j) {
+    __device__ __forceinline__ void softmax(float *s, int j)
+    {
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
         if (EXT || UM::on) /* a Lua-written mod alone needs none of EXT's state */
@@ -167,9 +137,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
          * LSE) all of them */
         if (EXT && p.mod.dropout)
             drop_acc<BC / 2>(p, b, h, s, wrow0, j0);
-    };
-    /* O *= alpha, and P (16 bits) from S: S's accumulators are P's A fragments */
-    auto rescale_pack = [&]() {
+    }
+
+    __device__ __forceinline__ void rescale_pack(float *o, const float *s, uint32_t (*pa)[4]) const
+    {
         pin_all<DO / 2>(o);
 #pragma unroll
         for (int n = 0; n < NT_O; n++) {
@@ -185,23 +156,45 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
             pa[kk][2] = MmaType<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
             pa[kk][3] = MmaType<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
         }
-    };
+    }
 
-    const Turns<TURNS> turns(wg);
+    /* the quad's partial sums (with ones in V, the whole sum sits in every
+     * lane: one lane of the quad gives it), normalise, store O, LSE */
+    __device__ __forceinline__ void finish(const float *o) const
+    {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const float l_part = ONES ? (t4 == 0 ? o[4 * (DK / 8) + 2 * r] : 0.f) : l[r];
+            store_out_row<T, NT_O>(p, b, h, wrow0 + g + 8 * r, r, o, l_part, m[r] * sl2);
+        }
+    }
+};
 
-    /* Iteration j issues S_j = Q K_j and O += P_{j-1} V_{j-1} together; the
-     * softmax of S_j runs while the tensor cores work on P_{j-1} V_{j-1}.
-     * Both warpgroups run every block (at most one wholly masked block for
-     * the first under the causal mask): wgmma on a path the compiler cannot
-     * prove uniform is serialised. */
+/* The loop of both forward kernels over a warpgroup's key blocks kb0 ..
+ * nkb - 1: iteration j issues S_j = Q K_j together with
+ * O += P_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores
+ * work on the second. top(j) comes first in iteration j (the wgmma
+ * kernel's copies; nkb: the last), s_done(j) once S_j is complete,
+ * pv_done(j) once P_j V_j is (the warp-specialised kernel hands the
+ * stages back there). Both warpgroups run every block (at most one wholly
+ * masked block for the first under the causal mask): wgmma on a path the
+ * compiler cannot prove uniform is serialised. */
+template <bool TURNS, typename Rows, typename Top, typename IssueS, typename IssuePV,
+          typename SDone, typename PVDone>
+__device__ __forceinline__ void fwd_loop(int kb0, int nkb, const Turns<TURNS> &turns, Rows &rows,
+                                         float *s, float *o, uint32_t (*pa)[4], Top top,
+                                         IssueS issue_s, IssuePV issue_pv, SDone s_done,
+                                         PVDone pv_done)
+{
     top(kb0);
     wgmma_fence();
     turns.wait();
     issue_s(kb0);
     turns.pass();
     wgmma_wait<0>();
-    softmax(kb0);
-    rescale_pack();
+    s_done(kb0);
+    rows.softmax(s, kb0);
+    rows.rescale_pack(o, s, pa);
     for (int j = kb0 + 1; j < nkb; j++) {
         top(j);
         wgmma_fence();
@@ -210,9 +203,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
         issue_pv(j - 1);
         turns.pass();
         wgmma_wait<1>(); /* S_j is done; P_{j-1} V_{j-1} may still run */
-        softmax(j);
+        s_done(j);
+        rows.softmax(s, j);
         wgmma_wait<0>();
-        rescale_pack();
+        pv_done(j - 1);
+        rows.rescale_pack(o, s, pa);
     }
     top(nkb);
     wgmma_fence();
@@ -220,15 +215,219 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(
     issue_pv(nkb - 1);
     turns.pass(true);
     wgmma_wait<0>();
-    pin_all<DO / 2>(o);
-    cp_async_wait<0>();
+    pin_all<Rows::DO / 2>(o);
+}
 
-    /* finish: the quad's partial sums (with ones in V, the whole sum sits in
-     * every lane: one lane of the quad gives it), normalise, store O, LSE */
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const float l_part = ONES ? (t4 == 0 ? o[4 * (DK / 8) + 2 * r] : 0.f) : l[r];
-        store_out_row<T, NT_O>(p, b, h, wrow0 + g + 8 * r, r, o, l_part, m[r] * sl2);
+/* A query block that no row of which sees a key: O = 0, LSE = -inf (or the
+ * sink). */
+__device__ __forceinline__ void fwd_store_empty(const FlashParams &p, int b, int h, int i0, int nq,
+                                                float sink2, int tid, int threads)
+{
+    for (int idx = tid; idx < nq * p.d; idx += threads)
+        store_elem(p.out.data, row_offset(p.out, b, i0 + idx / p.d, h) + idx % p.d, p.dtype, 0.f);
+    for (int idx = tid; idx < nq; idx += threads)
+        p.lse[flash_stat(p, b, h) + i0 + idx] = sink2 / FT_LOG2E;
+}
+
+template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
+__global__ void __launch_bounds__(NWG *WG_THREADS, MINB) flash_fwd_wgmma_kernel(FlashParams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = Sm90FwdSmem<D, BC, NWG>;
+    using Rows = FwdRows<T, D, DK, BC, EXT, UM>;
+    constexpr int BR = L::BR, THREADS = NWG * WG_THREADS;
+    constexpr int KV_BYTES = L::KV_BYTES, DO = Rows::DO;
+    constexpr bool ONES = Rows::ONES;
+    extern __shared__ unsigned char smem_raw[];
+    /* the swizzle is on address bits: chunks must start on 1024 bytes */
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char *const sQ = smem, *const sK = smem + L::K, *const sV = smem + L::V;
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int wwarp = (tid / FT_WARP) % 4; /* warp in the warpgroup */
+    if (EXT) /* varlen: this CTA's sequence */
+        flash_enter_seq(p, blockIdx.z);
+    const QueryBlock qblk = query_block<BR, BC>(p);
+    if (EXT && (qblk.i0 < 0 || qblk.i0 >= p.Nq))
+        return; /* past its end: nothing to do */
+    const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (p.H / p.Hk);
+    const float sink2 = flash_sink_log2(p, h);
+    if (nkb == kb0)
+        return fwd_store_empty(p, b, h, i0, qblk.nq, sink2, tid, THREADS);
+
+    /* the copies fill D columns (zeros past d): the products read no more */
+    const TileLoader<T, BC, D, THREADS> kload(p.k, b, hk, p.Nk, p.d),
+        vload(p.v, b, hk, p.Nk, p.d, ONES ? DK : -1);
+    TileLoader<T, BR, D, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ, i0);
+    kload.load(sK + (kb0 & 1) * KV_BYTES, kb0 * BC);
+    cp_async_commit();
+    if (ONES && tid < 2 * BC) { /* both V stages; made visible by top(0) */
+        const uint32_t one = MmaType<T>::pack(1.f, 1.f);
+        *reinterpret_cast<uint4 *>(sV + (tid / BC) * KV_BYTES + swz_offset<BC>(tid % BC, DK)) =
+            make_uint4(one, one, one, one);
+    }
+
+    float o[DO / 2], s[BC / 2];
+    uint32_t pa[BC / 16][4];
+    Rows rows(p, b, h, i0 + wg * 64 + wwarp * 16, sink2, o);
+
+    const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128;
+    /* The top of iteration j: K_j and V_{j-1} have landed; K_{j+1} and V_j
+     * are copied into the stages that K_{j-1} and V_{j-2} left (K runs one
+     * block ahead of V). */
+    auto top = [&](int j) {
+        stages_ready();
+        if (j + 1 < nkb)
+            kload.load(sK + ((j + 1) & 1) * KV_BYTES, (j + 1) * BC);
+        if (j < nkb)
+            vload.load(sV + (j & 1) * KV_BYTES, j * BC);
+        cp_async_commit();
+    };
+    auto issue_s = [&](int j) {
+        product_abt<T, BC, DK, BR, BC>(s, q_addr, smem_addr(sK + (j & 1) * KV_BYTES));
+        wgmma_commit();
+    };
+    auto issue_pv = [&](int j) {
+        product_fb<T, BC, DO>(o, pa, smem_addr(sV + (j & 1) * KV_BYTES));
+        wgmma_commit();
+    };
+
+    const auto none = [](int) {};
+    fwd_loop(kb0, nkb, Turns<TURNS>(wg), rows, s, o, pa, top, issue_s, issue_pv, none, none);
+    cp_async_wait<0>();
+    rows.finish(o);
+#endif
+}
+
+/* The warp-specialised forward's tensor maps: q, k, v as [B][N][heads][d]
+ * (4-d maps, innermost first), boxes of 64 columns x rows. */
+struct FwdMaps {
+    FlashTmaMap q, k, v;
+};
+
+/* Its shared memory: Q [128 rows], then K stages, then V stages [BC rows],
+ * rows TW wide (16-bit, swizzled, chunks on 1024 bytes), then the
+ * barriers: Q full, and full and empty for each K and V stage. */
+template <int D, int BC, int STAGES> struct Sm90WsFwdSmem {
+    static constexpr int BR = 128, TW = FT_TW(D);
+    static constexpr int Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
+    static constexpr int K = Q_BYTES, V = K + STAGES * KV_BYTES, BAR = V + STAGES * KV_BYTES;
+    static constexpr int Q_FULL = 0, K_FULL = 8, K_EMPTY = K_FULL + 8 * STAGES,
+                         V_FULL = K_EMPTY + 8 * STAGES, V_EMPTY = V_FULL + 8 * STAGES;
+    static constexpr size_t bytes = 1024 + (size_t)BAR + V_EMPTY + 8 * STAGES;
+};
+
+/* The forward in FlashAttention-3's structure: warpgroup 0 is the producer
+ * (one thread issues every copy, through the copy engine, into a ring of
+ * STAGES K and V stages; it gives its registers to the others), warpgroups
+ * 1 and 2 the consumers, 64 query rows each, which never copy: they wait
+ * on a stage's full barrier, multiply, and arrive on its empty barrier
+ * when their products have read it. No CTA-wide barrier after the start.
+ * The consumers' loop is the wgmma kernel's (S_j issued with
+ * P_{j-1} V_{j-1}, the softmax under the latter, turns between the two
+ * warpgroups), on FwdRows. Not for varlen calls (a box would run into the
+ * next sequence's rows; the wgmma kernel takes them). */
+template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
+__global__ void __launch_bounds__(3 * WG_THREADS, 1)
+    flash_fwd_ws_kernel(const FlashParams p, const __grid_constant__ FwdMaps maps)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = Sm90WsFwdSmem<D, BC, STAGES>;
+    using Rows = FwdRows<T, D, DK, BC, EXT, UM>;
+    constexpr int BR = L::BR, KV_BYTES = L::KV_BYTES, DO = Rows::DO;
+    constexpr bool ONES = Rows::ONES;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    const uint32_t sQ = smem_addr(smem), sK = sQ + L::K, sV = sQ + L::V, bar = sQ + L::BAR;
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const QueryBlock qblk = query_block<BR, BC>(p);
+    const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const float sink2 = flash_sink_log2(p, h);
+    if (nkb == kb0)
+        return fwd_store_empty(p, b, h, i0, qblk.nq, sink2, tid, 3 * WG_THREADS);
+    /* the chunks of 64 columns holding some of the d columns: the copies
+     * bring those (zeros past d); the rest of a tile is never written */
+    const int chunks = (p.d + 63) / 64;
+    if (tid == 0) {
+        mbar_init(bar + L::Q_FULL, 1);
+        for (int st = 0; st < STAGES; st++) {
+            mbar_init(bar + L::K_FULL + 8 * st, 1);
+            mbar_init(bar + L::V_FULL + 8 * st, 1);
+            mbar_init(bar + L::K_EMPTY + 8 * st, 2); /* a thread of each consumer */
+            mbar_init(bar + L::V_EMPTY + 8 * st, 2);
+        }
+        mbar_init_fence();
+    }
+    /* columns of V past the chunks copied: zeros, and the ones column */
+    for (int idx = tid; idx < STAGES * BC * FT_TW(D) / 8; idx += 3 * WG_THREADS) {
+        const int st = idx / (BC * FT_TW(D) / 8), r = idx / (FT_TW(D) / 8) % BC,
+                  c = idx % (FT_TW(D) / 8) * 8;
+        if (c >= chunks * 64) {
+            const uint32_t one = MmaType<T>::pack(1.f, 1.f), w = ONES && c == DK ? one : 0u;
+            *reinterpret_cast<uint4 *>(smem + L::V + st * KV_BYTES + swz_offset<BC>(r, c)) =
+                make_uint4(w, w, w, w);
+        }
+    }
+    fence_proxy_async();
+    __syncthreads();
+
+    if (wg == 0) { /* the producer */
+        regs_dec<24>();
+        if (tid == 0) {
+            const int hk = h / (p.H / p.Hk);
+            mbar_expect(bar + L::Q_FULL, chunks * BR * 128);
+            for (int c = 0; c < chunks; c++)
+                tma_load_4d(sQ + c * BR * 128, &maps.q, bar + L::Q_FULL, c * 64, h, i0, b);
+            for (int j = kb0; j < nkb; j++) {
+                const int n = j - kb0, st = n % STAGES, ph = (n / STAGES) & 1;
+                mbar_wait(bar + L::K_EMPTY + 8 * st, ph ^ 1);
+                mbar_expect(bar + L::K_FULL + 8 * st, chunks * BC * 128);
+                for (int c = 0; c < chunks; c++)
+                    tma_load_4d(sK + st * KV_BYTES + c * BC * 128, &maps.k, bar + L::K_FULL + 8 * st,
+                                c * 64, hk, j * BC, b);
+                mbar_wait(bar + L::V_EMPTY + 8 * st, ph ^ 1);
+                mbar_expect(bar + L::V_FULL + 8 * st, chunks * BC * 128);
+                for (int c = 0; c < chunks; c++)
+                    tma_load_4d(sV + st * KV_BYTES + c * BC * 128, &maps.v, bar + L::V_FULL + 8 * st,
+                                c * 64, hk, j * BC, b);
+            }
+        }
+    } else { /* the consumers */
+        regs_inc<240>();
+        const int cwg = wg - 1, wwarp = (tid / FT_WARP) % 4;
+        float o[DO / 2], s[BC / 2];
+        uint32_t pa[BC / 16][4];
+        Rows rows(p, b, h, i0 + cwg * 64 + wwarp * 16, sink2, o);
+        const uint32_t q_addr = sQ + cwg * 64 * 128;
+        auto stage = [&](int j) { return (j - kb0) % STAGES; };
+        auto phase = [&](int j) { return ((j - kb0) / STAGES) & 1; };
+        auto issue_s = [&](int j) {
+            mbar_wait(bar + L::K_FULL + 8 * stage(j), phase(j));
+            product_abt<T, BC, DK, BR, BC>(s, q_addr, sK + stage(j) * KV_BYTES);
+            wgmma_commit();
+        };
+        auto issue_pv = [&](int j) {
+            mbar_wait(bar + L::V_FULL + 8 * stage(j), phase(j));
+            product_fb<T, BC, DO>(o, pa, sV + stage(j) * KV_BYTES);
+            wgmma_commit();
+        };
+        /* once wgmma_wait has seen the products that read a stage done (for
+         * the whole warpgroup), one thread hands the stage back */
+        const bool signal = tid % WG_THREADS == 0;
+        auto release = [&](int empty, int j) {
+            if (signal)
+                mbar_arrive(bar + empty + 8 * stage(j));
+        };
+        mbar_wait(bar + L::Q_FULL, 0);
+        fwd_loop(kb0, nkb, Turns<TURNS>(cwg), rows, s, o, pa, [](int) {}, issue_s, issue_pv,
+                 [&](int j) { release(L::K_EMPTY, j); }, [&](int j) { release(L::V_EMPTY, j); });
+        rows.finish(o);
     }
 #endif
 }
@@ -245,16 +444,95 @@ static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
                         "ft_attention_forward");
 }
 
+/* The tensor map of t ([B][rows][heads][d], 16-bit) with boxes of 64
+ * columns x box_rows rows of one head, swizzled by 128 bytes; dims
+ * innermost first: d, heads, rows, batch. False when the copy engine
+ * cannot take it (the driver says no). */
+static bool flash_tma_map(FlashTmaMap *out, const FlashTensor &t, int B, int rows, int heads,
+                          int d, int box_rows, int dtype)
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void *fn = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                             cudaEnableDefault, &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess)
+            fn = nullptr;
+        return (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }();
+    static_assert(sizeof(FlashTmaMap) == sizeof(CUtensorMap), "FlashTmaMap is a CUtensorMap");
+    if (!encode)
+        return false;
+    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)heads, (cuuint64_t)rows, (cuuint64_t)B};
+    /* a dim of size 1 takes any stride: give it a valid one */
+    const int64_t hs = heads > 1 ? t.head_stride : d, rs = rows > 1 ? t.row_stride : d,
+                  bs = B > 1 ? t.batch_stride : d;
+    const cuuint64_t strides[3] = {(cuuint64_t)hs * 2, (cuuint64_t)rs * 2, (cuuint64_t)bs * 2};
+    const cuuint32_t box[4] = {64, 1, (cuuint32_t)box_rows, 1}, unit[4] = {1, 1, 1, 1};
+    if (hs <= 0 || rs <= 0 || bs <= 0)
+        return false;
+    return encode(reinterpret_cast<CUtensorMap *>(out),
+                  dtype == FT_F16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                  4, t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+static bool env_set(const char *name)
+{
+    const char *v = getenv(name);
+    return v && *v && strcmp(v, "0");
+}
+
+/* The warp-specialised kernel for p, if it takes it: not for varlen, not
+ * with FT_NO_WS set (which keeps the wgmma kernel, for comparison), from
+ * the row's min_keys on (at any length with FT_WS set, which the specs
+ * use), and only where the copy engine takes the tensors. *launched says
+ * whether it ran. A dry rtc (compiling a mod's kernels) has no tensors:
+ * the kernel is named and compiled. */
+template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT>
+static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys, bool *launched)
+{
+    using L = Sm90WsFwdSmem<D, BC, STAGES>;
+    *launched = false;
+    if (p.cu_q || env_set("FT_NO_WS") || (p.Nk < min_keys && !env_set("FT_WS") && p.q.data))
+        return FT_OK;
+    FwdMaps maps;
+    memset(&maps, 0, sizeof maps);
+    if (p.q.data && !(flash_tma_map(&maps.q, p.q, p.B, p.Nq, p.H, p.d, L::BR, p.dtype) &&
+                      flash_tma_map(&maps.k, p.k, p.B, p.Nk, p.Hk, p.d, BC, p.dtype) &&
+                      flash_tma_map(&maps.v, p.v, p.B, p.Nk, p.Hk, p.d, BC, p.dtype)))
+        return FT_OK;
+    *launched = true;
+    return flash_launch(rtc, FLASH_FILE, flash_fwd_ws_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
+                        [] { return rtc_name("flash_fwd_ws_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
+                        dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), 3 * WG_THREADS, L::bytes, p,
+                        "ft_attention_forward", maps);
+}
+
 /* f16/bf16, 16-byte aligned rows (the caller checks): the row of
- * SM90_FWD_TILES (flash_tiles.cuh) that takes the head dim. */
+ * SM90_WS_FWD_TILES (flash_tiles.cuh) that takes the head dim, else that
+ * of SM90_FWD_TILES. */
 ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
 {
     return flash_dispatch(p, [&](auto type, auto ext) {
         using T = typename decltype(type)::type;
+        constexpr bool EXT = decltype(ext)::value;
+        bool done = false;
+        int shorter = 0; /* whether calls of some length take the wgmma kernel */
+        FT_TRY(flash_pick(SM90_WS_FWD_TILES, p.d, [&](auto row) {
+            constexpr Sm90WsFwdTile c = SM90_WS_FWD_TILES[decltype(row)::value];
+            shorter = c.min_keys || c.min_keys_causal;
+            if constexpr (c.BC > 0)
+                return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.turns, EXT>(
+                    p, rtc, p.causal ? c.min_keys_causal : c.min_keys, &done);
+            return FT_OK;
+        }));
+        if (done && (p.q.data || !shorter))
+            return FT_OK; /* a dry run compiles both where both may run */
         return flash_pick(SM90_FWD_TILES, p.d, [&](auto row) {
             constexpr Sm90FwdTile c = SM90_FWD_TILES[decltype(row)::value];
-            return launch_fwd_wgmma<T, c.D, c.DK, c.BC, c.NWG, c.MINB, c.turns,
-                                    decltype(ext)::value>(p, rtc);
+            return launch_fwd_wgmma<T, c.D, c.DK, c.BC, c.NWG, c.MINB, c.turns, EXT>(p, rtc);
         });
     });
 }

@@ -290,6 +290,64 @@ template <int BR, int BC> __device__ __forceinline__ QueryBlock query_block(cons
     return q;
 }
 
+/* The copy engine (TMA) and its barriers, for the warp-specialised kernels:
+ * a tensor map (CUtensorMap, built on the host by flash_tma_map) is 128
+ * opaque bytes passed as a __grid_constant__ kernel parameter; a copy of a
+ * box of it lands in shared memory in the 128-byte swizzled layout and
+ * counts its bytes on an mbarrier, which the consumers wait on by phase
+ * parity. */
+struct alignas(64) FlashTmaMap {
+    unsigned long long w[16];
+};
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/* Barrier inits made visible to the copy engine (then a CTA barrier). */
+__device__ __forceinline__ void mbar_init_fence()
+{
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* One arrival that also announces `bytes` of copies to come. */
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+/* Waits until the phase of parity `parity` has completed. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
+{
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+/* A box of map at coordinates (c0, c1, c2, c3), innermost first, into
+ * shared memory at dst, completing on bar. */
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const FlashTmaMap *map, uint32_t bar,
+                                            int c0, int c1, int c2, int c3)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+                 "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+/* Registers moved between the warpgroups of a CTA (sm_90a): the producer
+ * gives up its registers, the consumers take them. */
+template <int N> __device__ __forceinline__ void regs_dec()
+{
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void regs_inc()
+{
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 /* Keeps the compiler from moving register reads or writes across wgmma's
  * asynchronous window (the asm statements name the registers). */
 __device__ __forceinline__ void pin(float &x) { asm volatile("" : "+f"(x)::"memory"); }
