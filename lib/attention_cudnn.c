@@ -809,14 +809,16 @@ static int readable(const ft_tensor *t)
     return 1;
 }
 
-/* *use = t, or a contiguous copy of it in *copy (freed by the caller). */
+/* *use = t, or a contiguous copy of it in *copy (freed by the caller): a
+ * new allocation (ft_contiguous would give a contiguous t itself, whose
+ * address may be what cuDNN cannot read). */
 static ft_status readable_input(const ft_tensor *t, ft_tensor **copy, const ft_tensor **use)
 {
     *copy = NULL;
     *use = t;
     if (readable(t))
         return FT_OK;
-    FT_TRY(ft_contiguous(copy, t));
+    FT_TRY(ft_clone(copy, t));
     *use = *copy;
     return FT_OK;
 }
@@ -989,8 +991,8 @@ ft_status ft_attention_backward_cudnn(const ft_attn_shape *s, const ft_tensor *d
     const ft_tensor *given[5] = {&qv, k, v, &ov, &dov};
     for (int i = 0; i < 5 && st == FT_OK; i++)
         st = readable_input(given[i], &copy[i], &in[i]);
-    if (st == FT_OK && !(skip == 0 && ft_is_contiguous(lse)))
-        st = ft_contiguous(&lse_c, &lv);
+    if (st == FT_OK && !(ft_is_contiguous(&lv) && (uintptr_t)lv.data % BYTE_ALIGNMENT == 0))
+        st = ft_clone(&lse_c, &lv); /* a view of LSE's rows after skip: also off 16 bytes */
     const int64_t row_shape[3] = {s->B, s->H, Nq}, acc_shape[4] = {s->B, s->H, Nq, s->d};
     if (st == FT_OK)
         st = ft_empty_named(&dsum, 3, row_shape, FT_F32, q->device, func);

@@ -117,6 +117,21 @@ describe("impl 'cudnn' (cuDNN's fused attention) #gpu", function()
     local a, b = both(odd, k, v), both(odd:contiguous(), k, v)
     assert.are.equal(0, ft.max_abs_diff(a[1], b[1])) -- the same plan: the forward is deterministic
     close(a, b)
+    -- contiguous, but starting one element into its storage: the address
+    -- alone does not suit cuDNN, and the copy must be a new allocation
+    local n = B * N * H * d
+    local flat = ft.randn({ n + 1 }, { dtype = "bf16", seed = h.next_seed() }):cuda()
+    local shifted = flat:narrow(1, 2, n):view(B, N, H, d)
+    assert.is_true(shifted:is_contiguous())
+    a, b = both(shifted, k, v), both(shifted:clone(), k, v)
+    assert.are.equal(0, ft.max_abs_diff(a[1], b[1]))
+    close(a, b)
+  end)
+
+  cudnn_it("LSE rows that start off 16 bytes (B = H = 1, causal, Nq - Nk rows see no key)", function()
+    -- 13 blind rows: the backward's LSE of the other rows starts 52 bytes in
+    check("f16", 1, 90, 77, 1, 1, 64, { causal = true })
+    check("bf16", 1, 67, 64, 1, 1, 128, { causal = true })
   end)
 
   cudnn_it("repeated calls reuse the plan and give the same forward, bit for bit", function()
