@@ -35,11 +35,15 @@
  * device allocator for each call. Handles and cached plans are kept for
  * the process, as cuBLAS's handles are (kernels/matmul.cu).
  *
- * FT_CUDNN_DEBUG=1 in the environment prints each step to stderr (the
- * graph, the heuristics' engine count, each plan tried, the workspace):
- * the one place the library prints, so that a first run on a new GPU or
- * cuDNN can be read. cuDNN's own log comes with CUDNN_LOGLEVEL_DBG=2
- * CUDNN_LOGDEST_DBG=stderr.
+ * FT_CUDNN_DEBUG=1 in the environment prints each step to stderr, a line
+ * before each call into cuDNN that matters and flushed at once (the call,
+ * the versions of cuDNN, the CUDA it was built for, flashtile's CUDA
+ * runtime and the driver, cudnnCreate, the graph, the heuristics' engine
+ * count, each plan tried, the workspace, the execution): the one place
+ * the library prints, so that a first run on a new GPU or cuDNN can be
+ * read, up to the step that failed or never returned. cuDNN's own log,
+ * every API call with its arguments, comes with CUDNN_LOGLEVEL_DBG=3
+ * CUDNN_LOGDEST_DBG=stderr (2: its warnings and errors only).
  *
  * Limits (attention.c refuses the rest, cuDNN names what it cannot run):
  * f16 and bf16, head_dim a multiple of 8 up to 256, no variant but causal,
@@ -150,6 +154,7 @@ static void debug(const char *fmt, ...)
     fputs("flashtile cudnn: ", stderr);
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
+    fflush(stderr); /* each line out before the next call, should that one crash */
     va_end(ap);
 }
 
@@ -168,9 +173,11 @@ static ft_status status_kind(cudnnStatus_t st)
 static ft_status cudnn_fail(cudnnStatus_t st, const char *func, const char *what)
 {
     char last[512] = "";
+    debug("%s failed: %s", what, cudnnGetErrorString(st));
     cudnnGetLastErrorString(last, sizeof last);
-    cudaGetLastError(); /* a CUDA error under a cuDNN one is reported here */
-    debug("%s failed: %s%s%s", what, cudnnGetErrorString(st), last[0] ? ": " : "", last);
+    cudaGetLastError(); /* a CUDA error under a cuDNN one: cleared, the cuDNN one reported */
+    if (last[0])
+        debug("cuDNN's last message: %s", last);
     return ft_fail(status_kind(st), func, 0, "cuDNN: %s failed: %s%s%s%s", what,
                    cudnnGetErrorString(st), last[0] ? " (" : "", last, last[0] ? ")" : "");
 }
@@ -555,6 +562,7 @@ static ft_status build_plan(graph *g, cudnnHandle_t handle, cudnnBackendDescript
     FT_TRY(SET(g, opgraph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, g->nop,
                g->op));
     FT_TRY(SET(g, opgraph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle));
+    debug("finalizing the operation graph");
     FT_TRY(finalize(g, opgraph, "operation graph"));
     debug("operation graph: %d operations, %d descriptors", g->nop, g->ndesc);
 
@@ -567,6 +575,7 @@ static ft_status build_plan(graph *g, cudnnHandle_t handle, cudnnBackendDescript
         FT_TRY(SET(g, heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
                    &opgraph));
         FT_TRY(SET(g, heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &modes[mi]));
+        debug("heuristics (mode %s): querying", mode_names[mi]);
         cudnnStatus_t st = cudnnBackendFinalize(heur);
         int64_t count = 0;
         if (st == CUDNN_STATUS_SUCCESS)
@@ -601,6 +610,7 @@ static ft_status build_plan(graph *g, cudnnHandle_t handle, cudnnBackendDescript
         if (g->ndesc + 2 > MAX_DESCRIPTORS)
             got = 0; /* no room to keep a plan: reported below */
         for (int i = 0; i < got && chosen < 0; i++) {
+            debug("configuration %d of %lld: finalizing a plan", i, (long long)got);
             cudnnBackendDescriptor_t pl = NULL;
             st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &pl);
             if (st == CUDNN_STATUS_SUCCESS)
@@ -656,22 +666,35 @@ static ft_status device_handle(const char *func, int index, cudnnHandle_t *out)
                        "CUDA device %d: cuDNN handles are kept for devices 0..%d only", index,
                        MAX_DEVICES - 1);
     if (!handles[index]) {
-        const size_t runtime = cudnnGetVersion();
+        const size_t runtime = cudnnGetVersion(), cudnn_cuda = cudnnGetCudartVersion();
+        int cuda_runtime = 0, driver = 0;
+        cudaRuntimeGetVersion(&cuda_runtime);
+        cudaDriverGetVersion(&driver);
+        debug("cuda:%d has no handle yet: cuDNN %zu (headers %d) built for CUDA %zu; flashtile's "
+              "CUDA runtime %d, driver %d; cuDNN's own log: CUDNN_LOGLEVEL_DBG=3 "
+              "CUDNN_LOGDEST_DBG=stderr", index, runtime, CUDNN_VERSION, cudnn_cuda, cuda_runtime,
+              driver);
         if (runtime / 10000 != CUDNN_MAJOR)
             return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
                            "the cuDNN library loaded is %zu, flashtile was built with cuDNN %d "
                            "headers (another major version)", runtime, CUDNN_VERSION);
+        if (cudnn_cuda / 1000 != (size_t)cuda_runtime / 1000)
+            debug("cuDNN was built for CUDA %zu.x, flashtile runs CUDA %d.x: another major "
+                  "version (CUDNN_ROOT picks a cuDNN for this CUDA)", cudnn_cuda / 1000,
+                  cuda_runtime / 1000);
         cudnnHandle_t h = NULL;
-        FT_TRY(check(cudnnCreate(&h), func, "cudnnCreate"));
+        debug("cudnnCreate for cuda:%d", index);
+        const cudnnStatus_t cs = cudnnCreate(&h);
+        debug("cudnnCreate returned %s, handle %p", cudnnGetErrorString(cs), (void *)h);
+        FT_TRY(check(cs, func, "cudnnCreate"));
+        debug("cudnnSetStream(handle, legacy default stream)");
         ft_status st = check(cudnnSetStream(h, 0), func, "cudnnSetStream");
         if (st != FT_OK) {
             cudnnDestroy(h);
             return st;
         }
         handles[index] = h;
-        debug("handle for cuda:%d: cuDNN %zu (built with %d), CUDA runtime %zu; cuDNN's own log: "
-              "CUDNN_LOGLEVEL_DBG=2 CUDNN_LOGDEST_DBG=stderr", index, runtime, CUDNN_VERSION,
-              cudnnGetCudartVersion());
+        debug("handle for cuda:%d ready", index);
     }
     *out = handles[index];
     return FT_OK;
@@ -723,8 +746,11 @@ static ft_status find_plan(const char *func, const plan_key *key, cudnnHandle_t 
     p->g.io = key->dtype == FT_BF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF;
     ft_status st = key->pass == PASS_FORWARD ? graph_forward(&p->g, key)
                                              : graph_backward(&p->g, key);
-    if (st == FT_OK)
+    if (st == FT_OK) {
+        debug("graph made: %d operations, %d descriptors, %d named tensors", p->g.nop, p->g.ndesc,
+              p->g.nuid);
         st = build_plan(&p->g, handle, &p->exec, &p->workspace);
+    }
     if (st != FT_OK) {
         /* the message names the call */
         char detail[768];
@@ -769,7 +795,11 @@ static ft_status execute(const char *func, cudnnHandle_t handle, const plan *p,
         st = cudnnBackendFinalize(pack);
     if (st == CUDNN_STATUS_SUCCESS) {
         what = "cudnnBackendExecute";
+        debug("cudnnBackendExecute: %d tensors, workspace %p", p->g.nuid, ws_ptr);
         st = cudnnBackendExecute(handle, p->exec, pack);
+        debug("cudnnBackendExecute returned %s", cudnnGetErrorString(st));
+    } else {
+        debug("the variant pack failed: %s", cudnnGetErrorString(st));
     }
     ft_status fs = st == CUDNN_STATUS_SUCCESS ? FT_OK : cudnn_fail(st, func, what);
     if (pack)
@@ -852,13 +882,16 @@ static void make_key(plan_key *key, int pass, const ft_attn_shape *s, int64_t Nq
 /* Looks the plan up (or builds it) and runs it, under the lock. */
 static ft_status run(const char *func, const plan_key *key, void **ptr, ft_device device)
 {
+    debug("selecting cuda:%d", device.index);
     FT_TRY(ft_cuda_use_device(device.index, func));
     pthread_mutex_lock(&lock);
     cudnnHandle_t handle = NULL;
     plan *p = NULL;
     ft_status st = device_handle(func, device.index, &handle);
-    if (st == FT_OK)
+    if (st == FT_OK) {
+        debug("looking up the plan");
         st = find_plan(func, key, handle, &p);
+    }
     if (st == FT_OK) {
         debug("executing the %s plan (workspace %lld bytes)",
               key->pass == PASS_FORWARD ? "forward" : "backward", (long long)p->workspace);
@@ -907,11 +940,25 @@ static ft_status check_lengths(const char *func, const ft_attn_shape *s, int64_t
 
 int ft_cudnn_version(void) { return (int)cudnnGetVersion(); }
 
+/* The debug trace's first line of a call. */
+static void debug_entry(const char *pass, const ft_attn_shape *s, const ft_tensor *q)
+{
+    if (!debug_on())
+        return;
+    debug("%s: %s B=%lld H=%lld Hk=%lld Nq=%lld Nk=%lld d=%lld causal=%d scale=%g, q on %s:%d "
+          "at %p, strides %lld %lld %lld %lld", pass, ft_dtype_name(s->dtype), (long long)s->B,
+          (long long)s->H, (long long)s->Hk, (long long)s->Nq, (long long)s->Nk, (long long)s->d,
+          s->causal, s->scale, q->device.type == FT_CUDA ? "cuda" : "cpu", q->device.index,
+          q->data, (long long)q->stride[0], (long long)q->stride[1], (long long)q->stride[2],
+          (long long)q->stride[3]);
+}
+
 ft_status ft_attention_forward_cudnn(const ft_attn_shape *s, const ft_tensor *q,
                                      const ft_tensor *k, const ft_tensor *v, ft_tensor *out,
                                      ft_tensor *lse)
 {
     static const char func[] = "ft_attention_forward";
+    debug_entry("forward", s, q);
     if (s->B == 0 || s->H == 0 || s->Nq == 0)
         return FT_OK;
     if (s->Nk == 0) { /* no key at all */
@@ -946,6 +993,8 @@ ft_status ft_attention_forward_cudnn(const ft_attn_shape *s, const ft_tensor *q,
         ptr[UID_Q] = in[0]->data, ptr[UID_K] = in[1]->data, ptr[UID_V] = in[2]->data;
         ptr[UID_O] = ov.data;
         ptr[UID_STATS] = lse_part ? lse_part->data : lse->data;
+        debug("forward inputs ready (%d copied)", (copy[0] != NULL) + (copy[1] != NULL) +
+                                                      (copy[2] != NULL));
         st = run(func, &key, ptr, q->device);
     }
     if (st == FT_OK && lse_part) {
@@ -964,6 +1013,7 @@ ft_status ft_attention_backward_cudnn(const ft_attn_shape *s, const ft_tensor *d
                                       ft_tensor *dk, ft_tensor *dv)
 {
     static const char func[] = "ft_attention_backward";
+    debug_entry("backward", s, q);
     if (s->B == 0 || s->H == 0 || s->Nq == 0) { /* no query: nothing flows to K and V */
         FT_TRY(ft_fill(dk, 0.0));
         return ft_fill(dv, 0.0);
@@ -1012,6 +1062,10 @@ ft_status ft_attention_backward_cudnn(const ft_attn_shape *s, const ft_tensor *d
         ptr[UID_STATS] = lse_c ? lse_c->data : lv.data;
         ptr[UID_DQ] = dqv.data, ptr[UID_DK] = dk->data, ptr[UID_DV] = dv->data;
         ptr[UID_D] = dsum->data, ptr[UID_DQ_ACC] = dq_acc->data;
+        debug("backward inputs ready (%d copied, LSE %s)",
+              (copy[0] != NULL) + (copy[1] != NULL) + (copy[2] != NULL) + (copy[3] != NULL) +
+                  (copy[4] != NULL),
+              lse_c ? "copied" : "as given");
         st = run(func, &key, ptr, q->device);
     }
     for (int i = 0; i < 5; i++)
