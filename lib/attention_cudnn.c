@@ -54,6 +54,7 @@
  * Check: spec/cuda_cudnn_spec.lua (busted, tag gpu) against the CPU's f64
  * reference, as the flash kernels are checked.
  */
+#define _GNU_SOURCE /* dladdr, RTLD_NOLOAD */
 #include "internal.h"
 
 #include <math.h>
@@ -62,6 +63,7 @@
 #include <string.h>
 
 #ifdef FT_HAVE_CUDNN
+#include <dlfcn.h>
 #include <float.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -659,6 +661,22 @@ static ft_status build_plan(graph *g, cudnnHandle_t handle, cudnnBackendDescript
 
 /* ---- handles and the plan cache (the lock held) ---- */
 
+/* cuDNN's sub-libraries, which cudnnCreate loads, find the main library's
+ * functions in the process's global scope. A host that links flashtile
+ * (and so cuDNN) into the program has them there; Lua loads flashtile's
+ * module with RTLD_LOCAL, and there cudnnCreate jumped to address 0 on
+ * the H200 (cuDNN 9.14), where a C program linked with cuDNN ran the same
+ * calls. Opening the loaded library again with RTLD_GLOBAL (RTLD_NOLOAD:
+ * it is already there) puts its symbols in the global scope; the handle
+ * stays open with the process. */
+static void cudnn_symbols_global(void)
+{
+    Dl_info info;
+    if (dladdr((void *)cudnnCreate, &info) && info.dli_fname &&
+        dlopen(info.dli_fname, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD))
+        debug("%s: symbols made global", info.dli_fname);
+}
+
 static ft_status device_handle(const char *func, int index, cudnnHandle_t *out)
 {
     if (index < 0 || index >= MAX_DEVICES)
@@ -682,6 +700,7 @@ static ft_status device_handle(const char *func, int index, cudnnHandle_t *out)
             debug("cuDNN was built for CUDA %zu.x, flashtile runs CUDA %d.x: another major "
                   "version (CUDNN_ROOT picks a cuDNN for this CUDA)", cudnn_cuda / 1000,
                   cuda_runtime / 1000);
+        cudnn_symbols_global();
         cudnnHandle_t h = NULL;
         debug("cudnnCreate for cuda:%d", index);
         const cudnnStatus_t cs = cudnnCreate(&h);
