@@ -690,6 +690,13 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
         return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
     *out = NULL;
     *lse = NULL;
+    if (p && (p->cache_seqlens || p->k_new || p->v_new || p->block_table)) {
+        if (!p->cache_seqlens)
+            return ft_fail(FT_ERR_ARGUMENT, func, 4,
+                           "k_new, v_new and block_table belong to a KV cache call: "
+                           "cache_seqlens expected");
+        return ft_attention_cache_forward(out, lse, q, k, v, p); /* attention_cache.c */
+    }
     ft_attn_shape s;
     ft_tensor *o = NULL, *l = NULL;
     int fault = 0;
@@ -848,6 +855,10 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
     *dq = *dk = *dv = NULL;
     if (p && p->dsink)
         *p->dsink = NULL;
+    if (p && (p->cache_seqlens || p->k_new || p->v_new || p->block_table))
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 7,
+                       "a KV cache call (cache_seqlens, k_new, v_new, block_table) is "
+                       "decoding and has no backward; differentiate the full-sequence call");
     /* the mods' gradients' slots: empty until the end */
     const int ngrad = p && p->mods && p->mod_grads ? ft_attn_mods_tensors(p->mods) : 0;
     for (int t = 0; t < ngrad; t++)

@@ -449,6 +449,19 @@ typedef struct ft_attn_params {
      * fails). */
     ft_tensor **mod_grads;
     const ft_attn_block_mask *block_mask; /* with mods: NULL, or made for this call */
+    /* KV cache (decoding; forward only): k and v are caches [B, Ncache,
+     * Hk, d], or page pools [pages, page_size, Hk, d] with block_table (i32
+     * [B, max_pages]: sequence b's rows r are in page block_table[b][r /
+     * page_size] - block_table_base, row r % page_size). cache_seqlens (i32
+     * [B]) counts each sequence's rows before the call (not changed).
+     * k_new and v_new ([B, Nnew, Hk, d], both or neither) are written into
+     * the caches after them, in place; the call attends over the first
+     * cache_seqlens[b] + Nnew rows (causal: bottom-right aligned on them).
+     * Rows past those are never read. NULL cache_seqlens: not a cache call. */
+    const ft_tensor *cache_seqlens;
+    const ft_tensor *k_new, *v_new;
+    const ft_tensor *block_table;
+    int block_table_base; /* the number of the pool's first page (0; Lua: 1) */
 } ft_attn_params;
 
 FT_API void ft_attn_params_init(ft_attn_params *p);

@@ -344,6 +344,11 @@ typedef struct ft_attn_shape {
     const int64_t *mod_goff;
 } ft_attn_shape;
 
+/* attention_cache.c: ft_attention_forward with a KV cache (p->cache_seqlens
+ * set). */
+ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_tensor *q,
+                                     const ft_tensor *k, const ft_tensor *v,
+                                     const ft_attn_params *p);
 /* acc[h] -= sum over b, i of e^(sink_h - lse) (dout . out): the sink's
  * gradient (a row's sink probability times D = rowsum(dout * out)). */
 void ft_attention_sink_grad_cpu(const ft_attn_shape *s, const ft_tensor *dout,

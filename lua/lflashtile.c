@@ -1888,7 +1888,9 @@ static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
         {"alibi_slopes", OPT_TENSOR}, {"dropout_p", OPT_NUMBER},   {"seed", OPT_INT},
         {"cu_seqlens_q", OPT_TENSOR}, {"cu_seqlens_k", OPT_TENSOR}, {"sink", OPT_TENSOR},
         {"offset", OPT_INT},         {"max_seqlen_q", OPT_INT},    {"max_seqlen_k", OPT_INT},
-        {"mods", OPT_MODS},          {"block_mask", OPT_BLOCK_MASK}, {"mod_grads", OPT_BOOL}};
+        {"mods", OPT_MODS},          {"block_mask", OPT_BLOCK_MASK}, {"mod_grads", OPT_BOOL},
+        {"cache_seqlens", OPT_TENSOR}, {"k_new", OPT_TENSOR},      {"v_new", OPT_TENSOR},
+        {"block_table", OPT_TENSOR}};
     enum { N = sizeof spec / sizeof spec[0] };
     opt_value v[N];
     read_options(L, idx, spec, N, v);
@@ -1925,6 +1927,11 @@ static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
     p->mod_ntensors = v[18].mod_ntensors;
     p->mod_tensors = v[18].mod_tensors;
     p->block_mask = v[19].block_mask;
+    p->cache_seqlens = v[21].tensor;
+    p->k_new = v[22].tensor;
+    p->v_new = v[23].tensor;
+    p->block_table = v[24].tensor;
+    p->block_table_base = 1; /* page numbers count from 1, as every Lua index */
     return !v[20].present || v[20].boolean;
 }
 
