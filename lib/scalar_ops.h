@@ -92,36 +92,28 @@ FT_SCALAR_FN double ft_f64_from_bits(uint64_t bits)
 #define FT_F16_MANT_BITS 10
 #define FT_BF16_EXP_BITS 8
 #define FT_BF16_MANT_BITS 7
-
-/* Rounds x to a binary float of exp_bits exponent and mant_bits mantissa
- * bits, ties to even, and returns its 1 + exp_bits + mant_bits bit
- * pattern. The rounding is done on the integer significand of the double,
- * so no double rounding through f32 can happen. NaN keeps its sign and
- * becomes quiet, overflow goes to infinity, small values to subnormals or
- * zero. */
-FT_SCALAR_FN uint16_t ft_f64_to_small(double x, int exp_bits, int mant_bits)
+/* The magnitude bits (biased exponent << mant_bits | mantissa) of |x|
+ * rounded to nearest, ties to even, on the grid of a binary float of
+ * exp_bits exponent and mant_bits mantissa bits; x finite. The rounding is
+ * done on the integer significand of the double, so no double rounding
+ * through f32 can happen; small values go to subnormals or zero, and a
+ * rounding that carries into the next binade carries into the exponent.
+ * Magnitudes past the format's top exponent come out as larger codes: the
+ * caller makes them infinite or saturates them. */
+FT_SCALAR_FN uint32_t ft_f64_round_small(double x, int exp_bits, int mant_bits)
 {
     const uint64_t bits = ft_f64_bits(x);
-    const uint32_t sign = (uint32_t)(bits >> 63) << (exp_bits + mant_bits);
-    const int exp_max = (1 << exp_bits) - 1; /* all ones: inf / NaN */
-    const int bias = (1 << (exp_bits - 1)) - 1;
-    const uint32_t inf = (uint32_t)exp_max << mant_bits;
     const int dexp = (int)((bits >> 52) & 0x7ff);
-    const uint64_t dmant = bits & ((1ull << 52) - 1);
-
-    if (dexp == 0x7ff) /* infinity, or NaN made quiet */
-        return (uint16_t)(dmant ? sign | inf | (1u << (mant_bits - 1))
-                                : sign | inf);
     if (dexp == 0) /* zero, or a subnormal double: far below half the
-                      smallest f16/bf16 subnormal, so it rounds to zero */
-        return (uint16_t)sign;
-
+                      smallest subnormal of any small float, so zero */
+        return 0;
+    const int bias = (1 << (exp_bits - 1)) - 1;
     const int e = dexp - 1023; /* |x| = sig * 2^(e - 52) */
-    const uint64_t sig = dmant | (1ull << 52);
+    const uint64_t sig = (bits & ((1ull << 52) - 1)) | (1ull << 52);
     /* The target's exponent; below the minimum normal the minimum
      * exponent is kept and mantissa bits are lost (subnormal). */
     const int emin = 1 - bias;
-    int shift_exp = e < emin ? emin : e;
+    const int shift_exp = e < emin ? emin : e;
     /* q = round(|x| * 2^(mant_bits - shift_exp)) = round(sig >> s). */
     const int s = 52 - mant_bits + shift_exp - e; /* >= 52 - mant_bits */
     uint64_t q;
@@ -134,17 +126,29 @@ FT_SCALAR_FN uint16_t ft_f64_to_small(double x, int exp_bits, int mant_bits)
         if (rem > half || (rem == half && (q & 1)))
             q++;
     }
-    if (q >= (2ull << mant_bits)) { /* rounding carried into the next binade */
-        q >>= 1;
-        shift_exp++;
-    }
-    if (q < (1ull << mant_bits)) /* subnormal, or rounded to zero */
-        return (uint16_t)(sign | (uint32_t)q);
-    const int biased = shift_exp + bias;
-    if (biased >= exp_max)
-        return (uint16_t)(sign | inf);
-    return (uint16_t)(sign | ((uint32_t)biased << mant_bits) |
-                      (uint32_t)(q & ((1ull << mant_bits) - 1)));
+    /* A normal q is 2^mant_bits plus the mantissa, so adding the binades
+     * above the minimum gives the biased exponent and mantissa at once; a
+     * subnormal q (below 2^mant_bits) is its own code, and a q that
+     * rounded up to the next power of two moves the exponent by one. */
+    return (uint32_t)(q + ((uint64_t)(shift_exp - emin) << mant_bits));
+}
+
+/* Rounds x to a binary float of exp_bits exponent and mant_bits mantissa
+ * bits with IEEE's infinities (f16, bf16), ties to even, and returns its
+ * 1 + exp_bits + mant_bits bit pattern. NaN keeps its sign and becomes
+ * quiet, overflow goes to infinity. */
+FT_SCALAR_FN uint16_t ft_f64_to_small(double x, int exp_bits, int mant_bits)
+{
+    const uint64_t bits = ft_f64_bits(x);
+    const uint32_t sign = (uint32_t)(bits >> 63) << (exp_bits + mant_bits);
+    const int exp_max = (1 << exp_bits) - 1; /* all ones: inf / NaN */
+    const uint32_t inf = (uint32_t)exp_max << mant_bits;
+    if (((bits >> 52) & 0x7ff) == 0x7ff) /* infinity, or NaN made quiet */
+        return (uint16_t)((bits & ((1ull << 52) - 1))
+                              ? sign | inf | (1u << (mant_bits - 1))
+                              : sign | inf);
+    const uint32_t mag = ft_f64_round_small(x, exp_bits, mant_bits);
+    return (uint16_t)(sign | (mag >= inf ? inf : mag));
 }
 
 /* 2^e as a double, for e in the normal range. */
@@ -153,27 +157,42 @@ FT_SCALAR_FN double ft_pow2(int e)
     return ft_f64_from_bits((uint64_t)(e + 1023) << 52);
 }
 
-/* The exact double of a small float's bits: NaN is the default quiet NaN
- * (0x7ff8...) with h's sign, subnormals are mant * 2^(1 - bias -
- * mant_bits), a power of two times an integer below 2^10. */
+/* The exact double of a small float's finite magnitude bits (as
+ * ft_f64_round_small gives them), negated when negative: subnormals are
+ * mant * 2^(1 - bias - mant_bits), normals (2^mant_bits + mant) *
+ * 2^(biased - bias - mant_bits), a power of two times an integer below
+ * 2^11. */
+FT_SCALAR_FN double ft_small_finite_to_f64(uint32_t mag, int negative, int exp_bits,
+                                           int mant_bits)
+{
+    const int bias = (1 << (exp_bits - 1)) - 1;
+    const int biased = (int)(mag >> mant_bits);
+    const uint32_t mant = mag & ((1u << mant_bits) - 1);
+    const double v = biased == 0
+                         ? (double)mant * ft_pow2(1 - bias - mant_bits)
+                         : (double)(mant | (1u << mant_bits)) *
+                               ft_pow2(biased - bias - mant_bits);
+    return negative ? -v : v;
+}
+
+/* The default quiet NaN (0x7ff8...) with the given sign. */
+FT_SCALAR_FN double ft_signed_nan(int negative)
+{
+    return ft_f64_from_bits(((uint64_t)negative << 63) | 0x7ff8000000000000ull);
+}
+
+/* The exact double of an f16 or bf16 bit pattern: infinities stay
+ * infinite, NaN is the default quiet NaN with h's sign. */
 FT_SCALAR_FN double ft_small_to_f64(uint16_t h, int exp_bits, int mant_bits)
 {
     const int exp_max = (1 << exp_bits) - 1;
-    const int bias = (1 << (exp_bits - 1)) - 1;
     const int negative = (h >> (exp_bits + mant_bits)) & 1;
-    const int biased = (h >> mant_bits) & exp_max;
-    const uint32_t mant = h & ((1u << mant_bits) - 1);
-    double v;
-    if (biased == exp_max)
-        return ft_f64_from_bits(((uint64_t)negative << 63) |
-                                (mant ? 0x7ff8000000000000ull
-                                      : 0x7ff0000000000000ull));
-    if (biased == 0)
-        v = (double)mant * ft_pow2(1 - bias - mant_bits);
-    else
-        v = (double)(mant | (1u << mant_bits)) *
-            ft_pow2(biased - bias - mant_bits);
-    return negative ? -v : v;
+    const uint32_t mag = h & ((1u << (exp_bits + mant_bits)) - 1);
+    if ((int)(mag >> mant_bits) == exp_max)
+        return (mag & ((1u << mant_bits) - 1))
+                   ? ft_signed_nan(negative)
+                   : ft_f64_from_bits(((uint64_t)negative << 63) | 0x7ff0000000000000ull);
+    return ft_small_finite_to_f64(mag, negative, exp_bits, mant_bits);
 }
 
 /* ---- integers ---- */
