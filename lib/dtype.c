@@ -3,9 +3,12 @@
  *
  * Every conversion goes through double: it holds f32, f16, bf16 and i32
  * exactly, so one rounding step (double -> narrow type) is the only one.
- * Rounding to f16 and bf16 is to nearest, ties to even, done on the bits
- * of the double so that no double rounding through f32 can happen. The
- * conversions themselves are scalar_ops.h's, shared with the CUDA kernels.
+ * Rounding to f16, bf16 and fp8 e4m3 is to nearest, ties to even, done on
+ * the bits of the double so that no double rounding through f32 can
+ * happen (fp8 e4m3, which has no infinity, saturates finite values at
+ * +-448). The conversions themselves are scalar_ops.h's, shared with the
+ * CUDA kernels. fp8 e4m3 is a storage dtype: ft_dtype_is_float is 0 for
+ * it, so that every operation that computes refuses it.
  */
 #include "internal.h"
 #include "scalar_ops.h"
@@ -14,14 +17,19 @@
 #include <stdio.h>
 #include <string.h>
 
+/* What a dtype's values are: floats arithmetic takes, integers, or
+ * floats held as data only (ft_dtype_is_storage_only). */
+enum dtype_kind { KIND_FLOAT, KIND_INT, KIND_STORAGE };
+
 static const struct {
     const char *name;
     size_t size;
-    int is_float;
+    enum dtype_kind kind;
 } dtype_info[FT_NUM_DTYPES] = {
-    [FT_F64] = {"f64", 8, 1},  [FT_F32] = {"f32", 4, 1},
-    [FT_F16] = {"f16", 2, 1},  [FT_BF16] = {"bf16", 2, 1},
-    [FT_I32] = {"i32", 4, 0},  [FT_I64] = {"i64", 8, 0},
+    [FT_F64] = {"f64", 8, KIND_FLOAT},  [FT_F32] = {"f32", 4, KIND_FLOAT},
+    [FT_F16] = {"f16", 2, KIND_FLOAT},  [FT_BF16] = {"bf16", 2, KIND_FLOAT},
+    [FT_I32] = {"i32", 4, KIND_INT},    [FT_I64] = {"i64", 8, KIND_INT},
+    [FT_FP8_E4M3] = {"fp8_e4m3", 1, KIND_STORAGE},
 };
 
 static const struct {
@@ -31,7 +39,8 @@ static const struct {
     {"float64", FT_F64}, {"double", FT_F64},   {"float32", FT_F32},
     {"float", FT_F32},   {"float16", FT_F16},  {"half", FT_F16},
     {"bfloat16", FT_BF16}, {"int32", FT_I32},  {"int", FT_I32},
-    {"int64", FT_I64},   {"long", FT_I64},
+    {"int64", FT_I64},   {"long", FT_I64},     {"float8_e4m3fn", FT_FP8_E4M3},
+    {"e4m3", FT_FP8_E4M3},
 };
 
 static int dtype_valid(ft_dtype d) { return d >= 0 && d < FT_NUM_DTYPES; }
@@ -43,7 +52,12 @@ const char *ft_dtype_name(ft_dtype d)
     return dtype_valid(d) ? dtype_info[d].name : "invalid";
 }
 
-int ft_dtype_is_float(ft_dtype d) { return dtype_valid(d) && dtype_info[d].is_float; }
+int ft_dtype_is_float(ft_dtype d) { return dtype_valid(d) && dtype_info[d].kind == KIND_FLOAT; }
+
+int ft_dtype_is_storage_only(ft_dtype d)
+{
+    return dtype_valid(d) && dtype_info[d].kind == KIND_STORAGE;
+}
 
 ft_status ft_dtype_parse(const char *name, ft_dtype *out)
 {
@@ -62,7 +76,7 @@ ft_status ft_dtype_parse(const char *name, ft_dtype *out)
             return FT_OK;
         }
     return ft_fail(FT_ERR_ARGUMENT, "ft_dtype_parse", 1,
-                   "unknown dtype '%s' (expected f64, f32, f16, bf16, i32 or i64)",
+                   "unknown dtype '%s' (expected f64, f32, f16, bf16, i32, i64 or fp8_e4m3)",
                    name);
 }
 
@@ -141,8 +155,8 @@ int ft_device_equal(ft_device a, ft_device b)
     return a.type == b.type && a.index == b.index;
 }
 
-/* ---- f16, bf16 and element load and store: the rules of scalar_ops.h,
- * which the CUDA kernels share ---- */
+/* ---- f16, bf16, fp8 e4m3 and element load and store: the rules of
+ * scalar_ops.h, which the CUDA kernels share ---- */
 
 uint16_t ft_f64_to_f16(double x)
 {
@@ -163,6 +177,10 @@ double ft_bf16_to_f64(uint16_t h)
 {
     return ft_small_to_f64(h, FT_BF16_EXP_BITS, FT_BF16_MANT_BITS);
 }
+
+uint8_t ft_f64_to_fp8_e4m3(double x) { return ft_f64_to_e4m3(x); }
+
+double ft_fp8_e4m3_to_f64(uint8_t b) { return ft_e4m3_to_f64(b); }
 
 double ft_load_f64(const void *p, ft_dtype dtype) { return ft_elem_load(p, 0, dtype); }
 

@@ -62,3 +62,12 @@ ft_status ft_check_tensor(const char *func, int arg, const ft_tensor *t)
         return ft_fail(FT_ERR_ARGUMENT, func, arg, "tensor expected, got NULL");
     return FT_OK;
 }
+
+ft_status ft_check_computable(const char *func, int arg, ft_dtype dtype, const char *what)
+{
+    if (ft_dtype_is_storage_only(dtype))
+        return ft_fail(FT_ERR_ARGUMENT, func, arg,
+                       "%s: %s tensors hold data only; convert with :to('f16') (ft_to) first",
+                       what, ft_dtype_name(dtype));
+    return FT_OK;
+}

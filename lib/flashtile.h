@@ -71,18 +71,35 @@ typedef enum ft_dtype {
     FT_BF16 = 3,
     FT_I32 = 4,
     FT_I64 = 5,
-    FT_NUM_DTYPES = 6
+    /* FP8 E4M3 (torch.float8_e4m3fn, CUDA's __nv_fp8_e4m3): 1 sign, 4
+     * exponent bits with bias 7, 3 mantissa bits, no infinities
+     * (S.1111.111 is NaN), finite values up to 448, subnormals down to
+     * 2^-9. A storage dtype: it is copied, viewed, converted to and from
+     * every dtype, filled, read and compared (ft_max_abs_diff,
+     * ft_allclose), but arithmetic (elementwise ops, reductions,
+     * softmax, matmul, random numbers, index_add, attention) refuses it;
+     * convert it first (ft_to). Conversions to it round to nearest even
+     * and saturate finite values past 448 to +-448; +-inf and NaN become
+     * NaN (ft_f64_to_fp8_e4m3). */
+    FT_FP8_E4M3 = 6,
+    FT_NUM_DTYPES = 7
 } ft_dtype;
 
 /* Bytes per element; 0 for an invalid dtype. */
 FT_API size_t ft_dtype_size(ft_dtype dtype);
-/* Canonical short name ("f64", "f32", "f16", "bf16", "i32", "i64"). */
+/* Canonical short name ("f64", "f32", "f16", "bf16", "i32", "i64",
+ * "fp8_e4m3"). */
 FT_API const char *ft_dtype_name(ft_dtype dtype);
 /* Parses a short name or an alias ("double", "float", "half", "bfloat16",
- * "int", "long", "float32"...). FT_ERR_ARGUMENT for an unknown name. */
+ * "int", "long", "float32", "float8_e4m3fn", "e4m3"...). FT_ERR_ARGUMENT
+ * for an unknown name. */
 FT_API ft_status ft_dtype_parse(const char *name, ft_dtype *out);
-/* 1 for f64/f32/f16/bf16, 0 for integer dtypes. */
+/* 1 for the floating-point dtypes arithmetic takes, f64/f32/f16/bf16; 0
+ * for integer dtypes and for fp8_e4m3, which holds data only. */
 FT_API int ft_dtype_is_float(ft_dtype dtype);
+/* 1 for the storage dtypes (fp8_e4m3): floating-point values that are
+ * held, moved and converted but never computed on. */
+FT_API int ft_dtype_is_storage_only(ft_dtype dtype);
 
 typedef enum ft_device_type { FT_CPU = 0, FT_CUDA = 1 } ft_device_type;
 
@@ -173,9 +190,11 @@ FT_API ft_status ft_clone(ft_tensor **out, const ft_tensor *t);
 /* A contiguous copy of t converted to dtype on device. */
 FT_API ft_status ft_to(ft_tensor **out, const ft_tensor *t, ft_dtype dtype,
                        ft_device device);
-/* dst[...] = src[...], converting dtypes. Shapes must be equal. Floats to
- * f16/bf16 round to nearest even; floats to integers truncate toward zero
- * and saturate (NaN becomes 0). dst and src may be views of one storage
+/* dst[...] = src[...], converting dtypes. Shapes must be equal. Floats
+ * (and integers, through double) to f16/bf16/fp8_e4m3 round to nearest
+ * even, once (fp8 saturating, as ft_f64_to_fp8_e4m3); floats to integers
+ * truncate toward zero and saturate (NaN becomes 0). dst and src may be
+ * views of one storage
  * only if they are the same view. A dst that repeats elements (stride 0,
  * from ft_expand) gets each written once, with the value of its last
  * index in row-major order. */
@@ -204,11 +223,15 @@ FT_API ft_status ft_set_int(ft_tensor *t, const int64_t *index,
                             int64_t value);
 
 /* Scalar conversions with round-to-nearest-even (the bit patterns of
- * IEEE binary16 and bfloat16). */
+ * IEEE binary16, bfloat16 and fp8 e4m3). fp8 e4m3 saturates: finite x
+ * past 448 gives +-448, +-inf and NaN give NaN (0x7f, 0xff with the
+ * sign). */
 FT_API uint16_t ft_f64_to_f16(double x);
 FT_API double ft_f16_to_f64(uint16_t h);
 FT_API uint16_t ft_f64_to_bf16(double x);
 FT_API double ft_bf16_to_f64(uint16_t h);
+FT_API uint8_t ft_f64_to_fp8_e4m3(double x);
+FT_API double ft_fp8_e4m3_to_f64(uint8_t b);
 
 /* Gathers along dim: out has t's shape with dim's size replaced by
  * numel(index), and out[.., i, ..] = t[.., index[i], ..]. index: a 1-d

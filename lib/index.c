@@ -150,6 +150,7 @@ ft_status ft_index_add(ft_tensor *t, int dim, const ft_tensor *index, const ft_t
     char a[SHAPE_TEXT], b[SHAPE_TEXT];
     FT_TRY(ft_check_tensor(func, 1, t));
     FT_TRY(ft_check_device(func, 1, t, NULL));
+    FT_TRY(ft_check_computable(func, 1, t->dtype, "index_add"));
     if (!ft_dtype_is_float(t->dtype))
         return ft_fail(FT_ERR_ARGUMENT, func, 1, "needs a floating-point tensor, got %s",
                        ft_dtype_name(t->dtype));

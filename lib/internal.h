@@ -59,6 +59,16 @@ ft_status ft_check_dim(const char *func, int arg, int dim, int ndim, int *out);
 /* Checks a tensor argument is non-NULL; the message names func and arg. */
 ft_status ft_check_tensor(const char *func, int arg, const ft_tensor *t);
 
+/* Refuses a storage dtype (fp8_e4m3) where `what` (an op's name) would
+ * compute on it, with the way out in the message; FT_OK for the others. */
+ft_status ft_check_computable(const char *func, int arg, ft_dtype dtype, const char *what);
+
+/* 1 for the integer dtypes, i32 and i64 (neither float nor storage). */
+static inline int ft_dtype_is_int(ft_dtype d)
+{
+    return d == FT_I32 || d == FT_I64;
+}
+
 /* ---- sizes ----
  * Every element count, byte size, scratch size and stride product of lib/
  * goes through ft_mul_size / ft_add_size (or the helpers built on them

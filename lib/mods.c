@@ -180,6 +180,7 @@ ft_status ft_attn_mods_check_tensors(const ft_attn_mods *m, const char *func, in
                        m->ntensors, ntensors);
     for (int t = 0; t < ntensors; t++) {
         FT_TRY(ft_check_tensor(func, arg, tensors[t]));
+        FT_TRY(ft_check_computable(func, arg, tensors[t]->dtype, "mods' tensors"));
         if (tensors[t]->device.type != device.type || tensors[t]->device.index != device.index)
             return ft_fail(FT_ERR_ARGUMENT, func, arg,
                            "mods' tensor %d is not on q's device", t + 1);

@@ -419,6 +419,7 @@ ft_status ft_attn_mods_cuda_check_tensors(const char *func, int arg, int ntensor
                        ntensors);
     for (int t = 0; t < ntensors; t++) {
         const ft_tensor *x = tensors[t];
+        FT_TRY(ft_check_computable(func, arg, x->dtype, "mods' tensors"));
         if (x->ndim > 4)
             return ft_fail(FT_ERR_UNSUPPORTED, func, arg,
                            "mods on CUDA read tensors of at most 4 dims; tensor %d has %d", t + 1,

@@ -8,7 +8,8 @@
  * ft_store_f64 and the math is done in double, with the per-element rules
  * of scalar_ops.h that the kernels share; inputs may be any strided
  * view (stride 0, empty, 0-d), walked with ft_iter. All tensor operands
- * of one op must be on one device.
+ * of one op must be on one device. fp8_e4m3, a storage dtype, is refused
+ * by every op here but the comparisons, which only read and convert.
  */
 #include "internal.h"
 #include "scalar_ops.h"
@@ -94,12 +95,20 @@ static int binop_int_ok(ft_binop op)
            op == FT_MINIMUM;
 }
 
+/* The name of a binary op for messages ("binary op" for an unknown one,
+ * which check_binop refuses). */
+static const char *binop_name(ft_binop op)
+{
+    return (int)op >= 0 && (int)op < NUM_BINOPS ? BINOP_NAMES[op] : "binary op";
+}
+
 static ft_status check_binop(const char *func, ft_binop op, int arg,
                              const ft_tensor *a)
 {
     if ((int)op < 0 || (int)op >= NUM_BINOPS)
         return ft_fail(FT_ERR_ARGUMENT, func, 1, "unknown binary op %d",
                        (int)op);
+    FT_TRY(ft_check_computable(func, arg, a->dtype, BINOP_NAMES[op]));
     if (!ft_dtype_is_float(a->dtype) && !binop_int_ok(op))
         return ft_fail(FT_ERR_ARGUMENT, func, arg,
                        "%s needs floating-point tensors, got %s",
@@ -174,6 +183,8 @@ ft_status ft_binary(ft_tensor **out, ft_binop op, const ft_tensor *a,
     *out = NULL;
     FT_TRY(check_input(F, 2, a, NULL));
     FT_TRY(check_input(F, 3, b, a));
+    FT_TRY(ft_check_computable(F, 2, a->dtype, binop_name(op)));
+    FT_TRY(ft_check_computable(F, 3, b->dtype, binop_name(op)));
     FT_TRY(check_same_dtype(F, 3, a, b));
     FT_TRY(ft_check_same_shape(F, 3, a, b));
     FT_TRY(check_binop(F, op, 2, a));
@@ -216,6 +227,7 @@ ft_status ft_unary(ft_tensor **out, ft_unop op, const ft_tensor *a)
     if ((int)op < 0 || (int)op >= NUM_UNOPS)
         return ft_fail(FT_ERR_ARGUMENT, F, 1, "unknown unary op %d", (int)op);
     FT_TRY(check_input(F, 2, a, NULL));
+    FT_TRY(ft_check_computable(F, 2, a->dtype, UNOP_NAMES[op]));
     if (!ft_dtype_is_float(a->dtype) && op != FT_NEG && op != FT_ABS)
         return ft_fail(FT_ERR_ARGUMENT, F, 2,
                        "%s needs a floating-point tensor, got %s",
@@ -339,6 +351,7 @@ ft_status ft_reduce_all(ft_reduce_op op, const ft_tensor *a, double *result)
     FT_TRY(check_out(F, result));
     FT_TRY(check_reduce_op(F, op));
     FT_TRY(check_input(F, 2, a, NULL));
+    FT_TRY(ft_check_computable(F, 2, a->dtype, REDUCE_NAMES[op]));
     if (is_extreme(op) && ft_numel(a) == 0)
         return ft_fail(FT_ERR_ARGUMENT, F, 2, "%s of an empty tensor",
                        REDUCE_NAMES[op]);
@@ -437,6 +450,7 @@ ft_status ft_reduce_dim(ft_tensor **out, ft_tensor **indices, ft_reduce_op op,
                        "%s gives no indices (only max and min do)",
                        REDUCE_NAMES[op]);
     FT_TRY(check_input(F, 2, a, NULL));
+    FT_TRY(ft_check_computable(F, 2, a->dtype, REDUCE_NAMES[op]));
     int d;
     FT_TRY(ft_check_dim(F, 3, dim, a->ndim, &d));
     if ((op == FT_MEAN || op == FT_NORM) && !ft_dtype_is_float(a->dtype))
@@ -531,6 +545,7 @@ ft_status ft_softmax(ft_tensor **out, const ft_tensor *a, int dim)
     FT_TRY(check_out(F, out));
     *out = NULL;
     FT_TRY(check_input(F, 1, a, NULL));
+    FT_TRY(ft_check_computable(F, 1, a->dtype, "softmax"));
     int d;
     FT_TRY(ft_check_dim(F, 2, dim, a->ndim, &d));
     if (!ft_dtype_is_float(a->dtype))
@@ -669,6 +684,8 @@ static ft_status check_matmul(const ft_tensor *a, const ft_tensor *b)
     char sa[SHAPE_BUF], sb[SHAPE_BUF];
     FT_TRY(check_input(F, 1, a, NULL));
     FT_TRY(check_input(F, 2, b, a));
+    FT_TRY(ft_check_computable(F, 1, a->dtype, "matmul"));
+    FT_TRY(ft_check_computable(F, 2, b->dtype, "matmul"));
     FT_TRY(check_same_dtype(F, 2, a, b));
     if (!ft_dtype_is_float(a->dtype))
         return ft_fail(FT_ERR_ARGUMENT, F, 1,

@@ -79,6 +79,7 @@ static ft_status fill_random(ft_tensor *t, uint64_t seed, uint64_t offset,
 {
     FT_TRY(ft_check_tensor(func, 1, t));
     FT_TRY(ft_check_device(func, 1, t, NULL));
+    FT_TRY(ft_check_computable(func, 1, t->dtype, dist == FT_DIST_NORMAL ? "randn" : "rand"));
     if (!ft_dtype_is_float(t->dtype))
         return ft_fail(FT_ERR_ARGUMENT, func, 1,
                        "needs a floating-point tensor, got %s",

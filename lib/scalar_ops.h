@@ -1,10 +1,11 @@
 /*
  * scalar_ops.h - the per-element rules that the CPU loops of lib/ and the
  * CUDA kernels of kernels/tensor/ must apply alike, bit for bit: element
- * loads and stores by dtype (f16/bf16 rounded to nearest even on the bits
- * of the double, integers truncated and saturated, NaN -> 0), the clamp of
- * a stored uniform below 1, the elementwise ops, Neumaier's compensated
- * sum and a reduction's result, and the comparison of two elements.
+ * loads and stores by dtype (f16, bf16 and fp8 e4m3 rounded to nearest
+ * even on the bits of the double, fp8 saturated, integers truncated and
+ * saturated, NaN -> 0), the clamp of a stored uniform below 1, the
+ * elementwise ops, Neumaier's compensated sum and a reduction's result,
+ * and the comparison of two elements.
  *
  * Every function is a pure `static inline` function, usable from C and,
  * through FT_HOST_DEVICE (philox.h), from a CUDA kernel, as philox.h and
@@ -30,8 +31,14 @@
 
 #ifdef __CUDACC__
 #define FT_SCALAR_FN static __forceinline__ FT_HOST_DEVICE
+/* fp8's conversions are called, not inlined, on the device: only copies
+ * and comparisons meet fp8 there, and every kernel's dtype switch (each
+ * unrolled load and store) would otherwise carry them inline, for a
+ * longer build of kernels that never see the dtype. */
+#define FT_SCALAR_CALLED static __noinline__ FT_HOST_DEVICE
 #else
 #define FT_SCALAR_FN static inline FT_HOST_DEVICE
+#define FT_SCALAR_CALLED static inline FT_HOST_DEVICE
 #endif
 
 /* ---- arithmetic that stays unfused on the device ---- */
@@ -86,12 +93,21 @@ FT_SCALAR_FN double ft_f64_from_bits(uint64_t bits)
 #endif
 }
 
-/* ---- f16 and bf16 ---- */
+/* ---- small binary floats: f16, bf16 and fp8 e4m3 ---- */
 
 #define FT_F16_EXP_BITS 5
 #define FT_F16_MANT_BITS 10
 #define FT_BF16_EXP_BITS 8
 #define FT_BF16_MANT_BITS 7
+/* fp8 e4m3 (the OCP FP8 spec's E4M3, CUDA's __nv_fp8_e4m3, torch's
+ * float8_e4m3fn): bias 7 like any 4-bit exponent, but no infinities: the
+ * top exponent holds finite values too, up to S.1111.110 = 448, and only
+ * S.1111.111 is NaN. The smallest subnormal is 2^-9. */
+#define FT_E4M3_EXP_BITS 4
+#define FT_E4M3_MANT_BITS 3
+#define FT_E4M3_MAX_BITS 0x7e /* 448, the largest finite magnitude */
+#define FT_E4M3_NAN_BITS 0x7f
+
 /* The magnitude bits (biased exponent << mant_bits | mantissa) of |x|
  * rounded to nearest, ties to even, on the grid of a binary float of
  * exp_bits exponent and mant_bits mantissa bits; x finite. The rounding is
@@ -151,6 +167,21 @@ FT_SCALAR_FN uint16_t ft_f64_to_small(double x, int exp_bits, int mant_bits)
     return (uint16_t)(sign | (mag >= inf ? inf : mag));
 }
 
+/* x as fp8 e4m3 bits, rounded to nearest, ties to even, once from the
+ * double. e4m3 has no infinity: finite values past 448 saturate to +-448
+ * (PyTorch's cast to float8_e4m3fn since 2.12, CUDA's __NV_SATFINITE),
+ * while +-inf and NaN become NaN (S.1111.111, the sign kept), as the OCP
+ * spec and ONNX's cast table have it. */
+FT_SCALAR_CALLED uint8_t ft_f64_to_e4m3(double x)
+{
+    const uint64_t bits = ft_f64_bits(x);
+    const uint32_t sign = (uint32_t)(bits >> 63) << 7;
+    if (((bits >> 52) & 0x7ff) == 0x7ff)
+        return (uint8_t)(sign | FT_E4M3_NAN_BITS);
+    const uint32_t mag = ft_f64_round_small(x, FT_E4M3_EXP_BITS, FT_E4M3_MANT_BITS);
+    return (uint8_t)(sign | (mag > FT_E4M3_MAX_BITS ? FT_E4M3_MAX_BITS : mag));
+}
+
 /* 2^e as a double, for e in the normal range. */
 FT_SCALAR_FN double ft_pow2(int e)
 {
@@ -193,6 +224,17 @@ FT_SCALAR_FN double ft_small_to_f64(uint16_t h, int exp_bits, int mant_bits)
                    ? ft_signed_nan(negative)
                    : ft_f64_from_bits(((uint64_t)negative << 63) | 0x7ff0000000000000ull);
     return ft_small_finite_to_f64(mag, negative, exp_bits, mant_bits);
+}
+
+/* The exact double of fp8 e4m3 bits: S.1111.111 is NaN (with its sign),
+ * every other pattern finite. */
+FT_SCALAR_CALLED double ft_e4m3_to_f64(uint8_t b)
+{
+    const int negative = b >> 7;
+    const uint32_t mag = b & 0x7fu;
+    if (mag == FT_E4M3_NAN_BITS)
+        return ft_signed_nan(negative);
+    return ft_small_finite_to_f64(mag, negative, FT_E4M3_EXP_BITS, FT_E4M3_MANT_BITS);
 }
 
 /* ---- integers ---- */
@@ -248,12 +290,14 @@ FT_SCALAR_FN double ft_elem_load(const void *base, int64_t off, int dtype)
                                FT_BF16_MANT_BITS);
     case FT_I32: return (double)((const int32_t *)base)[off];
     case FT_I64: return (double)((const int64_t *)base)[off];
+    case FT_FP8_E4M3: return ft_e4m3_to_f64(((const uint8_t *)base)[off]);
     default: return NAN;
     }
 }
 
 /* Stores v as element off of the array base of dtype: floats rounded to
- * nearest even, integers truncated and saturated (NaN -> 0). */
+ * nearest even (fp8 e4m3 saturated, see ft_f64_to_e4m3), integers
+ * truncated and saturated (NaN -> 0). */
 FT_SCALAR_FN void ft_elem_store(void *base, int64_t off, int dtype, double v)
 {
     switch (dtype) {
@@ -272,6 +316,7 @@ FT_SCALAR_FN void ft_elem_store(void *base, int64_t off, int dtype, double v)
             (int32_t)ft_f64_to_int(v, (double)INT32_MIN, (double)INT32_MAX);
         break;
     case FT_I64: ((int64_t *)base)[off] = ft_f64_to_i64(v); break;
+    case FT_FP8_E4M3: ((uint8_t *)base)[off] = ft_f64_to_e4m3(v); break;
     default: break;
     }
 }
@@ -287,6 +332,7 @@ FT_SCALAR_FN double ft_round_to_dtype(double v, int dtype)
     case FT_BF16:
         return ft_small_to_f64(ft_f64_to_small(v, FT_BF16_EXP_BITS, FT_BF16_MANT_BITS),
                                FT_BF16_EXP_BITS, FT_BF16_MANT_BITS);
+    case FT_FP8_E4M3: return ft_e4m3_to_f64(ft_f64_to_e4m3(v));
     default: return v;
     }
 }

@@ -595,7 +595,7 @@ static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
     ft_iter it;
     ft_iter_init(&it, dst->ndim, dst->shape, 2,
                  (const int64_t *[]){dst->stride, src->stride});
-    int ints = !ft_dtype_is_float(dst->dtype) && !ft_dtype_is_float(src->dtype);
+    int ints = ft_dtype_is_int(dst->dtype) && ft_dtype_is_int(src->dtype);
     for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
         void *pd = ft_elem_ptr(dst, it.offset[0]);
         const void *ps = ft_elem_ptr(src, it.offset[1]);

@@ -856,11 +856,18 @@ static options check_options(lua_State *L, int idx, ft_dtype default_dtype)
 }
 
 
+/* 1 for i32 and i64: neither the floats arithmetic takes nor a storage
+ * dtype (fp8_e4m3), whose values are floats too. */
+static int is_int_dtype(ft_dtype d)
+{
+    return !ft_dtype_is_float(d) && !ft_dtype_is_storage_only(d);
+}
+
 /* An integer for integer dtypes when v is one that fits, else a float
  * (a sum of i64 values can leave the int64 range). */
 static void push_number(lua_State *L, const ft_tensor *t, double v)
 {
-    if (!ft_dtype_is_float(t->dtype) && v >= -0x1p63 && v < 0x1p63 && v == floor(v))
+    if (is_int_dtype(t->dtype) && v >= -0x1p63 && v < 0x1p63 && v == floor(v))
         lua_pushinteger(L, (lua_Integer)v);
     else
         lua_pushnumber(L, v);
@@ -870,7 +877,7 @@ static void push_number(lua_State *L, const ft_tensor *t, double v)
  * failed read (a CUDA copy) is an error, not a 0. */
 static void push_element(lua_State *L, const ft_tensor *t, const int64_t *index)
 {
-    if (ft_dtype_is_float(t->dtype)) {
+    if (!is_int_dtype(t->dtype)) {
         double v = 0;
         if (ft_get(t, index, &v) != FT_OK)
             luaL_error(L, "%s", ft_last_error());
@@ -886,7 +893,7 @@ static void push_element(lua_State *L, const ft_tensor *t, const int64_t *index)
 /* Stores the Lua number at idx into element index. */
 static void store_element(lua_State *L, ft_tensor *t, const int64_t *index, int idx)
 {
-    if (lua_isinteger(L, idx) && !ft_dtype_is_float(t->dtype))
+    if (lua_isinteger(L, idx) && is_int_dtype(t->dtype))
         ft_set_int(t, index, (int64_t)lua_tointeger(L, idx));
     else
         ft_set(t, index, lua_tonumber(L, idx));
@@ -970,6 +977,10 @@ static int random_new(lua_State *L, int normal)
     int next;
     int ndim = check_shape(L, 1, shape, &next);
     options o = check_options(L, next, DEFAULT_DTYPE);
+    if (ft_dtype_is_storage_only(o.dtype))
+        luaL_argerror(L, next, lua_pushfstring(L, "%s holds data only: draw in f32 and convert "
+                                                  "with :to('%s')",
+                                               ft_dtype_name(o.dtype), ft_dtype_name(o.dtype)));
     if (!ft_dtype_is_float(o.dtype))
         luaL_argerror(L, next, lua_pushfstring(L, "needs a floating-point dtype, got %s",
                                                ft_dtype_name(o.dtype)));
@@ -1036,7 +1047,7 @@ static int l_arange(lua_State *L)
     if (step == 0 || !isfinite(step) || !isfinite(start) || !isfinite(stop))
         luaL_argerror(L, nnum, "step must be finite and nonzero, bounds finite");
     options o = check_options(L, nnum + 1, DEFAULT_DTYPE);
-    int exact = !ft_dtype_is_float(o.dtype);
+    int exact = is_int_dtype(o.dtype);
     for (int i = 1; i <= nnum; i++) { /* integral numbers, floats included */
         int ok = 0;
         lua_tointegerx(L, i, &ok);
@@ -1441,7 +1452,7 @@ static int t_to(lua_State *L)
             ft_device_parse(name, &device) != FT_OK) {
             if (strncmp(name, "cuda", 4) == 0) /* a device, not in this build */
                 luaL_argerror(L, 2, ft_last_error_detail());
-            luaL_argerror(L, 2, lua_pushfstring(L, "unknown dtype or device '%s' (dtypes: f64, f32, f16, bf16, i32, i64; devices: cpu, cuda, cuda:N)", name));
+            luaL_argerror(L, 2, lua_pushfstring(L, "unknown dtype or device '%s' (dtypes: f64, f32, f16, bf16, i32, i64, fp8_e4m3; devices: cpu, cuda, cuda:N)", name));
         }
     }
     return convert(L, t, dtype, device);
@@ -1613,7 +1624,7 @@ static int reduce(lua_State *L, ft_reduce_op op)
     if (lua_isnoneornil(L, 2)) {
         double r = 0;
         CALL(L, -1, ft_reduce_all(op, a, &r));
-        if ((op == FT_SUM || op == FT_MAX || op == FT_MIN) && !ft_dtype_is_float(a->dtype))
+        if ((op == FT_SUM || op == FT_MAX || op == FT_MIN) && is_int_dtype(a->dtype))
             push_number(L, a, r);
         else
             lua_pushnumber(L, r);
@@ -2593,6 +2604,13 @@ FT_API int luaopen_flashtile_core(lua_State *L)
     lua_setfield(L, -2, "Tensor");
     lua_pushliteral(L, FT_VERSION);
     lua_setfield(L, -2, "version");
+    /* ft.dtypes: every dtype's name, in the order of ft_dtype */
+    lua_createtable(L, FT_NUM_DTYPES, 0);
+    for (int d = 0; d < FT_NUM_DTYPES; d++) {
+        lua_pushstring(L, ft_dtype_name((ft_dtype)d));
+        lua_rawseti(L, -2, d + 1);
+    }
+    lua_setfield(L, -2, "dtypes");
 
     /* the mods graph's metatable, and the op codes for flashtile.mods */
     new_class_metatable(L, MODS_MT);

@@ -1,7 +1,8 @@
 /*
  * test_ops.c - checks of lib/ops.c on small known inputs: elementwise ops,
  * reductions, softmax, matmul and comparisons, strided views, 0-d and empty
- * tensors, and the error messages. Uses only the public API. Prints a line
+ * tensors, the error messages, and fp8_e4m3 (conversions, refusals). Uses
+ * only the public API. Prints a line
  * per failed check to stderr; exits nonzero if any failed.
  */
 #include "flashtile.h"
@@ -460,6 +461,63 @@ static void test_compare(void)
     ft_tensor_free(c);
 }
 
+/* fp8_e4m3 through the public API: the dtype's facts, the scalar
+ * conversions (every pattern, the ties, saturation), and the refusal of
+ * every op but the comparisons, with the op and the way out named. */
+static void test_fp8(void)
+{
+    ft_dtype d = FT_F32;
+    CHECK_OK(ft_dtype_parse("float8_e4m3fn", &d));
+    CHECK(d == FT_FP8_E4M3, "alias parses to %d", (int)d);
+    CHECK(ft_dtype_size(FT_FP8_E4M3) == 1, "size %zu", ft_dtype_size(FT_FP8_E4M3));
+    CHECK(strcmp(ft_dtype_name(FT_FP8_E4M3), "fp8_e4m3") == 0, "name %s",
+          ft_dtype_name(FT_FP8_E4M3));
+    CHECK(!ft_dtype_is_float(FT_FP8_E4M3) && ft_dtype_is_storage_only(FT_FP8_E4M3),
+          "fp8 is a storage dtype");
+    CHECK(!ft_dtype_is_storage_only(FT_F16) && !ft_dtype_is_storage_only(FT_I32),
+          "no other dtype is storage only");
+    for (int b = 0; b < 256; b++) {
+        const double v = ft_fp8_e4m3_to_f64((uint8_t)b);
+        if ((b & 0x7f) == 0x7f)
+            CHECK(isnan(v) && ft_f64_to_fp8_e4m3(v) == b, "pattern %d: NaN kept", b);
+        else
+            CHECK(ft_f64_to_fp8_e4m3(v) == b, "pattern %d (%g) round trips", b, v);
+    }
+    const struct { double x; int bits; } cases[] = {
+        {1.0625, 0x38}, {1.1875, 0x3a}, {-1.0625, 0xb8}, {0x1p-10, 0x00}, {-0x1p-10, 0x80},
+        {3 * 0x1p-10, 0x02}, {448, 0x7e}, {464, 0x7e}, {480, 0x7e}, {1e300, 0x7e},
+        {-1e300, 0xfe}, {INFINITY, 0x7f}, {-INFINITY, 0xff},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        CHECK(ft_f64_to_fp8_e4m3(cases[i].x) == cases[i].bits, "%g gives 0x%02x, want 0x%02x",
+              cases[i].x, ft_f64_to_fp8_e4m3(cases[i].x), cases[i].bits);
+
+    const int64_t s3[] = {3};
+    ft_tensor *a = make(FT_FP8_E4M3, 1, s3, (double[]){1.0625, -500, 0.1});
+    ft_tensor *f = make(FT_F32, 1, s3, (double[]){1, -448, 0.1015625});
+    ft_tensor *o = NULL, *idx = NULL, *c = NULL;
+    double v = -1;
+    expect("fp8 set", a, 1, s3, (double[]){1, -448, 0.1015625}, 0);
+    CHECK_OK(ft_to(&c, f, FT_FP8_E4M3, CPU));
+    expect("f32 to fp8", c, 1, s3, (double[]){1, -448, 0.1015625}, 0);
+    CHECK_OK(ft_max_abs_diff(a, f, &v));
+    CHECK(v == 0, "max_abs_diff fp8 / f32 %g", v);
+    CHECK_FAIL(ft_binary(&o, FT_ADD, a, a), FT_ERR_ARGUMENT, 2,
+               "ft_binary: add: fp8_e4m3 tensors hold data only; convert");
+    CHECK_FAIL(ft_binary(&o, FT_MUL, f, a), FT_ERR_ARGUMENT, 3, "mul: fp8_e4m3");
+    CHECK_FAIL(ft_binary_scalar(&o, FT_DIV, a, 2, 0), FT_ERR_ARGUMENT, 2, "div: fp8_e4m3");
+    CHECK_FAIL(ft_unary(&o, FT_ABS, a), FT_ERR_ARGUMENT, 2, "ft_unary: abs: fp8_e4m3");
+    CHECK_FAIL(ft_reduce_all(FT_MAX, a, &v), FT_ERR_ARGUMENT, 2, "ft_reduce_all: max: fp8_e4m3");
+    CHECK_FAIL(ft_reduce_dim(&o, &idx, FT_MIN, a, 0, 0), FT_ERR_ARGUMENT, 2, "min: fp8_e4m3");
+    CHECK_FAIL(ft_softmax(&o, a, 0), FT_ERR_ARGUMENT, 1, "ft_softmax: softmax: fp8_e4m3");
+    CHECK_FAIL(ft_randn(a, 1, 0), FT_ERR_ARGUMENT, 1, "ft_randn: randn: fp8_e4m3");
+    CHECK(o == NULL && idx == NULL, "no result after a refusal");
+    expect("fp8 unchanged", a, 1, s3, (double[]){1, -448, 0.1015625}, 0);
+    ft_tensor_free(a);
+    ft_tensor_free(f);
+    ft_tensor_free(c);
+}
+
 int main(void)
 {
     ft_memory_stats before, after;
@@ -470,6 +528,7 @@ int main(void)
     test_softmax();
     test_matmul();
     test_compare();
+    test_fp8();
     ft_memory_stats_get(CPU, &after);
     CHECK(after.in_use == before.in_use, "leaked %lld bytes",
           (long long)(after.in_use - before.in_use));

@@ -204,6 +204,14 @@ __device__ __forceinline__ void load_many(const void *base, int dtype,
             v[u] = (double)r[u];
         break;
     }
+    case FT_FP8_E4M3: { /* copies and comparisons only: lib/ refuses arithmetic */
+        uint8_t r[UNROLL];
+        gather<uint8_t, NOPS>(base, off, k, cnt, r);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            v[u] = ft_e4m3_to_f64(r[u]);
+        break;
+    }
     default:
 #pragma unroll
         for (int u = 0; u < UNROLL; u++)

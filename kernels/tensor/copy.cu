@@ -2,9 +2,10 @@
  * copy.cu - ft_cuda_copy and ft_cuda_fill (the CUDA half of lib/tensor.c's
  * ft_copy and ft_fill) on strided tensors of any dtype: a copy converts as
  * the CPU's copy does (the bytes within a dtype, i32 <-> i64 saturated,
- * everything else through double with scalar_ops.h's rounding), so both
- * give the same bits; a fill stores the bytes ft_store_f64 made on the
- * host. Contiguous copies of one dtype are one cudaMemcpyAsync.
+ * everything else, fp8 e4m3 included, through double with scalar_ops.h's
+ * rounding), so both give the same bits; a fill stores the bytes
+ * ft_store_f64 made on the host. Contiguous copies of one dtype are one
+ * cudaMemcpyAsync.
  * Check: spec/cuda_ops_spec.lua and spec/gpu_spec.lua (busted, tag gpu)
  * against the CPU. Design: kernels/README.md.
  */
@@ -37,10 +38,14 @@ copy_kernel(geo g, void *dst, int ddt, const void *src, int sdt, int mode,
                 uint32_t r[UNROLL];
                 gather<uint32_t, 2>(src, off, 1, cnt, r);
                 scatter<uint32_t, 2>(dst, off, 0, cnt, r);
-            } else {
+            } else if (esize == 2) {
                 uint16_t r[UNROLL];
                 gather<uint16_t, 2>(src, off, 1, cnt, r);
                 scatter<uint16_t, 2>(dst, off, 0, cnt, r);
+            } else {
+                uint8_t r[UNROLL];
+                gather<uint8_t, 2>(src, off, 1, cnt, r);
+                scatter<uint8_t, 2>(dst, off, 0, cnt, r);
             }
         } else if (mode == COPY_INT) {
             int64_t v[UNROLL];
@@ -83,8 +88,10 @@ fill_kernel(geo g, void *data, int esize, uint64_t bits, int64_t n)
             ((uint64_t *)data)[off[0]] = bits;
         else if (esize == 4)
             ((uint32_t *)data)[off[0]] = (uint32_t)bits;
-        else
+        else if (esize == 2)
             ((uint16_t *)data)[off[0]] = (uint16_t)bits;
+        else
+            ((uint8_t *)data)[off[0]] = (uint8_t)bits;
     }
 }
 
@@ -107,7 +114,7 @@ ft_status ft_cuda_copy(ft_tensor *dst, const ft_tensor *src)
     int mode = COPY_CONV;
     if (dst->dtype == src->dtype)
         mode = COPY_RAW;
-    else if (!ft_dtype_is_float(dst->dtype) && !ft_dtype_is_float(src->dtype))
+    else if (ft_dtype_is_int(dst->dtype) && ft_dtype_is_int(src->dtype))
         mode = COPY_INT;
     copy_kernel<<<grid_for(n, BLOCK * UNROLL, MAX_GRID), BLOCK>>>(
         g, dst->data, (int)dst->dtype, src->data, (int)src->dtype, mode,
