@@ -75,8 +75,8 @@ typedef enum ft_dtype {
      * exponent bits with bias 7, 3 mantissa bits, no infinities
      * (S.1111.111 is NaN), finite values up to 448, subnormals down to
      * 2^-9. A storage dtype: it is copied, viewed, converted to and from
-     * every dtype, filled, read and compared (ft_max_abs_diff,
-     * ft_allclose), but arithmetic (elementwise ops, reductions,
+     * every dtype, filled, read, compared (ft_max_abs_diff, ft_allclose),
+     * saved and loaded, but arithmetic (elementwise ops, reductions,
      * softmax, matmul, random numbers, index_add, attention) refuses it;
      * convert it first (ft_to). Conversions to it round to nearest even
      * and saturate finite values past 448 to +-448; +-inf and NaN become
@@ -527,13 +527,16 @@ FT_API ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk,
 /* ---- files ------------------------------------------------------------- */
 
 /* NumPy .npy (writes format 1.0, reads 1.0 to 3.0, either byte order), dtypes f16/f32/f64/i32/i64.
- * bf16 has no NumPy dtype and is rejected. Loading gives a CPU tensor. */
+ * bf16 has no NumPy dtype and is rejected. fp8_e4m3 has none either: it
+ * is written (and read back) as the one-field structured descr
+ * [('fp8_e4m3', '|u1')], its raw bits, which NumPy loads as records.
+ * Loading gives a CPU tensor. */
 FT_API ft_status ft_save_npy(const ft_tensor *t, const char *path);
 FT_API ft_status ft_load_npy(ft_tensor **out, const char *path);
 
 /* safetensors (Hugging Face's checkpoint format): named tensors of dtypes
- * F64, F32, F16, BF16, I32, I64 (flashtile's six) and a "__metadata__" map
- * of string keys to string values, in one file.
+ * F64, F32, F16, BF16, I32, I64, F8_E4M3 (flashtile's seven) and a
+ * "__metadata__" map of string keys to string values, in one file.
  *
  * ft_safetensors_save writes count tensors under names (each non-empty,
  * valid UTF-8, distinct, not "__metadata__") and meta_count metadata pairs
@@ -561,7 +564,7 @@ typedef struct ft_safetensors ft_safetensors;
  * JSON, unknown or missing fields, wrong types, duplicate names, offsets
  * that are reversed, past the data or overlapping, a size that does not
  * match dtype and shape) is FT_ERR_IO; a dtype of the format flashtile
- * lacks (U8, F8_E4M3...), more than FT_MAX_DIMS dimensions, or a string
+ * lacks (U8, F8_E5M2...), more than FT_MAX_DIMS dimensions, or a string
  * holding U+0000 is FT_ERR_UNSUPPORTED. The messages name the path and
  * the problem. */
 FT_API ft_status ft_safetensors_load(const char *path, ft_safetensors **out);

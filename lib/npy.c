@@ -18,6 +18,15 @@
  * order and either memory order, and always gives a contiguous row-major CPU
  * tensor.
  *
+ * fp8_e4m3 has no NumPy dtype either, and NumPy refuses a dict with any key
+ * but the three, so the dtype is said in the descr itself: a structured
+ * dtype of one uint8 field named after it, [('fp8_e4m3', '|u1')]. NumPy
+ * loads such a file as records whose field holds the raw bits
+ * (a['fp8_e4m3'], or a.view(ml_dtypes.float8_e4m3fn)); flashtile reads
+ * that descr, and no other structured one, back as fp8_e4m3. A plain
+ * '|u1' or '|V1' is not taken for fp8: NumPy writes those for real bytes
+ * and for every 8-bit float of ml_dtypes alike.
+ *
  * Error statuses: the OS failing to open, read or write a file, and files
  * that are not well-formed .npy (bad magic, truncated, malformed dict,
  * impossible shape), are FT_ERR_IO; well-formed files that flashtile cannot
@@ -233,7 +242,8 @@ ft_status ft_file_end(ft_out_file *o, ft_status status)
 
 /* ---- dtypes ---- */
 
-/* The NumPy type code ("f4"...) of a dtype, NULL for bf16 and invalid. */
+/* The NumPy type code ("f4"...) of a dtype, NULL for bf16, fp8_e4m3 and
+ * invalid. */
 static const char *npy_type_code(ft_dtype dtype)
 {
     switch (dtype) {
@@ -252,21 +262,44 @@ static const char *npy_type_code(ft_dtype dtype)
     }
 }
 
+/* The field name and element code of the descr that stands for fp8_e4m3
+ * (see the top of the file). */
+#define NPY_FP8_FIELD "fp8_e4m3"
+#define NPY_FP8_CODE "u1"
+
+/* The type code of a descr string without its byte-order character ('<',
+ * '>', '|', '=' or none); *file_little: the byte order it says ('|', '='
+ * and none mean native). */
+static const char *npy_strip_order(const char *descr, int *file_little)
+{
+    *file_little = ft_host_is_little_endian();
+    if (*descr == '<' || *descr == '>' || *descr == '|' || *descr == '=') {
+        if (*descr == '<')
+            *file_little = 1;
+        else if (*descr == '>')
+            *file_little = 0;
+        descr++;
+    }
+    return descr;
+}
+
 /* Decodes a descr string ("<f4", ">i8", "|f2", "=f8", or "f4" with no
  * byte-order character) into a dtype and whether the file's bytes need
- * swapping on this host. Returns 0, or -1 for anything else. */
-static int npy_decode_descr(const char *descr, ft_dtype *dtype, int *swap)
+ * swapping on this host; field (NULL for a plain descr) is the field name
+ * of a one-field structured descr [(field, descr)], which only fp8_e4m3's
+ * is. Returns 0, or -1 for anything else. */
+static int npy_decode_descr(const char *field, const char *descr, ft_dtype *dtype, int *swap)
 {
-    const int host_little = ft_host_is_little_endian();
-    int file_little = host_little; /* '|', '=' and none mean native */
-    const char *p = descr;
-    if (*p == '<' || *p == '>' || *p == '|' || *p == '=') {
-        if (*p == '<')
-            file_little = 1;
-        else if (*p == '>')
-            file_little = 0;
-        p++;
+    int file_little;
+    const char *p = npy_strip_order(descr, &file_little);
+    if (field != NULL) {
+        if (strcmp(field, NPY_FP8_FIELD) != 0 || strcmp(p, NPY_FP8_CODE) != 0)
+            return -1;
+        *dtype = FT_FP8_E4M3;
+        *swap = 0;
+        return 0;
     }
+    const int host_little = ft_host_is_little_endian();
     for (int d = 0; d < FT_NUM_DTYPES; d++) {
         const char *code = npy_type_code((ft_dtype)d);
         if (code != NULL && strcmp(p, code) == 0) {
@@ -302,12 +335,17 @@ static size_t npy_format_header(char *buf, size_t cap, const ft_tensor *t)
     shape[len++] = ')';
     shape[len] = '\0';
 
+    char descr[NPY_DESCR_CAP];
+    if (t->dtype == FT_FP8_E4M3)
+        snprintf(descr, sizeof descr, "[('%s', '|%s')]", NPY_FP8_FIELD, NPY_FP8_CODE);
+    else
+        snprintf(descr, sizeof descr, "'<%s'", npy_type_code(t->dtype));
     char *dict = buf + NPY_V1_PREAMBLE;
     size_t room = cap - NPY_V1_PREAMBLE;
     int w = snprintf(dict, room,
-                     "{'descr': '<%s', 'fortran_order': False, "
+                     "{'descr': %s, 'fortran_order': False, "
                      "'shape': %s, }",
-                     npy_type_code(t->dtype), shape);
+                     descr, shape);
     if (w < 0 || (size_t)w >= room)
         return 0;
     size_t dict_len = (size_t)w;
@@ -382,7 +420,7 @@ ft_status ft_save_npy(const ft_tensor *t, const char *path)
     if (t->dtype == FT_BF16)
         return ft_fail(FT_ERR_ARGUMENT, SAVE, 1,
                        "bf16 has no .npy dtype; convert first (t:float())");
-    if (npy_type_code(t->dtype) == NULL)
+    if (npy_type_code(t->dtype) == NULL && t->dtype != FT_FP8_E4M3)
         return ft_fail(FT_ERR_ARGUMENT, SAVE, 1, "invalid dtype %d",
                        (int)t->dtype);
     /* The file holds every element, repeats of a stride-0 view included:
@@ -440,8 +478,10 @@ ft_status ft_save_npy(const ft_tensor *t, const char *path)
 /* ---- the header dict ---- */
 
 typedef struct npy_header {
-    char descr[NPY_DESCR_CAP];
-    int descr_is_string; /* 0: a list (structured dtype) or other value */
+    char descr[NPY_DESCR_CAP]; /* the type string, or the field's type */
+    char field[NPY_DESCR_CAP]; /* a one-field structured descr's name */
+    int descr_is_string; /* a type string */
+    int descr_is_field;  /* [(field, descr)]; neither: another value */
     int fortran_order;
     int ndim;
     int64_t shape[FT_MAX_DIMS];
@@ -632,6 +672,34 @@ static int skip_value(npy_parser *p)
     }
 }
 
+/* A structured descr of one field, [('name', 'type')] (a trailing comma
+ * after the tuple or in it allowed, as Python allows), into h->field and
+ * h->descr. Returns 0, or -1 with p where it was (status and message
+ * cleared) for any other value, which the caller then skips. */
+static int parse_field_descr(npy_parser *p, npy_header *h)
+{
+    const size_t start = p->pos;
+    if (expect_char(p, '[', "") == 0 && expect_char(p, '(', "") == 0 &&
+        parse_string(p, h->field, sizeof h->field) == 0 && expect_char(p, ',', "") == 0 &&
+        parse_string(p, h->descr, sizeof h->descr) == 0) {
+        skip_space(p);
+        if (peek(p) == ',')
+            p->pos++;
+        if (expect_char(p, ')', "") == 0) {
+            skip_space(p);
+            if (peek(p) == ',')
+                p->pos++;
+            if (expect_char(p, ']', "") == 0)
+                return 0;
+        }
+    }
+    p->pos = start;
+    p->status = FT_OK;
+    p->msg[0] = '\0';
+    h->field[0] = h->descr[0] = '\0';
+    return -1;
+}
+
 /* Parses the whole dict into h: the three keys in any order, whitespace
  * anywhere, an optional trailing comma; unknown keys are rejected as
  * NumPy rejects them. */
@@ -657,10 +725,12 @@ static int parse_dict(npy_parser *p, npy_header *h)
                 if (parse_string(p, h->descr, sizeof h->descr) != 0)
                     return -1;
                 h->descr_is_string = 1;
+                h->descr_is_field = 0;
             } else {
-                if (skip_value(p) != 0)
-                    return -1;
                 h->descr_is_string = 0;
+                h->descr_is_field = parse_field_descr(p, h) == 0;
+                if (!h->descr_is_field && skip_value(p) != 0)
+                    return -1;
             }
             h->have_descr = 1;
         } else if (strcmp(key, "fortran_order") == 0) {
@@ -780,10 +850,10 @@ static ft_status npy_read_header(FILE *f, const char *path, npy_header *h)
         return ft_fail(FT_ERR_IO, LOAD, 1, "'%s': malformed .npy header: %s",
                        path, p.msg);
     }
-    if (!h->descr_is_string)
+    if (!h->descr_is_string && !h->descr_is_field)
         return ft_fail(FT_ERR_UNSUPPORTED, LOAD, 1,
                        "'%s': structured dtypes are not supported (descr is "
-                       "not a type string)",
+                       "not a type string, nor [('fp8_e4m3', '|u1')])",
                        path);
     return FT_OK;
 }
@@ -828,10 +898,16 @@ static ft_status npy_read_data(FILE *f, const char *path,
 {
     ft_dtype dtype;
     int swap;
-    if (npy_decode_descr(h->descr, &dtype, &swap) != 0)
+    if (h->descr_is_field &&
+        npy_decode_descr(h->field, h->descr, &dtype, &swap) != 0)
+        return ft_fail(FT_ERR_UNSUPPORTED, LOAD, 1,
+                       "'%s': structured dtypes are not supported (descr is "
+                       "[('%s', '%s')], not [('fp8_e4m3', '|u1')])",
+                       path, h->field, h->descr);
+    if (!h->descr_is_field && npy_decode_descr(NULL, h->descr, &dtype, &swap) != 0)
         return ft_fail(FT_ERR_UNSUPPORTED, LOAD, 1,
                        "'%s': unsupported dtype '%s' (flashtile reads f2, "
-                       "f4, f8, i4 and i8)",
+                       "f4, f8, i4 and i8, and [('fp8_e4m3', '|u1')])",
                        path, h->descr);
     const size_t esize = ft_dtype_size(dtype);
 

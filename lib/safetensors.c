@@ -78,13 +78,14 @@ static const struct {
 } ST_DTYPES[] = {
     {"F64", FT_F64}, {"F32", FT_F32}, {"F16", FT_F16},
     {"BF16", FT_BF16}, {"I32", FT_I32}, {"I64", FT_I64},
+    {"F8_E4M3", FT_FP8_E4M3},
 };
 #define ST_NUM_DTYPES (sizeof ST_DTYPES / sizeof ST_DTYPES[0])
 
 /* The format's other dtypes: a file holding one is valid, but flashtile
  * has no such tensors. */
 static const char *const ST_OTHER_DTYPES[] = {
-    "BOOL", "U8", "I8", "I16", "U16", "U32", "U64", "F8_E5M2", "F8_E4M3",
+    "BOOL", "U8", "I8", "I16", "U16", "U32", "U64", "F8_E5M2",
     "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64",
 };
 
@@ -544,7 +545,7 @@ static int parse_dtype(st_parser *p, st_entry *e, const char *what)
         if (strcmp(name, ST_OTHER_DTYPES[k]) == 0)
             return fail(p, FT_ERR_UNSUPPORTED,
                         "tensor '%s': dtype '%s' is not supported (flashtile "
-                        "reads F64, F32, F16, BF16, I32 and I64)",
+                        "reads F64, F32, F16, BF16, I32, I64 and F8_E4M3)",
                         t.s, d.s);
     return fail(p, FT_ERR_IO, "tensor '%s': unknown dtype '%s'", t.s, d.s);
 }

@@ -107,7 +107,7 @@ describe("safetensors", function()
       { "end before begin", file('{"x":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}}', ("\0"):rep(8)), "" },
       { "size not matching the shape", file('{"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}', ("\0"):rep(8)), "" },
       { "unknown dtype", file('{"x":{"dtype":"XYZ","shape":[2],"data_offsets":[0,8]}}', ("\0"):rep(8)), "XYZ" },
-      { "a dtype flashtile lacks", file('{"x":{"dtype":"F8_E4M3","shape":[8],"data_offsets":[0,8]}}', ("\0"):rep(8)), "F8_E4M3" },
+      { "a dtype flashtile lacks", file('{"x":{"dtype":"F8_E5M2","shape":[8],"data_offsets":[0,8]}}', ("\0"):rep(8)), "F8_E5M2" },
       { "duplicate names", file('{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
           .. '"x":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}', ("\0"):rep(8)), "" },
       { "not an object", file('[1,2]'), "" },

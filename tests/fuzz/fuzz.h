@@ -206,7 +206,7 @@ FF_STATIC volatile double ff_sink;
 
 /* A loaded tensor: a contiguous CPU tensor of a valid dtype and rank, its
  * storage large enough; every element is read (a sum through the public
- * API). */
+ * API; for a storage dtype, which sums refuse, the sum of its f64 copy). */
 FF_STATIC void ff_touch(const ft_tensor *t, const char *what)
 {
     if (t == NULL)
@@ -228,7 +228,14 @@ FF_STATIC void ff_touch(const ft_tensor *t, const char *what)
         ff_die("%s: %lld elements of %zu bytes in a storage of %zu bytes", what,
                (long long)n, ft_dtype_size(t->dtype), ft_storage_nbytes(t));
     double sum = 0;
-    ff_check_ok(ft_reduce_all(FT_SUM, t, &sum), "ft_reduce_all of a loaded tensor");
+    if (ft_dtype_is_storage_only(t->dtype)) {
+        ft_tensor *wide = NULL;
+        ff_check_ok(ft_to(&wide, t, FT_F64, t->device), "ft_to of a loaded tensor");
+        ff_check_ok(ft_reduce_all(FT_SUM, wide, &sum), "ft_reduce_all of its f64 copy");
+        ft_tensor_free(wide);
+    } else {
+        ff_check_ok(ft_reduce_all(FT_SUM, t, &sum), "ft_reduce_all of a loaded tensor");
+    }
     ff_sink = sum;
 }
 

@@ -249,7 +249,21 @@ static void gen_npy(void)
                     data, n);
     emit("npy", "ok-i4-nul-padding", buf, len);
 
+    /* fp8_e4m3, as flashtile writes it: a one-field structured descr of
+     * u1, in either spelling of its byte order; zeros, 1, -1, 448, the
+     * smallest subnormal and both NaNs among the bytes. */
+    static const uint8_t fp8[8] = {0x00, 0x80, 0x38, 0xb8, 0x7e, 0x01, 0x7f, 0xff};
+    npy("ok-fp8", 1,
+        "{'descr': [('fp8_e4m3', '|u1')], 'fortran_order': False, 'shape': (2, 4), }", fp8,
+        sizeof fp8);
+    npy("ok-fp8-fortran", 1,
+        "{'descr': [(\"fp8_e4m3\", \"<u1\")], 'fortran_order': True, 'shape': (4, 2), }",
+        fp8, sizeof fp8);
+
     /* Near misses. */
+    npy("err-structured-u1", 1,
+        "{'descr': [('x', '|u1')], 'fortran_order': False, 'shape': (8,), }", fp8,
+        sizeof fp8);
     n = elems(data, "f4", 0, 5);
     npy("err-truncated-data", 1,
         "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", data, n);
@@ -329,6 +343,11 @@ static void gen_safetensors(void)
        "\"e.i32\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[32,40]},"
        "\"f.i64\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[40,56]}}",
        data, n);
+
+    /* fp8_e4m3 (F8_E4M3), NaN bytes included. */
+    static const uint8_t fp8[6] = {0x38, 0xb8, 0x7e, 0x01, 0x7f, 0xff};
+    st("ok-fp8", "{\"q\":{\"dtype\":\"F8_E4M3\",\"shape\":[2,3],\"data_offsets\":[0,6]}}",
+       fp8, sizeof fp8);
 
     /* Several tensors listed out of order, stored in another order, with a
      * gap; a 0-d tensor; an empty one; an 8-d one. */
