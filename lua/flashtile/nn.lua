@@ -22,8 +22,13 @@
 --
 -- Modules (shapes: x [..., dim] unless said):
 --   Linear(in, out, {bias = true})   [..., in] -> [..., out]; weight [out, in], bias [out]
---   MultiheadAttention{dim =, heads =, kv_heads = heads, causal = false, bias = false}
---                                    [B, N, dim]; its Linears: qkv, out (or q, kv, out)
+--   MultiheadAttention{dim =, heads =, kv_heads = heads, causal = false, bias = false,
+--                      rotary = false}
+--                                    [B, N, dim]; its Linears: qkv, out (or q, kv, out);
+--                                    rotary = true (or a base): nn.Rotary on q and k
+--   Rotary{head_dim =, base = 10000} rotary position embeddings (no parameters)
+--   KVCache(model, {batch =, capacity =}) (not a module) keys and values of every
+--                                    attention of model, for decoding step by step
 --   RMSNorm(dim, {eps = 1e-6})       weight
 --   LayerNorm(dim, {eps = 1e-5})     weight, bias
 --   GELU() (tanh form), SiLU(), Identity()
@@ -31,7 +36,8 @@
 --   PositionalEmbedding(max_len, dim) x [..., N, dim] + learned rows 1..N; weight
 --   Residual(f)                      x + f(x)
 --   Sequential(m1, m2, ...)          children in order
---   TransformerBlock{dim =, heads =, kv_heads =, causal =, hidden = 4 dim, norm = "rms"}
+--   TransformerBlock{dim =, heads =, kv_heads =, causal =, hidden = 4 dim, norm = "rms",
+--                    rotary = false}
 --                                    pre-norm attention and Linear-GELU-Linear MLP
 --   CrossEntropy()                   forward(logits [N, C], targets [N]) -> number;
 --                                    backward(logits, targets) -> grad logits
@@ -852,6 +858,158 @@ end
 -- makes k and v the same way. Parameters: those Linears' in order (qkv, out
 -- or q, kv, out), each weight then bias. f64 on CUDA runs the naive
 -- attention kernels (the flash ones take f32, f16 and bf16).
+--- nn.Rotary{head_dim =, base = 10000}: rotary position embeddings
+-- (RoFormer; the GPT-NeoX layout: the first and second halves of a head
+-- are the pairs). rotate(x [B, N, heads, head_dim], pos0) turns pair i of
+-- the row at position p = pos0 + n - 1 (n = 1..N) by the angle
+-- p * base^(-2 (i - 1) / head_dim): x1 cos - x2 sin, x2 cos + x1 sin;
+-- with inverse, the other way (the rotation's gradient). A fresh tensor.
+-- MultiheadAttention{rotary = true} applies it to q and k, from the KV
+-- cache's length when decoding. No parameters.
+local Rotary = class("Rotary", Module)
+
+function Rotary:__init(opts)
+  Module.__init(self)
+  local ctx = "nn.Rotary"
+  local o = check_opts(ctx, opts or {}, { head_dim = false, base = 10000 })
+  check_count(ctx, "head_dim", o.head_dim)
+  if o.head_dim % 2 ~= 0 then
+    error(("%s: head_dim must be even, got %d"):format(ctx, o.head_dim), 3)
+  end
+  if type(o.base) ~= "number" or not (o.base > 1) or o.base == math.huge then
+    error(("%s: base must be a number above 1, got %s"):format(ctx, tostring(o.base)), 3)
+  end
+  self.head_dim, self.base = o.head_dim, o.base
+  self.tables = {} -- "N pos0 dtype device" -> {cos, sin}
+end
+
+function Rotary:header()
+  return ("(head_dim %d, base %s)"):format(self.head_dim, tostring(self.base))
+end
+
+--- cos and sin [1, N, 1, head_dim / 2] for positions pos0 .. pos0 + N - 1,
+-- computed in f64 and kept per shape (at most 64 of them).
+function Rotary:table_for(N, pos0, like)
+  local key = ("%d %d %s %s"):format(N, pos0, like.dtype, like.device)
+  local t = self.tables[key]
+  if t then return t[1], t[2] end
+  local half = self.head_dim / 2
+  local c, s = {}, {}
+  for n = 1, N do
+    local cn, sn = {}, {}
+    for i = 1, half do
+      local angle = (pos0 + n - 1) * self.base ^ (-2 * (i - 1) / self.head_dim)
+      cn[i], sn[i] = math.cos(angle), math.sin(angle)
+    end
+    c[n], s[n] = cn, sn
+  end
+  local o = { dtype = like.dtype, device = like.device }
+  local cos = ft.tensor(c, { dtype = "f64" }):to(o):view(1, N, 1, half)
+  local sin = ft.tensor(s, { dtype = "f64" }):to(o):view(1, N, 1, half)
+  self.n_tables = (self.n_tables or 0) + 1
+  if self.n_tables > 64 then self.tables, self.n_tables = {}, 1 end
+  self.tables[key] = { cos, sin }
+  return cos, sin
+end
+
+function Rotary:rotate(x, pos0, inverse)
+  if not ft.is_tensor(x) or x:dim() ~= 4 or x:size(4) ~= self.head_dim then
+    error(("nn.Rotary: x must be [batch, seqlen, heads, %d], got %s"):format(
+      self.head_dim, ft.is_tensor(x) and shape_string(x.shape) or type(x)), 2)
+  end
+  local half = self.head_dim / 2
+  local cos, sin = self:table_for(x:size(2), pos0 or 0, x)
+  local shape = { x:size(1), x:size(2), x:size(3), half }
+  cos, sin = cos:expand(shape), sin:expand(shape)
+  if inverse then sin = -sin end
+  local x1, x2 = x:narrow(4, 1, half), x:narrow(4, half + 1, half)
+  local out = ft.empty(x.shape, { dtype = x.dtype, device = x.device })
+  out:narrow(4, 1, half):copy(x1 * cos - x2 * sin)
+  out:narrow(4, half + 1, half):copy(x2 * cos + x1 * sin)
+  return out
+end
+
+function Rotary:forward(x)
+  self.output = self:rotate(x, 0)
+  return self.output
+end
+
+function Rotary:backward(x, grad_output)
+  self.grad_input = self:rotate(grad_output, 0, true)
+  return self.grad_input
+end
+
+--- nn.KVCache(model, {batch =, capacity =}): a key and value cache for
+-- every MultiheadAttention in model, for decoding one step at a time:
+--   local cache = nn.KVCache(model, {batch = 1, capacity = 256})
+--   model:evaluate()
+--   model:forward(prompt)          -- fills the caches (prefill)
+--   model:forward(next_token)      -- attends over everything so far
+-- While attached, each attention writes its new keys and values after the
+-- cache's len rows and attends over all of them (causal), and rotary
+-- embeddings start at len. cache.len counts the positions so far (the same
+-- for every sequence of the batch); cache:reset() empties it, cache:detach()
+-- gives the modules back their plain forward.
+local KVCache = {}
+KVCache.__index = KVCache
+
+function KVCache:check(x, m)
+  if x:size(1) ~= self.batch then
+    error(("nn.KVCache: input batch %d, the cache holds %d sequences"):format(x:size(1), self.batch), 3)
+  end
+  if self.len + x:size(2) > self.capacity then
+    error(("nn.KVCache: %d positions so far and %d new exceed the capacity %d"):format(
+      self.len, x:size(2), self.capacity), 3)
+  end
+  if not self.k[m] then error("nn.KVCache: this attention is not in the cache's model", 3) end
+end
+
+--- After module m has appended n positions: the last attention of the model
+-- moves len on.
+function KVCache:advance(m, n)
+  self.seen[m] = true
+  local all = true
+  for _, a in ipairs(self.modules) do all = all and self.seen[a] end
+  if all then
+    self.len, self.seen = self.len + n, {}
+    self.lens:fill(self.len)
+  end
+end
+
+function KVCache:reset()
+  self.len, self.seen = 0, {}
+  self.lens:fill(0)
+  return self
+end
+
+function KVCache:detach()
+  for _, m in ipairs(self.modules) do
+    if m.cache == self then m.cache = nil end
+  end
+  return self
+end
+
+function nn.KVCache(model, opts)
+  local ctx = "nn.KVCache"
+  local o = check_opts(ctx, opts or {}, { batch = false, capacity = false })
+  check_count(ctx, "batch", o.batch)
+  check_count(ctx, "capacity", o.capacity)
+  local modules = model:find("MultiheadAttention")
+  if #modules == 0 then error(ctx .. ": the model has no MultiheadAttention", 2) end
+  local self = setmetatable({ batch = o.batch, capacity = o.capacity, modules = modules,
+                              k = {}, v = {}, len = 0, seen = {} }, KVCache)
+  for _, m in ipairs(modules) do
+    local w = (m.qkv or m.q_proj).weight
+    local shape = { o.batch, o.capacity, m.kv_heads, m.head_dim }
+    self.k[m] = ft.zeros(shape, { dtype = w.dtype, device = w.device })
+    self.v[m] = ft.zeros(shape, { dtype = w.dtype, device = w.device })
+    m.cache = self
+  end
+  local w = (modules[1].qkv or modules[1].q_proj).weight
+  self.lens = ft.zeros({ o.batch }, { dtype = "i32", device = w.device })
+  return self
+end
+
 local MultiheadAttention = class("MultiheadAttention", Module)
 
 function MultiheadAttention:__init(opts)
@@ -863,9 +1021,15 @@ function MultiheadAttention:__init(opts)
   local o = check_opts(ctx, opts, { dim = false, heads = false, kv_heads = false, causal = false,
                                     bias = false, seed = false, dtype = false, device = false,
                                     window_left = -1, window_right = -1, softcap = 0,
-                                    alibi = false, sink = false, dropout = 0 })
+                                    alibi = false, sink = false, dropout = 0, rotary = false })
   check_count(ctx, "dim", o.dim)
   check_count(ctx, "heads", o.heads)
+  o.rotary = o.rotary or false
+  if o.rotary ~= false and o.rotary ~= true and
+     not (type(o.rotary) == "number" and o.rotary > 1 and o.rotary < math.huge) then
+    error(("%s: option 'rotary' must be true, false or a base above 1 (true: 10000), got %s"):format(
+      ctx, tostring(o.rotary)), 3)
+  end
   for _, name in ipairs { "window_left", "window_right" } do
     if not is_integer(o[name]) or o[name] < -1 then
       error(("%s: option '%s' must be an integer, -1 (unbounded) or more, got %s"):format(
@@ -897,6 +1061,12 @@ function MultiheadAttention:__init(opts)
   end
   self.dim, self.heads, self.kv_heads = o.dim, o.heads, o.kv_heads
   self.head_dim, self.causal = math.floor(o.dim / o.heads), o.causal
+  if o.rotary then
+    if self.head_dim % 2 ~= 0 then
+      error(("%s: rotary embeddings need an even head_dim, got %d"):format(ctx, self.head_dim), 3)
+    end
+    self.rotary = nn.Rotary { head_dim = self.head_dim, base = o.rotary == true and 10000 or o.rotary }
+  end
   self.window_left, self.window_right, self.softcap = o.window_left, o.window_right, o.softcap
   self.dropout = o.dropout
   if o.alibi then self.alibi_slopes = nn.alibi_slopes(o.heads) end
@@ -933,6 +1103,7 @@ function MultiheadAttention:header()
   if self.alibi_slopes then parts[#parts + 1] = "alibi" end
   if self.sink then parts[#parts + 1] = "sink" end
   if self.dropout > 0 then parts[#parts + 1] = "dropout " .. self.dropout end
+  if self.rotary then parts[#parts + 1] = "rotary " .. self.rotary.base end
   return "(" .. table.concat(parts, ", ") .. ")"
 end
 
@@ -978,8 +1149,25 @@ function MultiheadAttention:forward(x)
       shape_string(x.shape), self.dim), 2)
   end
   local q, k, v = self:project(x)
+  local cache = self.cache
+  if cache and self.training then
+    error("nn.MultiheadAttention: a KV cache is for decoding: call evaluate() first (a cached "
+          .. "forward has no backward)", 2)
+  end
+  local pos0 = cache and cache.len or 0
+  if self.rotary then
+    q, k = self.rotary:rotate(q, pos0), self.rotary:rotate(k, pos0)
+  end
   local opts = self:attention_options(x)
-  local out, lse = ft.attention(q, k, v, opts)  -- [B, N, H, d], [B, H, N]
+  local out, lse
+  if cache then
+    cache:check(x, self)
+    opts.cache_seqlens, opts.k_new, opts.v_new = cache.lens, k, v
+    out, lse = ft.attention(q, cache.k[self], cache.v[self], opts)
+    cache:advance(self, x:size(2))
+  else
+    out, lse = ft.attention(q, k, v, opts)  -- [B, N, H, d], [B, H, N]
+  end
   self.q, self.k, self.v, self.attn, self.lse, self.opts = q, k, v, out, lse, opts
   self.output = self.out_proj:forward(out:reshape(x:size(1), x:size(2), self.dim))
   return self.output
@@ -999,6 +1187,9 @@ function MultiheadAttention:backward(x, grad_output)
   local dq, dk, dv, dsink = ft.attention_backward(dattn:reshape(B, N, H, d), self.q, self.k,
                                                   self.v, self.attn, self.lse, self.opts)
   if dsink then self.grad_sink:copy(self.grad_sink + dsink:to(self.grad_sink.dtype)) end
+  if self.rotary then -- the rotation's gradient: the inverse rotation
+    dq, dk = self.rotary:rotate(dq, 0, true), self.rotary:rotate(dk, 0, true)
+  end
   if self.qkv then
     self.grad_input = self.qkv:backward(x, pack({ dq, dk, dv }, B, N, H, d, x))
   else
@@ -1028,7 +1219,7 @@ function TransformerBlock:__init(opts)
                                     hidden = false, norm = "rms", eps = false, bias = false,
                                     seed = false, dtype = false, device = false,
                                     window_left = false, window_right = false, softcap = false,
-                                    alibi = false, sink = false, dropout = false })
+                                    alibi = false, sink = false, dropout = false, rotary = false })
   check_count(ctx, "dim", o.dim)
   o.hidden = o.hidden or 4 * o.dim
   check_count(ctx, "hidden", o.hidden)
@@ -1046,7 +1237,7 @@ function TransformerBlock:__init(opts)
                                     dtype = t.dtype, device = t.device,
                                     window_left = o.window_left, window_right = o.window_right,
                                     softcap = o.softcap, alibi = o.alibi, sink = o.sink,
-                                    dropout = o.dropout }
+                                    dropout = o.dropout, rotary = o.rotary }
   local mlp = Sequential(
     norm(),
     Linear(o.dim, o.hidden, { seed = derive(seed, 2), dtype = t.dtype, device = t.device }),
