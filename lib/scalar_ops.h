@@ -169,9 +169,10 @@ FT_SCALAR_FN uint16_t ft_f64_to_small(double x, int exp_bits, int mant_bits)
 
 /* x as fp8 e4m3 bits, rounded to nearest, ties to even, once from the
  * double. e4m3 has no infinity: finite values past 448 saturate to +-448
- * (PyTorch's cast to float8_e4m3fn since 2.12, CUDA's __NV_SATFINITE),
- * while +-inf and NaN become NaN (S.1111.111, the sign kept), as the OCP
- * spec and ONNX's cast table have it. */
+ * (PyTorch's eager cast to float8_e4m3fn from 2026 on, Triton's, CUDA's
+ * __NV_SATFINITE; older PyTorch gave NaN above 464), while +-inf and NaN
+ * become NaN (S.1111.111, the sign kept), as the OCP spec and ONNX's cast
+ * table have it (__NV_SATFINITE alone makes inf 448). */
 FT_SCALAR_CALLED uint8_t ft_f64_to_e4m3(double x)
 {
     const uint64_t bits = ft_f64_bits(x);
