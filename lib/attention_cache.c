@@ -147,6 +147,11 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
     if (q->ndim != 4)
         return ft_fail(FT_ERR_ARGUMENT, func, 1, "q must be [batch, seqlen, heads, head_dim] "
                        "with a KV cache, got %d dims", q->ndim);
+    /* before the new rows go in: a call the attention itself refuses
+     * (integer or fp8_e4m3 tensors) must leave the caches as they were */
+    if (!ft_dtype_is_float(q->dtype))
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "q must be f64, f32, f16 or bf16, got %s",
+                       ft_dtype_name(q->dtype));
     if (p->cu_seqlens_q || p->cu_seqlens_k)
         return ft_fail(FT_ERR_ARGUMENT, func, 4, "a KV cache call takes cache_seqlens, not "
                        "cu_seqlens_q / cu_seqlens_k");

@@ -422,6 +422,14 @@ describe("fp8_e4m3", function()
       h.assert_error(function() return ft.attention(q, q, q) end, "'attention'", "q must be", "got fp8_e4m3")
       local f = ft.ones(1, 4, 2, 8)
       h.assert_error(function() return ft.attention(f, q, q) end, "'attention'", "fp8_e4m3")
+      -- a KV-cache call writes nothing into its fp8 caches before refusing
+      local kc, vc = ft.zeros(1, 4, 2, 8, { dtype = FP8 }), ft.zeros(1, 4, 2, 8, { dtype = FP8 })
+      local new = ft.ones(1, 1, 2, 8, { dtype = FP8 })
+      h.assert_error(function()
+        return ft.attention(q:narrow(2, 1, 1), kc, vc,
+          { cache_seqlens = ft.tensor({ 1 }, { dtype = "i32" }), k_new = new, v_new = new })
+      end, "'attention'", "q must be", "got fp8_e4m3")
+      assert.are.equal(0, kc:to("f32"):abs():sum() + vc:to("f32"):abs():sum())
       local tbl = ft.zeros(2, { dtype = FP8 })
       local mods = ft.attention_mods { score = function(s, b, hh, i, j) return s + tbl[hh] end }
       refused(function() return ft.attention(f, f, f, { mods = mods }) end, "mods' tensors")
