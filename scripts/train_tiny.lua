@@ -2,7 +2,10 @@
 -- model without attention as a control.
 --
 --   scripts/ftlua scripts/train_tiny.lua [--steps N] [--device cpu|cuda]
---       [--seed N] [--control true|false] [--csv FILE] [--help]
+--       [--seed N] [--control true|false] [--csv FILE] [--save FILE] [--help]
+--
+-- --save FILE writes the trained model's parameters and its shape (as
+-- metadata) to a .safetensors file, which scripts/generate.lua reads.
 --
 -- The task: K random tokens (of V), a separator, then the same K tokens.
 -- The loss counts only the copied half, where the next token is one of the
@@ -33,7 +36,7 @@ local train = {}
 
 local usage = [==[
 usage: train_tiny.lua [--steps N] [--device cpu|cuda] [--seed N]
-                      [--control true|false] [--csv FILE] [--help]]==]
+                      [--control true|false] [--csv FILE] [--save FILE] [--help]]==]
 
 --- v as an integer when it is a finite whole number, else nil.
 local function to_int(v)
@@ -43,7 +46,8 @@ end
 
 --- Options from the command line: --name value pairs.
 function train.parse_args(args)
-  local o, kinds = {}, { steps = "int", seed = "int", device = "string", csv = "string", control = "bool" }
+  local o, kinds = {}, { steps = "int", seed = "int", device = "string", csv = "string", control = "bool",
+                         save = "string" }
   local i = 1
   while args[i] do
     local name = args[i]:match("^%-%-([%w_]+)$")
@@ -105,6 +109,9 @@ train.defaults = {
   eval_batches = 4, -- held-out batches for the final losses
   quiet = false,    -- no output at all
 }
+
+--- The options that fix the model's shape and task (saved with it).
+train.shape_keys = { "vocab", "k", "dim", "heads", "hidden", "seed" }
 
 -- ---- data ---------------------------------------------------------------------
 
@@ -217,7 +224,7 @@ function train.run(opts)
   local o = {}
   for k, v in pairs(train.defaults) do o[k] = v end
   for k, v in pairs(opts or {}) do
-    if train.defaults[k] == nil and k ~= "device" and k ~= "csv" then
+    if train.defaults[k] == nil and k ~= "device" and k ~= "csv" and k ~= "save" then
       error(("train_tiny: unknown option '%s'"):format(k), 2)
     end
     o[k] = v
@@ -241,6 +248,13 @@ function train.run(opts)
     r.control = evaluate(control, o)
   end
   if o.csv then write_csv(o.csv, r.curve, r.control_curve) end
+  r.model = model
+  if o.save then
+    local meta = {}
+    for _, key in ipairs(train.shape_keys) do meta[key] = tostring(o[key]) end
+    ft.save_safetensors(o.save, model:clone():to({ dtype = "f32", device = "cpu" }):state_dict(), meta)
+    say(o, "saved the model to %s", o.save)
+  end
   r.summary = ("final loss %.4f (control %s, chance %.4f)"):format(r.loss,
     r.control and ("%.4f"):format(r.control) or "not trained", chance)
   say(o, "%s", r.summary)

@@ -111,7 +111,7 @@ local BENCH_OPTIONS = { "--device", "--impl", "--dtype", "--hdim", "--seqlen", "
 local FLAGS = { ["--no-check"] = true, ["--help"] = true }
 
 local SCRIPTS = { "bench.lua", "demo.lua", "train_tiny.lua", "profile.lua", "repl.lua",
-  "mods_demo.lua" }
+  "mods_demo.lua", "generate.lua" }
 
 describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
   describe("scripts/bench.lua", function()

@@ -732,11 +732,13 @@ function PositionalEmbedding:forward(x)
   self:check_input(x)
   self:check_last_dim(x, self.dim)
   local n = x:dim() >= 2 and x:size(x:dim() - 1) or 0
-  if x:dim() < 2 or n > self.max_len then
-    error(("nn.PositionalEmbedding: input %s must be [..., seqlen <= %d, %d]"):format(
-      shape_string(x.shape), self.max_len, self.dim), 2)
+  local pos0 = self.cache and self.cache.len or 0 -- decoding: positions go on from the cache's
+  if x:dim() < 2 or pos0 + n > self.max_len then
+    error(("nn.PositionalEmbedding: input %s must be [..., seqlen <= %d, %d]%s"):format(
+      shape_string(x.shape), self.max_len - pos0, self.dim,
+      pos0 > 0 and (" after %d cached positions"):format(pos0) or ""), 2)
   end
-  self.output = x + bcast(self.weight:narrow(1, 1, n), x)
+  self.output = x + bcast(self.weight:narrow(1, pos0 + 1, n), x)
   return self.output
 end
 
@@ -947,7 +949,7 @@ end
 --   model:forward(next_token)      -- attends over everything so far
 -- While attached, each attention writes its new keys and values after the
 -- cache's len rows and attends over all of them (causal), and rotary
--- embeddings start at len. cache.len counts the positions so far (the same
+-- embeddings and PositionalEmbedding rows start at len. cache.len counts the positions so far (the same
 -- for every sequence of the batch); cache:reset() empties it, cache:detach()
 -- gives the modules back their plain forward.
 local KVCache = {}
@@ -983,8 +985,10 @@ function KVCache:reset()
 end
 
 function KVCache:detach()
-  for _, m in ipairs(self.modules) do
-    if m.cache == self then m.cache = nil end
+  for _, list in ipairs { self.modules, self.positional } do
+    for _, m in ipairs(list) do
+      if m.cache == self then m.cache = nil end
+    end
   end
   return self
 end
@@ -998,6 +1002,9 @@ function nn.KVCache(model, opts)
   if #modules == 0 then error(ctx .. ": the model has no MultiheadAttention", 2) end
   local self = setmetatable({ batch = o.batch, capacity = o.capacity, modules = modules,
                               k = {}, v = {}, len = 0, seen = {} }, KVCache)
+  -- learned positions count on from len too
+  self.positional = model:find("PositionalEmbedding")
+  for _, m in ipairs(self.positional) do m.cache = self end
   for _, m in ipairs(modules) do
     local w = (m.qkv or m.q_proj).weight
     local shape = { o.batch, o.capacity, m.kv_heads, m.head_dim }
