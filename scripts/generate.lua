@@ -54,20 +54,12 @@ function gen.parse_args(args)
 end
 
 local as_library = select("#", ...) > 0 and type((...)) == "table"
-local cli
-if not as_library then
-  local err
-  cli, err = gen.parse_args(arg or {})
-  if not cli then
-    local help = err == usage
-    ;(help and io.stdout or io.stderr):write(err, "\n")
-    os.exit(help and 0 or 2)
-  end
-end
+local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
+local paths = dofile(here .. "lib/paths.lua")
+local cli = not as_library and paths.options(gen.parse_args, usage)
 
 local ok, ft = pcall(require, "flashtile")
-local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
-if not ok then ft = dofile(here .. "lib/paths.lua").require("generate.lua", here) end
+if not ok then ft = paths.require("generate.lua", here) end
 local nn = require "flashtile.nn"
 
 --- train_tiny.lua as a library.

@@ -73,22 +73,12 @@ end
 
 -- loadfile("scripts/train_tiny.lua")({}) is the library: nothing runs.
 local as_library = select("#", ...) > 0 and type((...)) == "table"
-local cli
-if not as_library then
-  local err
-  cli, err = train.parse_args(arg or {})
-  if not cli then
-    local help = err == usage
-    ;(help and io.stdout or io.stderr):write(err, "\n")
-    os.exit(help and 0 or 2)
-  end
-end
+local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
+local paths = dofile(here .. "lib/paths.lua")
+local cli = not as_library and paths.options(train.parse_args, usage)
 
 local ok, ft = pcall(require, "flashtile")
-if not ok then
-  local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
-  ft = dofile(here .. "lib/paths.lua").require("train_tiny.lua", here)
-end
+if not ok then ft = paths.require("train_tiny.lua", here) end
 local nn = require "flashtile.nn"
 local optim = require "flashtile.optim"
 

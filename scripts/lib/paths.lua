@@ -77,4 +77,16 @@ function paths.require(script, scripts_dir)
   fail(script, ("%s does not load under %s: %s"):format(core, paths.interpreter(), why))
 end
 
+--- A script's options from its command line (the global arg), through
+-- parse(args) -> options, or nil and a message: on --help (the message is
+-- usage) prints it and exits 0, on a bad argument prints the message on
+-- stderr and exits 2.
+function paths.options(parse, usage)
+  local o, err = parse(arg or {})
+  if o then return o end
+  local help = err == usage
+  ;(help and io.stdout or io.stderr):write(err, "\n")
+  os.exit(help and 0 or 2)
+end
+
 return paths
