@@ -52,6 +52,12 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
   --csv FILE         the results as CSV (default bench-results.csv)
   --plot FILE        the SVG plot (default bench-results.svg)
   --no-check         skip the correctness check (not for published numbers)
+  --decode           instead: decoding with a KV cache (one query row, GQA
+                     32/8, head dim 128; B x Nk = 1x32768, 16x8192, 64x4096,
+                     8x131072 | 1x4096, 4x2048), the cache read in GB/s
+                     against a device-to-device copy timed in the same run,
+                     contiguous and paged (page size 64); takes --dtype
+                     (the first; default bf16 | f32), --warmup, --reps, --csv
   --help, -h         this text
 
 Exit status: 0 when every row ran, 1 when a row failed (its error is in
@@ -101,6 +107,9 @@ do
       os.exit(0)
     elseif a == "--no-check" then
       given.check = false
+      i = i + 1
+    elseif a == "--decode" then
+      given.decode = true
       i = i + 1
     else
       local key, value = a:match("^%-%-([%w_-]+)=(.*)$")
@@ -248,6 +257,68 @@ for _, key in ipairs { "csv", "plot" } do
   if not f then die(2, "--%s: cannot write '%s'", key, path) end
   f:close()
   if not existed then os.remove(path) end
+end
+
+-- ---- --decode: the KV cache's read rate ------------------------------------------
+
+if given.decode then
+  local dtype = given.dtype and given.dtype:match("^[^,]+") or (on_gpu and "bf16" or "f32")
+  local esize = ({ f16 = 2, bf16 = 2, f32 = 4 })[dtype]
+  if not esize then die(2, "--dtype: '%s' is not f16, bf16 or f32", dtype) end
+  local dev = on_gpu and device or "cpu"
+  local H, Hk, d, PAGE = 32, 8, 128, 64
+  local shapes = on_gpu and { { 1, 32768 }, { 16, 8192 }, { 64, 4096 }, { 8, 131072 } }
+                        or { { 1, 4096 }, { 4, 2048 } }
+  local name = on_gpu and ft.cuda.device_name(tonumber(device:match("^cuda:(%d+)$") or "0")) or "cpu"
+  local o = { dtype = dtype, device = dev }
+  -- the copy: read + write of 2 GiB (256 MiB on the cpu)
+  local bytes = on_gpu and 2 ^ 31 or 2 ^ 28
+  local src = ft.zeros({ bytes / esize }, o)
+  local dst = ft.zeros({ bytes / esize }, o)
+  local copy = bench.run(function() dst:copy(src) end, timing)
+  local copy_rate = 2 * bytes / (copy.median / 1e3) / 1e9
+  src:free(); dst:free()
+  io.stderr:write(("decode on %s: copy %.0f GB/s\n"):format(name, copy_rate))
+  local results = {}
+  for _, sh in ipairs(shapes) do
+    local B, N = sh[1], sh[2]
+    local kc = ft.randn({ B, N, Hk, d }, { dtype = dtype, device = dev, seed = 1 })
+    local vc = ft.randn({ B, N, Hk, d }, { dtype = dtype, device = dev, seed = 2 })
+    local q = ft.randn({ B, 1, H, d }, { dtype = dtype, device = dev, seed = 3 })
+    local kn = ft.randn({ B, 1, Hk, d }, { dtype = dtype, device = dev, seed = 4 })
+    local vn = ft.randn({ B, 1, Hk, d }, { dtype = dtype, device = dev, seed = 5 })
+    local lens = ft.full({ B }, N - 1, { dtype = "i32", device = dev })
+    local a = { causal = true, cache_seqlens = lens, k_new = kn, v_new = vn }
+    local r = bench.run(function() return ft.attention(q, kc, vc, a) end, timing)
+    -- the same caches as page pools, each sequence's pages in order
+    local pages = ft.arange(1, B * N / PAGE + 1, { dtype = "i32", device = dev }):view(B, N / PAGE)
+    local kp, vp = kc:view(B * N / PAGE, PAGE, Hk, d), vc:view(B * N / PAGE, PAGE, Hk, d)
+    local ap = { causal = true, cache_seqlens = lens, k_new = kn, v_new = vn, block_table = pages }
+    local rp = bench.run(function() return ft.attention(q, kp, vp, ap) end, timing)
+    local kv = 2 * B * N * Hk * d * esize
+    local row = { B = B, N = N, ms = r.median, rate = kv / (r.median / 1e3) / 1e9,
+                  paged_ms = rp.median, paged_rate = kv / (rp.median / 1e3) / 1e9 }
+    results[#results + 1] = row
+    io.stderr:write(("B %d Nk %d: %.3f ms, %.0f GB/s; paged %.3f ms\n"):format(B, N, row.ms, row.rate, row.paged_ms))
+    kc:free(); vc:free()
+  end
+  print(("\n%s, %s, %s; decoding: 1 query row, %d/%d heads, head dim %d, causal; a "
+    .. "device-to-device copy in the same run: %.0f GB/s (%s, read + write)"):format(name,
+    os.date("!%Y-%m-%d"), dtype, H, Hk, d, copy_rate, on_gpu and "2 GiB" or "256 MiB"))
+  print("| B x Nk | ms | KV GB/s | of the copy | paged (64) ms | paged GB/s | paged / contiguous |")
+  print("| --- | --- | --- | --- | --- | --- | --- |")
+  local f = io.open(opts.csv, "w")
+  if f then f:write("B,Nk,H,Hk,d,dtype,ms,gbps,of_copy,paged_ms,paged_gbps,copy_gbps\n") end
+  for _, r in ipairs(results) do
+    print(("| %d x %d | %.3f | %.0f | %.2f | %.3f | %.0f | %.2f |"):format(r.B, r.N, r.ms, r.rate,
+      r.rate / copy_rate, r.paged_ms, r.paged_rate, r.paged_rate / r.rate))
+    if f then
+      f:write(("%d,%d,%d,%d,%d,%s,%.4f,%.1f,%.3f,%.4f,%.1f,%.1f\n"):format(r.B, r.N, H, Hk, d, dtype,
+        r.ms, r.rate, r.rate / copy_rate, r.paged_ms, r.paged_rate, copy_rate))
+    end
+  end
+  if f then f:close() end
+  os.exit(0)
 end
 
 -- ---- the reference numbers ------------------------------------------------------

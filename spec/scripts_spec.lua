@@ -239,6 +239,19 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       rmdir(work)
     end)
 
+    it("--decode times decoding with a KV cache, contiguous and paged, against a copy of the same run", function()
+      local work = tmpdir()
+      local out, status = lua(ROOT .. "/scripts/bench.lua", "--device cpu --decode --warmup 0 --reps 1",
+        { dir = work, env = "FT_BUILD_DIR=" .. quote(BUILD) })
+      assert.are.equal(0, status, out)
+      assert.is_truthy(out:find("a device%-to%-device copy in the same run: %d+ GB/s"), out)
+      assert.is_truthy(out:find("| B x Nk | ms | KV GB/s | of the copy | paged (64) ms |", 1, true), out)
+      assert.is_truthy(out:find("\n| 1 x 4096 | "), out)
+      assert.is_truthy(out:find("\n| 4 x 2048 | "), out)
+      assert.is_true(exists(work .. "/bench-results.csv"))
+      rmdir(work)
+    end)
+
     it("without a usable GPU stops at once with one line, leaving no files", function()
       if ft.cuda.is_available() then
         pending("a CUDA GPU is available here: the benchmark runs on it")
