@@ -18,6 +18,7 @@
  */
 #include "internal.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -137,6 +138,20 @@ static ft_status sequence_keys(const cache_call *c, const ft_tensor *cache,
     return FT_OK;
 }
 
+/* Whether attention_decode_cpu.c takes the call: the cpu, f32 or f64,
+ * the last dims contiguous, impl auto or tiled, causal or not and no other
+ * variant (the calls sequence by sequence take those), FT_NO_DECODE unset. */
+static int cpu_decode_takes(const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
+                            const ft_tensor *out, const ft_attn_params *p)
+{
+    const char *off = getenv("FT_NO_DECODE");
+    return q->device.type == FT_CPU && (q->dtype == FT_F32 || q->dtype == FT_F64) &&
+           q->stride[3] == 1 && k->stride[3] == 1 && v->stride[3] == 1 && out->stride[3] == 1 &&
+           (p->impl == FT_ATTN_AUTO || p->impl == FT_ATTN_TILED) && p->window_left < 0 &&
+           p->window_right < 0 && p->softcap == 0 && !p->alibi_slopes && !p->sink &&
+           !(off && *off && strcmp(off, "0"));
+}
+
 ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_tensor *q,
                                      const ft_tensor *k, const ft_tensor *v,
                                      const ft_attn_params *p)
@@ -241,9 +256,24 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
     if (st == FT_OK && paged && base != 0)
         st = ft_binary_scalar(&table0, FT_SUB, p->block_table, (double)base, 0);
     const ft_tensor *table = table0 ? table0 : p->block_table;
+    int done = 0;
+    if (st == FT_OK && cpu_decode_takes(q, k, v, o, p)) {
+        int64_t *n = malloc((size_t)c.B * sizeof *n);
+        if (!n)
+            st = ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+        for (int64_t b = 0; n && b < c.B; b++)
+            n[b] = c.lens[b] + c.Nnew;
+        const ft_decode_cpu a = {q, k, v, o, l, n, paged ? c.table : NULL, c.max_pages,
+                                 c.page_size, p->causal,
+                                 p->scale != 0 ? p->scale : 1.0 / sqrt((double)q->shape[3])};
+        if (st == FT_OK)
+            st = ft_attention_decode_cpu(&a);
+        free(n);
+        done = 1;
+    }
     ft_attn_params one = *p;
     one.cache_seqlens = one.k_new = one.v_new = one.block_table = NULL;
-    for (int64_t b = 0; st == FT_OK && b < c.B; b++) {
+    for (int64_t b = 0; st == FT_OK && !done && b < c.B; b++) {
         const int64_t n = c.lens[b] + c.Nnew;
         ft_tensor kb, vb, *kt = NULL, *vt = NULL, *ob = NULL, *lb = NULL;
         ft_tensor qb = entry_rows(q, b, 0, Nq), alibi;

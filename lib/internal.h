@@ -354,6 +354,20 @@ typedef struct ft_attn_shape {
     const int64_t *mod_goff;
 } ft_attn_shape;
 
+/* attention_decode_cpu.c: attention of q [B, Nq, H, d] over caches k, v
+ * [B, rows, Hk, d] (or page pools with table) on the cpu, f32 or f64, the
+ * last dims contiguous, causal or not; out [B, Nq, H, d] and lse [B, H, Nq]
+ * (contiguous) written. */
+typedef struct {
+    const ft_tensor *q, *k, *v;
+    ft_tensor *out, *lse;
+    const int64_t *lens;  /* keys per sequence */
+    const int64_t *table; /* [B][max_pages] 0-based pages, or NULL */
+    int64_t max_pages, page_size;
+    int causal;
+    double scale;
+} ft_decode_cpu;
+ft_status ft_attention_decode_cpu(const ft_decode_cpu *a);
 /* attention_cache.c: ft_attention_forward with a KV cache (p->cache_seqlens
  * set). */
 ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_tensor *q,
