@@ -147,12 +147,6 @@ static int scratch_add(int64_t *n, int64_t a, int64_t b)
     return ft_mul_size(a, b, &p) != 0 || ft_add_size(*n, p, n) != 0;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FT_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FT_ROW_CLONES
-#endif
-
 /* The row work of the online softmax keeps FT_LANES running maxima and
  * sums, each over every FT_LANES-th score, combined in a fixed order at
  * the end: loops the compiler vectorises (a single running value is a

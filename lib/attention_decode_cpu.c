@@ -42,7 +42,7 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
     /* One task: rows (query i, head g) of kv head hk of sequence b, keys                     \
      * [k0, k1); writes each row's unnormalised O, its max m and sum l                        \
      * (scaled scores, natural units) into part. */                                           \
-    static void task##SFX(const ft_decode_cpu *a, int64_t b, int64_t hk, int64_t k0,          \
+    FT_ROW_CLONES static void task##SFX(const ft_decode_cpu *a, int64_t b, int64_t hk, int64_t k0,          \
                           int64_t k1, T *part, T *scratch)                                    \
     {                                                                                         \
         const ft_tensor *q = a->q;                                                            \

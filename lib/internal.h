@@ -354,6 +354,15 @@ typedef struct ft_attn_shape {
     const int64_t *mod_goff;
 } ft_attn_shape;
 
+/* Loops the compiler vectorises, compiled also for AVX-512 and AVX2 and
+ * chosen at load time from the CPU (x86-64 with GCC; elsewhere the
+ * baseline only): the CPU attention's row work and decoding. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FT_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FT_ROW_CLONES
+#endif
+
 /* attention_decode_cpu.c: attention of q [B, Nq, H, d] over caches k, v
  * [B, rows, Hk, d] (or page pools with table) on the cpu, f32 or f64, the
  * last dims contiguous, causal or not; out [B, Nq, H, d] and lse [B, H, Nq]
