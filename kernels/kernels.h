@@ -96,6 +96,15 @@ ft_status ft_attention_dropout_mask_cuda(ft_tensor *mask, const ft_attn_mod *m);
 
 /* ---- flash_fwd.cu / flash_bwd.cu: the tiled kernels on tensor cores ---- */
 
+/* decode.cu: attention of q [B, Nq, H, d] (f16/bf16, d % 8 == 0, d <= 256,
+ * rows on 16 bytes) over KV caches [B, rows, Hk, d] or page pools [pages,
+ * page_size, Hk, d] with table (device, 0-based, [B][table_stride]); lens
+ * (device, i32 [B]) keys per sequence, max_len the longest; splits 0:
+ * chosen from the shape and the SMs. out [B, Nq, H, d], lse [B, H, Nq]. */
+ft_status ft_attention_decode_cuda(const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
+                                   const int *lens, int64_t max_len, const int *table,
+                                   int64_t table_stride, int64_t page_size, int causal,
+                                   double scale, int splits, ft_tensor *out, ft_tensor *lse);
 ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s, const ft_tensor *q,
                                           const ft_tensor *k, const ft_tensor *v,
                                           ft_tensor *out, ft_tensor *lse);

@@ -19,8 +19,12 @@
 #include "internal.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef FT_HAVE_CUDA
+#include "kernels.h"
+#endif
 
 /* Rows r0 .. r0 + n - 1 of batch entry b of a [B, N, heads, d] tensor, as
  * [1, n, heads, d] (a view, no reference taken). */
@@ -152,6 +156,47 @@ static int cpu_decode_takes(const ft_tensor *q, const ft_tensor *k, const ft_ten
            !(off && *off && strcmp(off, "0"));
 }
 
+#ifdef FT_HAVE_CUDA
+/* Whether kernels/attention/decode.cu takes the call: CUDA, f16 or bf16,
+ * head_dim a multiple of 8 up to 256, every row on 16 bytes, causal or not
+ * and no other variant (the per-sequence calls take those), impl auto or
+ * flash, and FT_NO_DECODE unset. */
+static int aligned16(const ft_tensor *t)
+{
+    if (((uintptr_t)t->data & 15) != 0 || t->stride[3] != 1)
+        return 0;
+    for (int i = 0; i < 3; i++)
+        if (t->shape[i] > 1 && (t->stride[i] * 2) % 16 != 0)
+            return 0;
+    return 1;
+}
+
+static int decode_kernel_takes(const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
+                               const ft_tensor *out, const ft_attn_params *p)
+{
+    const char *off = getenv("FT_NO_DECODE");
+    const int64_t d = q->shape[3];
+    return q->device.type == FT_CUDA && (q->dtype == FT_F16 || q->dtype == FT_BF16) &&
+           d % 8 == 0 && d <= 256 && (p->impl == FT_ATTN_AUTO || p->impl == FT_ATTN_FLASH) &&
+           p->window_left < 0 && p->window_right < 0 && p->softcap == 0 && !p->alibi_slopes &&
+           !p->sink && aligned16(q) && aligned16(k) &&
+           aligned16(v) && aligned16(out) && !(off && *off && strcmp(off, "0"));
+}
+
+/* The keys of each sequence after the append, as i32 on the device. */
+static ft_status device_lengths(const cache_call *c, ft_device dev, ft_tensor **out)
+{
+    ft_tensor *h = NULL;
+    const int64_t shape[1] = {c->B};
+    FT_TRY(ft_empty_named(&h, 1, shape, FT_I32, (ft_device){FT_CPU, 0}, "ft_attention_forward"));
+    for (int64_t b = 0; b < c->B; b++)
+        ((int32_t *)h->data)[b] = (int32_t)(c->lens[b] + c->Nnew);
+    ft_status st = ft_to(out, h, FT_I32, dev);
+    ft_tensor_free(h);
+    return st;
+}
+#endif
+
 ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_tensor *q,
                                      const ft_tensor *k, const ft_tensor *v,
                                      const ft_attn_params *p)
@@ -271,6 +316,24 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
         free(n);
         done = 1;
     }
+#ifdef FT_HAVE_CUDA
+    if (st == FT_OK && !done && decode_kernel_takes(q, k, v, o, p)) { /* the split-KV kernel */
+        ft_tensor *lens = NULL;
+        st = device_lengths(&c, q->device, &lens);
+        int64_t longest = 0;
+        for (int64_t b = 0; b < c.B; b++)
+            if (c.lens[b] + c.Nnew > longest)
+                longest = c.lens[b] + c.Nnew;
+        const double scale = p->scale != 0 ? p->scale : 1.0 / sqrt((double)q->shape[3]);
+        if (st == FT_OK)
+            st = ft_attention_decode_cuda(q, k, v, (const int *)lens->data, longest,
+                                          paged ? (const int *)table->data : NULL,
+                                          paged ? table->stride[0] : 0, c.page_size, p->causal,
+                                          scale, (int)p->num_splits, o, l);
+        ft_tensor_free(lens);
+        done = 1;
+    }
+#endif
     ft_attn_params one = *p;
     one.cache_seqlens = one.k_new = one.v_new = one.block_table = NULL;
     for (int64_t b = 0; st == FT_OK && !done && b < c.B; b++) {

@@ -485,6 +485,7 @@ typedef struct ft_attn_params {
     const ft_tensor *k_new, *v_new;
     const ft_tensor *block_table;
     int block_table_base; /* the number of the pool's first page (0; Lua: 1) */
+    int64_t num_splits;   /* CUDA decoding: key splits (0: chosen from the shape) */
 } ft_attn_params;
 
 FT_API void ft_attn_params_init(ft_attn_params *p);

@@ -1901,7 +1901,7 @@ static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
         {"offset", OPT_INT},         {"max_seqlen_q", OPT_INT},    {"max_seqlen_k", OPT_INT},
         {"mods", OPT_MODS},          {"block_mask", OPT_BLOCK_MASK}, {"mod_grads", OPT_BOOL},
         {"cache_seqlens", OPT_TENSOR}, {"k_new", OPT_TENSOR},      {"v_new", OPT_TENSOR},
-        {"block_table", OPT_TENSOR}};
+        {"block_table", OPT_TENSOR}, {"num_splits", OPT_INT}};
     enum { N = sizeof spec / sizeof spec[0] };
     opt_value v[N];
     read_options(L, idx, spec, N, v);
@@ -1943,6 +1943,9 @@ static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
     p->v_new = v[23].tensor;
     p->block_table = v[24].tensor;
     p->block_table_base = 1; /* page numbers count from 1, as every Lua index */
+    if (v[25].present && (v[25].integer < 0 || v[25].integer > 4096))
+        luaL_argerror(L, idx, "option 'num_splits' must be 0 (automatic) to 4096");
+    p->num_splits = v[25].integer;
     return !v[20].present || v[20].boolean;
 }
 

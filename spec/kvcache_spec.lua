@@ -259,6 +259,30 @@ describe("attention over a KV cache", function()
       "no backward")
   end)
 
+  gpu_it("on CUDA, the split-KV kernel: 1 to 64 query rows, GQA groups of 1 to 8, ragged lengths with NaN past them, any number of splits, paged, against the CPU in f64", function()
+    for _, case in ipairs {
+      { Nq = 1, H = 32, Hk = 8, d = 128, splits = 0 }, { Nq = 1, H = 8, Hk = 8, d = 64, splits = 3 },
+      { Nq = 4, H = 16, Hk = 2, d = 128, splits = 1 }, { Nq = 64, H = 8, Hk = 2, d = 128, splits = 0 },
+      { Nq = 3, H = 4, Hk = 1, d = 256, splits = 5 }, { Nq = 1, H = 4, Hk = 4, d = 96, splits = 0 },
+    } do
+      local B, cap = 3, 700
+      local lens = { 0, 1, cap - case.Nq }
+      local kc, vc = nan_cache(B, cap, case.Hk, case.d, lens), nan_cache(B, cap, case.Hk, case.d, lens)
+      local q, kn, vn = randn { B, case.Nq, case.H, case.d }, randn { B, case.Nq, case.Hk, case.d },
+                        randn { B, case.Nq, case.Hk, case.d }
+      local function bf(t) return t:to("bf16"):double() end
+      local want, wl = ft.attention(bf(q), bf(kc), bf(vc), { causal = true, cache_seqlens = i32(lens),
+                                                               k_new = bf(kn), v_new = bf(vn) })
+      local function g(t) return t:to("bf16"):cuda() end
+      local out, lse = ft.attention(g(q), g(kc), g(vc), { causal = true, cache_seqlens = i32(lens):cuda(),
+                                                         k_new = g(kn), v_new = g(vn), num_splits = case.splits })
+      local e = ft.max_abs_diff(out:cpu():double(), want)
+      local el = ft.max_abs_diff(lse:cpu():double(), wl)
+      assert.is_true(e < 2^-6 and el < 1e-3, ("Nq %d H %d Hk %d d %d splits %d: out error %g, lse %g"):format(
+        case.Nq, case.H, case.Hk, case.d, case.splits, e, el))
+    end
+  end)
+
   gpu_it("on CUDA (bf16, contiguous and paged) as on the CPU", function()
     local B, H, Hk, d, cap, Nnew = 3, 8, 2, 128, 96, 4
     local lens = { 0, 33, cap - Nnew }
