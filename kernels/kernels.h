@@ -98,13 +98,27 @@ ft_status ft_attention_dropout_mask_cuda(ft_tensor *mask, const ft_attn_mod *m);
 
 /* decode.cu: attention of q [B, Nq, H, d] (f16/bf16, d % 8 == 0, d <= 256,
  * rows on 16 bytes) over KV caches [B, rows, Hk, d] or page pools [pages,
- * page_size, Hk, d] with table (device, 0-based, [B][table_stride]); lens
- * (device, i32 [B]) keys per sequence, max_len the longest; splits 0:
- * chosen from the shape and the SMs. out [B, Nq, H, d], lse [B, H, Nq]. */
-ft_status ft_attention_decode_cuda(const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
-                                   const int *lens, int64_t max_len, const int *table,
-                                   int64_t table_stride, int64_t page_size, int causal,
-                                   double scale, int splits, ft_tensor *out, ft_tensor *lse);
+ * page_size, Hk, d], with k_new / v_new appended in place by the same
+ * launch. lib/ checks the lengths and pages and puts them on the device. */
+#define FT_DECODE_INLINE 64 /* lengths passed with the launch up to this batch */
+typedef struct {
+    const ft_tensor *q, *k, *v;        /* k, v: caches or page pools */
+    const ft_tensor *k_new, *v_new;    /* [B, Nnew, Hk, d], or NULL */
+    const int32_t *lens;               /* device [B]: keys before the append, or NULL */
+    const int64_t *lens_host;          /* the same on the host (lens NULL: B <= FT_DECODE_INLINE) */
+    const int32_t *table;              /* device [B][max_pages], 0-based; NULL: not paged */
+    int64_t max_pages, page_size;
+    int64_t max_len;                   /* the longest sequence after the append */
+    int causal, splits;                /* splits from ft_attention_decode_splits_cuda */
+    double scale;
+    float *part_o, *part_lse;          /* splits > 1: [splits][B][H][Nq][d], [splits][B][H][Nq] */
+    ft_tensor *out, *lse;              /* [B, Nq, H, d]; f32 [B, H, Nq] */
+} ft_decode_cuda;
+/* The splits of the keys for such a call: requested when > 0, else chosen
+ * from the shape, the SMs and the CTAs each holds. */
+int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, int64_t max_len,
+                                    int requested);
+ft_status ft_attention_decode_cuda(const ft_decode_cuda *a);
 ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s, const ft_tensor *q,
                                           const ft_tensor *k, const ft_tensor *v,
                                           ft_tensor *out, ft_tensor *lse);

@@ -158,11 +158,13 @@ static int cpu_decode_takes(const ft_tensor *q, const ft_tensor *k, const ft_ten
 
 #ifdef FT_HAVE_CUDA
 /* Whether kernels/attention/decode.cu takes the call: CUDA, f16 or bf16,
- * head_dim a multiple of 8 up to 256, every row on 16 bytes, causal or not
- * and no other variant (the per-sequence calls take those), impl auto or
- * flash, and FT_NO_DECODE unset. */
+ * head_dim a multiple of 8 up to 256, every row on 16 bytes, lengths and
+ * pages that fit 32 bits, causal or not and no other variant (the
+ * per-sequence calls take those), impl auto or flash, FT_NO_DECODE unset. */
 static int aligned16(const ft_tensor *t)
 {
+    if (!t)
+        return 1;
     if (((uintptr_t)t->data & 15) != 0 || t->stride[3] != 1)
         return 0;
     for (int i = 0; i < 3; i++)
@@ -172,27 +174,65 @@ static int aligned16(const ft_tensor *t)
 }
 
 static int decode_kernel_takes(const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
-                               const ft_tensor *out, const ft_attn_params *p)
+                               const cache_call *c, const ft_attn_params *p)
 {
     const char *off = getenv("FT_NO_DECODE");
     const int64_t d = q->shape[3];
     return q->device.type == FT_CUDA && (q->dtype == FT_F16 || q->dtype == FT_BF16) &&
            d % 8 == 0 && d <= 256 && (p->impl == FT_ATTN_AUTO || p->impl == FT_ATTN_FLASH) &&
            p->window_left < 0 && p->window_right < 0 && p->softcap == 0 && !p->alibi_slopes &&
-           !p->sink && aligned16(q) && aligned16(k) &&
-           aligned16(v) && aligned16(out) && !(off && *off && strcmp(off, "0"));
+           !p->sink && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(p->k_new) &&
+           aligned16(p->v_new) && c->capacity < INT32_MAX / 2 && k->shape[0] < INT32_MAX &&
+           c->B * (c->max_pages > 0 ? c->max_pages : 1) < INT32_MAX &&
+           !(off && *off && strcmp(off, "0"));
 }
 
-/* The keys of each sequence after the append, as i32 on the device. */
-static ft_status device_lengths(const cache_call *c, ft_device dev, ft_tensor **out)
+/* The split-KV kernel's call: lengths and pages go to the device in one
+ * queued copy (no wait on the device), the partial results get room, and
+ * the kernel appends and attends. */
+static ft_status decode_on_device(const cache_call *c, const ft_tensor *q, const ft_tensor *k,
+                                  const ft_tensor *v, const ft_attn_params *p, ft_tensor *o,
+                                  ft_tensor *l)
 {
-    ft_tensor *h = NULL;
-    const int64_t shape[1] = {c->B};
-    FT_TRY(ft_empty_named(&h, 1, shape, FT_I32, (ft_device){FT_CPU, 0}, "ft_attention_forward"));
-    for (int64_t b = 0; b < c->B; b++)
-        ((int32_t *)h->data)[b] = (int32_t)(c->lens[b] + c->Nnew);
-    ft_status st = ft_to(out, h, FT_I32, dev);
-    ft_tensor_free(h);
+    static const char func[] = "ft_attention_forward";
+    const int64_t B = c->B, H = q->shape[2], Nq = q->shape[1], d = q->shape[3];
+    const int64_t ntable = c->page_size ? B * c->max_pages : 0;
+    const int inline_lens = !ntable && B <= FT_DECODE_INLINE; /* nothing to upload */
+    const int64_t nints = inline_lens ? 0 : B + ntable;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (c->lens[b] + c->Nnew > longest)
+            longest = c->lens[b] + c->Nnew;
+    const int splits = ft_attention_decode_splits_cuda(q, k->shape[2], longest, (int)p->num_splits);
+    int32_t *h = malloc((size_t)(nints > 0 ? nints : 1) * sizeof *h);
+    if (!h)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    for (int64_t b = 0; b < B && nints > 0; b++)
+        h[b] = (int32_t)c->lens[b];
+    for (int64_t i = 0; i < ntable; i++)
+        h[B + i] = (int32_t)c->table[i];
+    void *ints = NULL, *po = NULL, *pl = NULL;
+    ft_status st = FT_OK;
+    if (nints > 0)
+        st = ft_device_alloc(&ints, (size_t)nints * sizeof *h, q->device, func);
+    if (st == FT_OK && nints > 0)
+        st = ft_device_upload(ints, h, (size_t)nints * sizeof *h, q->device, func);
+    free(h);
+    const size_t rows = (size_t)splits * (size_t)(B * H * Nq);
+    if (st == FT_OK && splits > 1)
+        st = ft_device_alloc(&po, rows * (size_t)d * sizeof(float), q->device, func);
+    if (st == FT_OK && splits > 1)
+        st = ft_device_alloc(&pl, rows * sizeof(float), q->device, func);
+    const ft_decode_cuda a = {q, k, v, p->k_new, p->v_new, (const int32_t *)ints, c->lens,
+                              ntable ? (const int32_t *)ints + B : NULL, c->max_pages,
+                              c->page_size, longest, p->causal, splits,
+                              p->scale != 0 ? p->scale : 1.0 / sqrt((double)d),
+                              (float *)po, (float *)pl, o, l};
+    if (st == FT_OK)
+        st = ft_attention_decode_cuda(&a);
+    ft_device_free(ints, q->device);
+    ft_device_free(po, q->device);
+    ft_device_free(pl, q->device);
     return st;
 }
 #endif
@@ -238,7 +278,8 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
         if (c.page_size < 1)
             return ft_fail(FT_ERR_ARGUMENT, func, 2, "pages of size 0");
         FT_TRY(ft_check_tensor(func, 4, p->block_table));
-        FT_TRY(ft_check_device(func, 4, q, p->block_table));
+        if (p->block_table->device.type != FT_CPU)
+            FT_TRY(ft_check_device(func, 4, q, p->block_table));
         if (p->block_table->ndim != 2 || p->block_table->shape[0] != c.B)
             return ft_fail(FT_ERR_ARGUMENT, func, 4, "block_table must be [batch, max_pages], "
                            "got %s", ft_format_shape(sa, sizeof sa, p->block_table->ndim,
@@ -283,10 +324,14 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
                              (long long)(pg + base), base, (long long)k->shape[0] - 1 + base);
         }
     }
+    int on_device = 0; /* the split-KV kernel, which appends as it reads */
+#ifdef FT_HAVE_CUDA
+    on_device = st == FT_OK && decode_kernel_takes(q, k, v, &c, p);
+#endif
     /* the new keys and values in place, then each sequence's attention */
-    if (st == FT_OK && c.Nnew > 0)
+    if (st == FT_OK && c.Nnew > 0 && !on_device)
         st = append(&c, k, p->k_new);
-    if (st == FT_OK && c.Nnew > 0)
+    if (st == FT_OK && c.Nnew > 0 && !on_device)
         st = append(&c, v, p->v_new);
     ft_tensor *o = NULL, *l = NULL;
     const int64_t H = q->shape[2], Nq = q->shape[1];
@@ -298,8 +343,16 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
                             func);
     /* the gathers' index: the table 0-based, on the pool's device */
     ft_tensor *table0 = NULL;
-    if (st == FT_OK && paged && base != 0)
+    if (st == FT_OK && paged && !on_device &&
+        p->block_table->device.type != k->device.type) { /* a CPU table for a CUDA pool */
+        ft_tensor host = *p->block_table;
+        host.dtype = FT_I64;
+        host.data = c.table; /* 0-based already */
+        host.stride[0] = c.max_pages, host.stride[1] = 1;
+        st = ft_to(&table0, &host, FT_I64, k->device);
+    } else if (st == FT_OK && paged && !on_device && base != 0) {
         st = ft_binary_scalar(&table0, FT_SUB, p->block_table, (double)base, 0);
+    }
     const ft_tensor *table = table0 ? table0 : p->block_table;
     int done = 0;
     if (st == FT_OK && cpu_decode_takes(q, k, v, o, p)) {
@@ -317,20 +370,8 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
         done = 1;
     }
 #ifdef FT_HAVE_CUDA
-    if (st == FT_OK && !done && decode_kernel_takes(q, k, v, o, p)) { /* the split-KV kernel */
-        ft_tensor *lens = NULL;
-        st = device_lengths(&c, q->device, &lens);
-        int64_t longest = 0;
-        for (int64_t b = 0; b < c.B; b++)
-            if (c.lens[b] + c.Nnew > longest)
-                longest = c.lens[b] + c.Nnew;
-        const double scale = p->scale != 0 ? p->scale : 1.0 / sqrt((double)q->shape[3]);
-        if (st == FT_OK)
-            st = ft_attention_decode_cuda(q, k, v, (const int *)lens->data, longest,
-                                          paged ? (const int *)table->data : NULL,
-                                          paged ? table->stride[0] : 0, c.page_size, p->causal,
-                                          scale, (int)p->num_splits, o, l);
-        ft_tensor_free(lens);
+    if (st == FT_OK && on_device) {
+        st = decode_on_device(&c, q, k, v, p, o, l);
         done = 1;
     }
 #endif

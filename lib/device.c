@@ -122,6 +122,14 @@ ft_status ft_device_alloc(void **p, size_t nbytes, ft_device device, const char 
     return FT_OK;
 }
 
+ft_status ft_device_upload(void *dst, const void *src, size_t nbytes, ft_device device,
+                           const char *func)
+{
+    FT_TRY(ft_cuda_use_device(device.index, func));
+    FT_CUDA_TRY(func, cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyHostToDevice, 0));
+    return FT_OK;
+}
+
 void ft_device_free(void *p, ft_device device)
 {
     if (!p)
@@ -254,6 +262,13 @@ ft_status ft_device_alloc(void **p, size_t nbytes, ft_device device, const char 
 {
     (void)nbytes, (void)device;
     *p = NULL;
+    return no_cuda(func);
+}
+
+ft_status ft_device_upload(void *dst, const void *src, size_t nbytes, ft_device device,
+                           const char *func)
+{
+    (void)dst, (void)src, (void)nbytes, (void)device;
     return no_cuda(func);
 }
 

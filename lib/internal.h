@@ -175,6 +175,11 @@ ft_status ft_cuda_check_launch(const char *func, const char *file, int line);
  * its release. Fails clearly in a build without CUDA. */
 ft_status ft_device_alloc(void **p, size_t nbytes, ft_device device, const char *func);
 void ft_device_free(void *p, ft_device device);
+/* Host memory to the device, queued on the default stream: the bytes are
+ * staged at once, so src may be reused on return, and the call does not
+ * wait for the device's earlier work. */
+ft_status ft_device_upload(void *dst, const void *src, size_t nbytes, ft_device device,
+                           const char *func);
 ft_status ft_cuda_memory_stats(int index, ft_memory_stats *out);
 ft_status ft_cuda_reset_peak(int index);
 /* Fails unless CUDA device index exists (and the build has CUDA). */

@@ -259,27 +259,48 @@ describe("attention over a KV cache", function()
       "no backward")
   end)
 
-  gpu_it("on CUDA, the split-KV kernel: 1 to 64 query rows, GQA groups of 1 to 8, ragged lengths with NaN past them, any number of splits, paged, against the CPU in f64", function()
-    for _, case in ipairs {
+  gpu_it("on CUDA, the split-KV kernel: 1 to 64 query rows, GQA groups of 1 to 8, ragged lengths with NaN past them, any number of splits, lengths on the host or the device, against the CPU in f64; paged (pages of 28 rows, in reverse order, the table on the host) gives the same bits and appends into the right pages", function()
+    for n, case in ipairs {
       { Nq = 1, H = 32, Hk = 8, d = 128, splits = 0 }, { Nq = 1, H = 8, Hk = 8, d = 64, splits = 3 },
       { Nq = 4, H = 16, Hk = 2, d = 128, splits = 1 }, { Nq = 64, H = 8, Hk = 2, d = 128, splits = 0 },
       { Nq = 3, H = 4, Hk = 1, d = 256, splits = 5 }, { Nq = 1, H = 4, Hk = 4, d = 96, splits = 0 },
+      { Nq = 2, H = 8, Hk = 2, d = 64, splits = 40 },
     } do
-      local B, cap = 3, 700
+      local B, cap, PS = 3, 700, 28
       local lens = { 0, 1, cap - case.Nq }
       local kc, vc = nan_cache(B, cap, case.Hk, case.d, lens), nan_cache(B, cap, case.Hk, case.d, lens)
       local q, kn, vn = randn { B, case.Nq, case.H, case.d }, randn { B, case.Nq, case.Hk, case.d },
                         randn { B, case.Nq, case.Hk, case.d }
       local function bf(t) return t:to("bf16"):double() end
-      local want, wl = ft.attention(bf(q), bf(kc), bf(vc), { causal = true, cache_seqlens = i32(lens),
-                                                               k_new = bf(kn), v_new = bf(vn) })
+      local kc_c = bf(kc)
+      local want, wl = ft.attention(bf(q), kc_c, bf(vc), { causal = true, cache_seqlens = i32(lens),
+                                                            k_new = bf(kn), v_new = bf(vn) })
       local function g(t) return t:to("bf16"):cuda() end
-      local out, lse = ft.attention(g(q), g(kc), g(vc), { causal = true, cache_seqlens = i32(lens):cuda(),
-                                                         k_new = g(kn), v_new = g(vn), num_splits = case.splits })
+      local label = ("Nq %d H %d Hk %d d %d splits %d"):format(case.Nq, case.H, case.Hk, case.d, case.splits)
+      local kg = g(kc)
+      local lens_t = n % 2 == 1 and i32(lens):cuda() or i32(lens)
+      local out, lse = ft.attention(g(q), kg, g(vc), { causal = true, cache_seqlens = lens_t,
+                                                      k_new = g(kn), v_new = g(vn), num_splits = case.splits })
       local e = ft.max_abs_diff(out:cpu():double(), want)
       local el = ft.max_abs_diff(lse:cpu():double(), wl)
-      assert.is_true(e < 2^-6 and el < 1e-3, ("Nq %d H %d Hk %d d %d splits %d: out error %g, lse %g"):format(
-        case.Nq, case.H, case.Hk, case.d, case.splits, e, el))
+      assert.is_true(e < 2^-6 and el < 1e-3, ("%s: out error %g, lse %g"):format(label, e, el))
+      assert.is_true(same_or_nan(kg:cpu():double(), kc_c), label .. ": the appended cache")
+      -- paged: sequence b's page i is pool page np * B + 1 - ((b - 1) * np + i)
+      local np = h.idiv(cap, PS)
+      local kp = g(kc):view { B * np, PS, case.Hk, case.d }:index_select(1, ft.arange(B * np, 0, -1, { dtype = "i32" }):cuda())
+      local vp = g(vc):view { B * np, PS, case.Hk, case.d }:index_select(1, ft.arange(B * np, 0, -1, { dtype = "i32" }):cuda())
+      local tbl = {}
+      for b = 1, B do
+        tbl[b] = {}
+        for i = 1, np do tbl[b][i] = np * B + 1 - ((b - 1) * np + i) end
+      end
+      local out2, lse2 = ft.attention(g(q), kp, vp, { causal = true, cache_seqlens = lens_t,
+                                                     k_new = g(kn), v_new = g(vn), num_splits = case.splits,
+                                                     block_table = i32(tbl) })
+      assert.are.equal(0, ft.max_abs_diff(out2:cpu():double(), out:cpu():double()), label .. ": paged")
+      assert.are.equal(0, ft.max_abs_diff(lse2:cpu():double(), lse:cpu():double()), label .. ": paged lse")
+      local back = kp:index_select(1, ft.arange(B * np, 0, -1, { dtype = "i32" }):cuda()):view { B, cap, case.Hk, case.d }
+      assert.is_true(same_or_nan(back:cpu():double(), kc_c), label .. ": the appended pages")
     end
   end)
 

@@ -6,8 +6,15 @@
  *
  *   q [B, Nq, H, d]; k, v caches [B, rows, Hk, d] or page pools [pages,
  *   page_size, Hk, d] with a block table (0-based, [B, max_pages]);
- *   lens (i32 [B], device): the keys of each sequence; out [B, Nq, H, d],
- *   lse [B, H, Nq] f32.
+ *   lens (i32 [B], device): the keys of each sequence before the append;
+ *   k_new, v_new [B, Nnew, Hk, d] (or none); out [B, Nq, H, d], lse
+ *   [B, H, Nq] f32.
+ *
+ * The append is part of the kernel: keys and values at positions
+ * lens[b] .. lens[b] + Nnew - 1 are read from k_new / v_new, and the CTA of
+ * row block 0 whose split holds them also writes them into the cache. So a
+ * decoding step is one launch (two with the merge), and no row is read
+ * from the cache while another CTA writes it.
  *
  * The query heads of one kv head are processed together (GQA): a CTA's
  * rows are (query i, head g of the group) pairs, packed r = i G + g, so
@@ -30,9 +37,13 @@ struct DecodeParams {
     int64_t q_bs, q_rs, q_hs; /* elements */
     const void *k, *v;
     int64_t k_bs, k_rs, k_hs, v_bs, v_rs, v_hs; /* batch (or page), row, head */
-    const int *lens;   /* [B] keys per sequence */
+    void *kw, *vw;     /* the caches again, written by the append */
+    const void *kn, *vn; /* new rows, or null */
+    int64_t kn_bs, kn_rs, kn_hs, vn_bs, vn_rs, vn_hs;
+    const int *lens;   /* [B] keys per sequence before the append, or null: */
+    int lens_inline[FT_DECODE_INLINE]; /* B <= FT_DECODE_INLINE, not paged: here */
     const int *table;  /* [B][table_stride] pages, or null */
-    int table_stride, page_size;
+    int table_stride, page_size, Nnew;
     void *out;
     int64_t o_bs, o_rs, o_hs;
     float *lse;       /* [B, H, Nq] contiguous */
@@ -50,19 +61,44 @@ struct DecodeParams {
 template <int D, int WR, int NS> struct DecodeSmem {
     static constexpr int LD = D + 8, ROWS = 16 * WR;
     static constexpr int K = ROWS * LD, STAGE = 2 * DEC_BC * LD;
-    static constexpr size_t bytes = (size_t)(K + NS * STAGE) * 2;
+    /* then (paged) the page and row in it of each key of two tiles */
+    static constexpr size_t pages = (size_t)(K + NS * STAGE) * 2;
+    static constexpr size_t bytes = pages + 2 * DEC_BC * sizeof(int2);
 };
 
-/* The address of key (or value) row j of sequence b, head hk. */
-__device__ __forceinline__ const char *kv_row(const DecodeParams &p, const void *base, int64_t bs,
-                                              int64_t rs, int64_t hs, int b, int hk, int j)
+/* Key j of sequence b: its batch entry (or page) and row there. */
+__device__ __forceinline__ int2 cache_place(const DecodeParams &p, int b, int j)
 {
-    int64_t entry = b, row = j;
-    if (p.table) {
-        entry = p.table[(int64_t)b * p.table_stride + j / p.page_size];
-        row = j % p.page_size;
+    if (!p.table)
+        return make_int2(b, j);
+    const int pg = j / p.page_size;
+    return make_int2(p.table[(int64_t)b * p.table_stride + pg], j - pg * p.page_size);
+}
+
+/* Where key and value row j of sequence b, head hk are read: at place e
+ * of the cache, or (from len0, the keys before the append, on) from the
+ * new rows. */
+__device__ __forceinline__ void kv_rows(const DecodeParams &p, int b, int hk, int len0, int j,
+                                        int2 e, const char **kr, const char **vr)
+{
+    if (j >= len0) {
+        const int64_t r = j - len0;
+        *kr = (const char *)p.kn + 2 * (b * p.kn_bs + r * p.kn_rs + hk * p.kn_hs);
+        *vr = (const char *)p.vn + 2 * (b * p.vn_bs + r * p.vn_rs + hk * p.vn_hs);
+        return;
     }
-    return (const char *)base + 2 * (entry * bs + row * rs + (int64_t)hk * hs);
+    *kr = (const char *)p.k + 2 * (e.x * p.k_bs + (int64_t)e.y * p.k_rs + hk * p.k_hs);
+    *vr = (const char *)p.v + 2 * (e.x * p.v_bs + (int64_t)e.y * p.v_rs + hk * p.v_hs);
+}
+
+/* The cache row where new key (and value) row j goes: p.kw / p.vw plus
+ * the returned element offsets. */
+__device__ __forceinline__ void cache_slot(const DecodeParams &p, int b, int hk, int j,
+                                           int64_t *ko, int64_t *vo)
+{
+    const int2 e = cache_place(p, b, j);
+    *ko = e.x * p.k_bs + (int64_t)e.y * p.k_rs + hk * p.k_hs;
+    *vo = e.x * p.v_bs + (int64_t)e.y * p.v_rs + hk * p.v_hs;
 }
 
 template <typename T, int D, int WR, int NS>
@@ -78,7 +114,9 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
     const int g = lane / 4, t4 = lane % 4, wr = warp % WR, wk = warp / WR;
     const int split = blockIdx.x % p.splits, rb = blockIdx.x / p.splits;
     const int hk = blockIdx.y, b = blockIdx.z;
-    const int M = p.Nq * p.G, r0 = rb * ROWS, len = p.lens[b];
+    const int M = p.Nq * p.G, r0 = rb * ROWS;
+    const int len0 = p.lens ? p.lens[b] : p.lens_inline[b & (FT_DECODE_INLINE - 1)];
+    const int len = len0 + p.Nnew;
     const int k_lo = split * p.chunk, k_hi = min(len, k_lo + p.chunk);
 
     /* Q rows r0 .. r0 + ROWS - 1 (zeros past M and past d) */
@@ -94,22 +132,60 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
     /* stage st of tile t: keys k_lo + t DEC_BC ..; rows past k_hi and
      * columns past d are zeros, never read from the cache */
     const int ntiles = k_hi > k_lo ? (k_hi - k_lo + DEC_BC - 1) / DEC_BC : 0;
+    constexpr int CPR = D / 8, RPI = THREADS / CPR; /* 16-byte chunks a row; rows a pass */
+    const int lc = (tid % CPR) * 8, lr = tid / CPR;    /* this thread's column, first row */
+    /* paged: thread r < DEC_BC looks up the place of row r of a tile a
+     * tile ahead of its copy, and leaves it in sPg[t % 2] for the copiers */
+    int2 *const sPg = reinterpret_cast<int2 *>(smem_raw + L::pages);
+    auto place = [&](int t) {
+        const int j = k_lo + t * DEC_BC + tid;
+        return j < min(k_hi, len0) ? cache_place(p, b, j) : make_int2(0, 0);
+    };
     auto load = [&](int t) {
         T *sk = sKV + (t % NS) * L::STAGE, *sv = sk + DEC_BC * LD;
-        for (int idx = tid; idx < DEC_BC * (D / 8); idx += THREADS) {
-            const int r = idx / (D / 8), c = idx % (D / 8) * 8, j = k_lo + t * DEC_BC + r;
-            const bool ok = j < k_hi && c < p.d;
-            cp_async_16(sk + r * LD + c,
-                        ok ? kv_row(p, p.k, p.k_bs, p.k_rs, p.k_hs, b, hk, j) + 2 * c : (const char *)p.k, ok);
-            cp_async_16(sv + r * LD + c,
-                        ok ? kv_row(p, p.v, p.v_bs, p.v_rs, p.v_hs, b, hk, j) + 2 * c : (const char *)p.v, ok);
+        const int2 *pg = sPg + (t % 2) * DEC_BC;
+#pragma unroll
+        for (int r = lr; r < DEC_BC; r += RPI) {
+            const int j = k_lo + t * DEC_BC + r;
+            const bool ok = j < k_hi && lc < p.d;
+            const char *kr = (const char *)p.k, *vr = (const char *)p.v;
+            if (ok)
+                kv_rows(p, b, hk, len0, j, p.table ? pg[r] : make_int2(b, j), &kr, &vr);
+            cp_async_16(sk + r * LD + lc, ok ? kr + 2 * lc : kr, ok);
+            cp_async_16(sv + r * LD + lc, ok ? vr + 2 * lc : vr, ok);
         }
     };
 #pragma unroll
-    for (int t = 0; t < NS - 1; t++) {
-        if (t < ntiles)
-            load(t);
-        cp_async_commit();
+    for (int t = 0; t < NS; t++) {
+        if (p.table) { /* uniform across the CTA */
+            if (tid < DEC_BC)
+                sPg[(t % 2) * DEC_BC + tid] = place(t);
+            __syncthreads();
+        }
+        if (t < NS - 1) {
+            if (t < ntiles)
+                load(t);
+            cp_async_commit();
+        }
+    }
+
+    /* the append: this split's share of the new rows into the cache,
+     * while the first tiles are on their way */
+    if (p.Nnew > 0 && rb == 0) {
+        const int n0 = max(k_lo, len0), n1 = k_hi;
+        for (int idx = tid; idx < (n1 - n0) * (D / 8); idx += THREADS) {
+            const int j = n0 + idx / (D / 8), c = idx % (D / 8) * 8;
+            if (j >= n1 || c >= p.d)
+                continue;
+            const char *kr, *vr;
+            int64_t ko, vo;
+            kv_rows(p, b, hk, len0, j, make_int2(0, 0), &kr, &vr); /* j >= len0 */
+            cache_slot(p, b, hk, j, &ko, &vo);
+            *reinterpret_cast<uint4 *>((char *)p.kw + 2 * (ko + c)) =
+                *reinterpret_cast<const uint4 *>(kr + 2 * c);
+            *reinterpret_cast<uint4 *>((char *)p.vw + 2 * (vo + c)) =
+                *reinterpret_cast<const uint4 *>(vr + 2 * c);
+        }
     }
 
     float o[NT_O][4], m[2], l[2];
@@ -137,6 +213,9 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
         if (t + NS - 1 < ntiles)
             load(t + NS - 1);
         cp_async_commit();
+        int2 next = make_int2(0, 0); /* paged: tile t + NS's places, stored below */
+        if (p.table && tid < DEC_BC)
+            next = place(t + NS);
         cp_async_wait<NS - 1>(); /* tile t landed */
         __syncthreads();
         const T *sk = sKV + (t % NS) * L::STAGE + wk * KW * LD, *sv = sk + DEC_BC * LD;
@@ -204,6 +283,8 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
                 MmaType<T>::mma(o[2 * dn + 1], a, bv[2], bv[3]);
             }
         }
+        if (p.table && tid < DEC_BC)
+            sPg[((t + NS) % 2) * DEC_BC + tid] = next;
         __syncthreads(); /* stage t % NS is refilled next iteration */
     }
     cp_async_wait<0>();
@@ -262,58 +343,162 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
 }
 
 /* The splits' results of each (b, h, i) row merged: LSE = log sum e^lse_s,
- * out = sum e^(lse_s - LSE) O_s, in split order. */
-template <typename T> __global__ void decode_merge_kernel(DecodeParams p)
+ * out = sum e^(lse_s - LSE) O_s, in split order. Warp 0 finds the weights
+ * (a lane a split), then every thread sums its columns with independent
+ * loads. On sm_90 the kernel is launched before the split kernel ends
+ * (programmatic dependent launch) and waits for its results here. */
+#define DEC_MERGE_MAX 4096
+template <typename T> __global__ void __launch_bounds__(128) decode_merge_kernel(DecodeParams p)
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+    __shared__ float w[DEC_MERGE_MAX];
+    __shared__ float s_lse;
     const int64_t row = blockIdx.x; /* (b, h, i) */
     const int i = (int)(row % p.Nq), h = (int)(row / p.Nq % p.H), b = (int)(row / p.Nq / p.H);
     const int64_t plane = (int64_t)p.B * p.H * p.Nq;
-    float mx = -INFINITY;
-    for (int s = 0; s < p.splits; s++)
-        mx = fmaxf(mx, p.part_lse[s * plane + row]);
-    float sum = 0.f;
-    for (int s = 0; s < p.splits; s++)
-        sum += mx == -INFINITY ? 0.f : expf(p.part_lse[s * plane + row] - mx);
-    const float lse = sum > 0.f ? mx + logf(sum) : -INFINITY;
-    for (int c = threadIdx.x; c < p.d; c += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < p.splits; s++) {
-            const float ls = p.part_lse[s * plane + row];
-            if (ls != -INFINITY)
-                acc += expf(ls - lse) * p.part_o[(s * plane + row) * p.d + c];
+    const int S = p.splits, tid = threadIdx.x;
+    if (tid < FT_WARP) {
+        float mx = -INFINITY;
+        for (int s = tid; s < S; s += FT_WARP)
+            mx = fmaxf(mx, p.part_lse[s * plane + row]);
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float sum = 0.f;
+        for (int s = tid; s < S; s += FT_WARP) {
+            const float e = mx == -INFINITY ? 0.f : expf(p.part_lse[s * plane + row] - mx);
+            w[s] = e;
+            sum += e;
         }
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (tid == 0)
+            s_lse = sum > 0.f ? mx + logf(sum) : -INFINITY;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int s = tid; s < S; s += FT_WARP)
+            w[s] *= inv;
+    }
+    __syncthreads();
+    const float *po = p.part_o + row * p.d;
+    const int64_t step = plane * p.d;
+    for (int c = tid; c < p.d; c += blockDim.x) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        int s = 0;
+        for (; s + 4 <= S; s += 4)
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                acc[u] += w[s + u] * po[(s + u) * step + c];
+        for (; s < S; s++)
+            acc[0] += w[s] * po[s * step + c];
         T *out = reinterpret_cast<T *>(p.out) + (int64_t)b * p.o_bs + (int64_t)i * p.o_rs +
                  (int64_t)h * p.o_hs + c;
-        *out = (T)acc;
+        *out = (T)((acc[0] + acc[1]) + (acc[2] + acc[3]));
     }
-    if (threadIdx.x == 0)
-        p.lse[row] = lse;
+    if (tid == 0)
+        p.lse[row] = s_lse;
 }
 
 /* ---- launch ---- */
 
-template <typename T, int D, int WR>
-static ft_status launch_split(const DecodeParams &p, int row_blocks)
-{
-    constexpr int NS = D == 256 ? 3 : 4;
+/* Stages of the K/V ring: as many as let two CTAs share an SM at head dims
+ * up to 128 (d 64: 6 x 18 KB, d 128: 3 x 35 KB), three at 256 (one CTA). */
+template <int D> struct DecodeStages {
+    static constexpr int value = D == 64 ? 6 : 3;
+};
+
+/* The kernel for a head dim and row grouping, its shared-memory limit
+ * raised once per device. */
+template <typename T, int D, int WR> struct DecodeKernel {
+    static constexpr int NS = DecodeStages<D>::value;
     using L = DecodeSmem<D, WR, NS>;
-    auto kernel = decode_split_kernel<T, D, WR, NS>;
-    static const char func[] = "ft_attention_forward";
-    FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)L::bytes));
-    kernel<<<dim3(p.splits * row_blocks, p.Hk, p.B), DEC_WARPS * FT_WARP, L::bytes>>>(p);
-    FT_CUDA_CHECK_LAUNCH(func);
-    return FT_OK;
+    static ft_status get(void (**k)(DecodeParams), const char *func)
+    {
+        static unsigned long long ready = 0; /* a bit per device */
+        int dev = 0;
+        *k = decode_split_kernel<T, D, WR, NS>;
+        cudaGetDevice(&dev);
+        const unsigned long long bit = dev < 64 ? 1ull << dev : 0;
+        if (!(ready & bit)) {
+            FT_CUDA_TRY(func, cudaFuncSetAttribute(*k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   (int)L::bytes));
+            ready |= bit;
+        }
+        return FT_OK;
+    }
+};
+
+/* Calls fn(TypeOf<T>, IntC<D>, IntC<WR>) for the call's dtype, padded head
+ * dim and row grouping (WR = 1: up to 16 rows a kv head, else 4 x 16). */
+template <typename F> static ft_status decode_dispatch(int dtype, int d, int M, F fn)
+{
+    auto rows = [&](auto type, auto dd) {
+        return M <= 16 ? fn(type, dd, IntC<1>()) : fn(type, dd, IntC<4>());
+    };
+    auto dims = [&](auto type) {
+        return d <= 64 ? rows(type, IntC<64>()) : d <= 128 ? rows(type, IntC<128>())
+                                                           : rows(type, IntC<256>());
+    };
+    return dtype == FT_F16 ? dims(TypeOf<__half>()) : dims(TypeOf<__nv_bfloat16>());
 }
 
-extern "C" ft_status ft_attention_decode_cuda(const ft_tensor *q, const ft_tensor *k,
-                                              const ft_tensor *v, const int *lens,
-                                              int64_t max_len, const int *table,
-                                              int64_t table_stride, int64_t page_size,
-                                              int causal, double scale, int splits,
-                                              ft_tensor *out, ft_tensor *lse)
+/* Keys a split: ceil(max_len / splits) rounded up to whole tiles. */
+static int64_t decode_chunk(int64_t max_len, int64_t splits)
+{
+    const int64_t c = ((max_len + splits - 1) / splits + DEC_BC - 1) / DEC_BC * DEC_BC;
+    return c > 0 ? c : DEC_BC;
+}
+
+extern "C" int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, int64_t max_len,
+                                               int requested)
+{
+    if (requested > 0) { /* at most a split a tile (more would be empty) */
+        int64_t s = requested < DEC_MERGE_MAX ? requested : DEC_MERGE_MAX;
+        const int64_t tiles = (max_len + DEC_BC - 1) / DEC_BC;
+        s = s < tiles ? s : tiles;
+        return (int)(s > 0 ? s : 1);
+    }
+    const int B = (int)q->shape[0], G = (int)(q->shape[2] / Hk), d = (int)q->shape[3];
+    const int M = (int)q->shape[1] * G, row_blocks = M <= 16 ? 1 : (M + 63) / 64;
+    /* CTAs that run at once: SMs x CTAs an SM holds */
+    int sms = 132, per_sm = 1;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q->device.index);
+    decode_dispatch(q->dtype, d, M, [&](auto type, auto dd, auto wr) {
+        using K = DecodeKernel<typename decltype(type)::type, decltype(dd)::value, decltype(wr)::value>;
+        void (*k)(DecodeParams);
+        if (K::get(&k, "ft_attention_forward") == FT_OK &&
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, DEC_WARPS * FT_WARP,
+                                                          K::L::bytes) != cudaSuccess)
+            per_sm = 1;
+        cudaGetLastError();
+        return FT_OK;
+    });
+    const int64_t slots = (int64_t)sms * (per_sm > 0 ? per_sm : 1);
+    const int64_t ctas = (int64_t)B * Hk * row_blocks;
+    /* splits of at least 512 keys (the ring's fill and the merge are paid
+     * per split); among those, the count whose CTAs fill the last wave best
+     * (the fewest splits on a tie) */
+    const int64_t most = max_len > 512 ? max_len / 512 : 1;
+    int64_t best = 1;
+    double best_fill = -1;
+    for (int64_t s = 1; s <= most && s <= 128; s++) {
+        const int64_t used = (max_len + decode_chunk(max_len, s) - 1) / decode_chunk(max_len, s);
+        const double waves = (double)(ctas * used) / (double)slots;
+        const double fill = waves >= 1 ? waves / ceil(waves) : waves;
+        if (fill > best_fill + 1e-9) {
+            best_fill = fill;
+            best = s;
+        }
+    }
+    return (int)best;
+}
+
+extern "C" ft_status ft_attention_decode_cuda(const ft_decode_cuda *a)
 {
     static const char func[] = "ft_attention_forward";
+    const ft_tensor *q = a->q, *k = a->k, *v = a->v;
     FT_TRY(ft_cuda_use_device(q->device.index, func));
     DecodeParams p;
     memset(&p, 0, sizeof p);
@@ -322,57 +507,54 @@ extern "C" ft_status ft_attention_decode_cuda(const ft_tensor *q, const ft_tenso
     if (p.B == 0 || p.Nq == 0 || p.H == 0)
         return FT_OK;
     p.q = q->data, p.q_bs = q->stride[0], p.q_rs = q->stride[1], p.q_hs = q->stride[2];
-    p.k = k->data, p.k_bs = k->stride[0], p.k_rs = k->stride[1], p.k_hs = k->stride[2];
-    p.v = v->data, p.v_bs = v->stride[0], p.v_rs = v->stride[1], p.v_hs = v->stride[2];
-    p.out = out->data, p.o_bs = out->stride[0], p.o_rs = out->stride[1], p.o_hs = out->stride[2];
-    p.lse = (float *)lse->data;
-    p.lens = lens, p.table = table, p.table_stride = (int)table_stride;
-    p.page_size = (int)page_size;
-    p.causal = causal;
-    p.scale_log2 = (float)(scale * 1.4426950408889634);
-    const int M = p.Nq * p.G, WR = M <= 16 ? 1 : 4, row_blocks = (M + 16 * WR - 1) / (16 * WR);
-    /* splits: enough CTAs for two waves of the SMs, each at least 256 keys */
-    int sms = 132, dev = q->device.index;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    const int64_t ctas = (int64_t)p.B * p.Hk * row_blocks;
-    int64_t s = splits > 0 ? splits : (2 * sms + ctas - 1) / ctas;
-    const int64_t most = max_len > 0 ? (max_len + 255) / 256 : 1;
-    if (splits <= 0 && s > most)
-        s = most;
-    if (s < 1)
-        s = 1;
-    const int64_t chunk = ((max_len + s - 1) / s + DEC_BC - 1) / DEC_BC * DEC_BC;
-    p.splits = (int)s;
-    p.chunk = (int)(chunk > 0 ? chunk : DEC_BC);
-    ft_tensor *po = NULL, *pl = NULL;
-    if (p.splits > 1) {
-        const int64_t so[5] = {p.splits, p.B, p.H, p.Nq, p.d}, sl[4] = {p.splits, p.B, p.H, p.Nq};
-        FT_TRY(ft_empty_named(&po, 5, so, FT_F32, q->device, func));
-        ft_status st = ft_empty_named(&pl, 4, sl, FT_F32, q->device, func);
-        if (st != FT_OK) {
-            ft_tensor_free(po);
-            return st;
-        }
-        p.part_o = (float *)po->data, p.part_lse = (float *)pl->data;
+    p.k = p.kw = k->data, p.k_bs = k->stride[0], p.k_rs = k->stride[1], p.k_hs = k->stride[2];
+    p.v = p.vw = v->data, p.v_bs = v->stride[0], p.v_rs = v->stride[1], p.v_hs = v->stride[2];
+    if (a->k_new) {
+        const ft_tensor *kn = a->k_new, *vn = a->v_new;
+        p.kn = kn->data, p.kn_bs = kn->stride[0], p.kn_rs = kn->stride[1], p.kn_hs = kn->stride[2];
+        p.vn = vn->data, p.vn_bs = vn->stride[0], p.vn_rs = vn->stride[1], p.vn_hs = vn->stride[2];
+        p.Nnew = (int)kn->shape[1];
     }
-    ft_status st = FT_OK;
-    auto run = [&](auto type) {
-        using T = typename decltype(type)::type;
-        auto rows = [&](auto d) {
-            constexpr int D = decltype(d)::value;
-            return WR == 1 ? launch_split<T, D, 1>(p, row_blocks) : launch_split<T, D, 4>(p, row_blocks);
-        };
-        return p.d <= 64 ? rows(IntC<64>()) : p.d <= 128 ? rows(IntC<128>()) : rows(IntC<256>());
-    };
-    st = q->dtype == FT_F16 ? run(TypeOf<__half>()) : run(TypeOf<__nv_bfloat16>());
+    p.out = a->out->data, p.o_bs = a->out->stride[0], p.o_rs = a->out->stride[1];
+    p.o_hs = a->out->stride[2];
+    p.lse = (float *)a->lse->data;
+    p.lens = a->lens, p.table = a->table, p.table_stride = (int)a->max_pages;
+    for (int b = 0; !a->lens && b < p.B && b < FT_DECODE_INLINE; b++)
+        p.lens_inline[b] = (int)a->lens_host[b];
+    p.page_size = (int)a->page_size;
+    p.causal = a->causal;
+    p.scale_log2 = (float)(a->scale * 1.4426950408889634);
+    p.splits = a->splits;
+    p.chunk = (int)decode_chunk(a->max_len, a->splits);
+    p.part_o = a->part_o, p.part_lse = a->part_lse;
+    const int M = p.Nq * p.G;
+    ft_status st = decode_dispatch(q->dtype, p.d, M, [&](auto type, auto dd, auto wr) {
+        constexpr int WR = decltype(wr)::value;
+        using K = DecodeKernel<typename decltype(type)::type, decltype(dd)::value, WR>;
+        void (*kern)(DecodeParams);
+        FT_TRY(K::get(&kern, func));
+        const int row_blocks = (M + 16 * WR - 1) / (16 * WR);
+        kern<<<dim3(p.splits * row_blocks, p.Hk, p.B), DEC_WARPS * FT_WARP, K::L::bytes>>>(p);
+        return ft_cuda_check_launch(func, __FILE__, __LINE__);
+    });
     if (st == FT_OK && p.splits > 1) {
+        /* sm_90: launched while the split kernel runs, waiting in the kernel */
+        int major = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q->device.index);
+        cudaLaunchConfig_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.gridDim = dim3((unsigned)((int64_t)p.B * p.H * p.Nq));
+        cfg.blockDim = dim3(128);
+        cfg.attrs = attr;
+        cfg.numAttrs = major >= 9 ? 1 : 0;
         if (q->dtype == FT_F16)
-            decode_merge_kernel<__half><<<(unsigned)((int64_t)p.B * p.H * p.Nq), 128>>>(p);
+            FT_CUDA_TRY(func, cudaLaunchKernelEx(&cfg, decode_merge_kernel<__half>, p));
         else
-            decode_merge_kernel<__nv_bfloat16><<<(unsigned)((int64_t)p.B * p.H * p.Nq), 128>>>(p);
+            FT_CUDA_TRY(func, cudaLaunchKernelEx(&cfg, decode_merge_kernel<__nv_bfloat16>, p));
         st = ft_cuda_check_launch(func, __FILE__, __LINE__);
     }
-    ft_tensor_free(po);
-    ft_tensor_free(pl);
     return st;
 }

@@ -1012,8 +1012,8 @@ function nn.KVCache(model, opts)
     self.v[m] = ft.zeros(shape, { dtype = w.dtype, device = w.device })
     m.cache = self
   end
-  local w = (modules[1].qkv or modules[1].q_proj).weight
-  self.lens = ft.zeros({ o.batch }, { dtype = "i32", device = w.device })
+  -- the lengths stay on the host: a CUDA call checks them there with no wait on the device
+  self.lens = ft.zeros({ o.batch }, { dtype = "i32" })
   return self
 end
 
