@@ -661,20 +661,30 @@ static ft_status build_plan(graph *g, cudnnHandle_t handle, cudnnBackendDescript
 
 /* ---- handles and the plan cache (the lock held) ---- */
 
-/* cuDNN's sub-libraries, which cudnnCreate loads, find the main library's
- * functions in the process's global scope. A host that links flashtile
- * (and so cuDNN) into the program has them there; Lua loads flashtile's
- * module with RTLD_LOCAL, and there cudnnCreate jumped to address 0 on
- * the H200 (cuDNN 9.14), where a C program linked with cuDNN ran the same
- * calls. Opening the loaded library again with RTLD_GLOBAL (RTLD_NOLOAD:
- * it is already there) puts its symbols in the global scope; the handle
- * stays open with the process. */
+/* cuDNN's sub-libraries, which cudnnCreate loads, bind some references in
+ * the process's global scope. A host that links flashtile (and so cuDNN)
+ * into the program has it all there; Lua loads flashtile's module with
+ * RTLD_LOCAL, and there cudnnCreate called address 0 through pthread_once
+ * on the H200 (cuDNN 9.14), where a C program linked with cuDNN, or Lua
+ * with cuDNN or libstdc++ preloaded, ran the same calls. Promoting cuDNN
+ * or libstdc++ alone did not help; opening libflashtile itself again with
+ * RTLD_GLOBAL (RTLD_NOLOAD: it is already there) puts it and everything it
+ * loaded in the global scope, and then cuDNN runs from Lua. It must come
+ * before any call into cuDNN (cudnnGetVersion included), which loads the
+ * sub-library and binds its references, once. The handle stays open with
+ * the process. */
+static void symbols_global_once(void)
+{
+    Dl_info me;
+    if (dladdr((void *)ft_cudnn_version, &me) && me.dli_fname &&
+        dlopen(me.dli_fname, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD))
+        debug("%s: symbols made global", me.dli_fname);
+}
+
 static void cudnn_symbols_global(void)
 {
-    Dl_info info;
-    if (dladdr((void *)cudnnCreate, &info) && info.dli_fname &&
-        dlopen(info.dli_fname, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD))
-        debug("%s: symbols made global", info.dli_fname);
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, symbols_global_once);
 }
 
 static ft_status device_handle(const char *func, int index, cudnnHandle_t *out)
@@ -684,6 +694,7 @@ static ft_status device_handle(const char *func, int index, cudnnHandle_t *out)
                        "CUDA device %d: cuDNN handles are kept for devices 0..%d only", index,
                        MAX_DEVICES - 1);
     if (!handles[index]) {
+        cudnn_symbols_global();
         const size_t runtime = cudnnGetVersion(), cudnn_cuda = cudnnGetCudartVersion();
         int cuda_runtime = 0, driver = 0;
         cudaRuntimeGetVersion(&cuda_runtime);
@@ -700,7 +711,6 @@ static ft_status device_handle(const char *func, int index, cudnnHandle_t *out)
             debug("cuDNN was built for CUDA %zu.x, flashtile runs CUDA %d.x: another major "
                   "version (CUDNN_ROOT picks a cuDNN for this CUDA)", cudnn_cuda / 1000,
                   cuda_runtime / 1000);
-        cudnn_symbols_global();
         cudnnHandle_t h = NULL;
         debug("cudnnCreate for cuda:%d", index);
         const cudnnStatus_t cs = cudnnCreate(&h);
@@ -957,7 +967,11 @@ static ft_status check_lengths(const char *func, const ft_attn_shape *s, int64_t
     return FT_OK;
 }
 
-int ft_cudnn_version(void) { return (int)cudnnGetVersion(); }
+int ft_cudnn_version(void)
+{
+    cudnn_symbols_global();
+    return (int)cudnnGetVersion();
+}
 
 /* The debug trace's first line of a call. */
 static void debug_entry(const char *pass, const ft_attn_shape *s, const ft_tensor *q)

@@ -304,6 +304,28 @@ describe("attention over a KV cache", function()
     end
   end)
 
+  gpu_it("on CUDA, a variant (softcap) runs sequence by sequence, with lengths and the block table on the host, as on the CPU", function()
+    local B, H, Hk, d, PS, np, Nnew = 2, 4, 2, 64, 16, 4, 3
+    local cap = PS * np
+    local lens = { 5, cap - Nnew }
+    local kc, vc = nan_cache(B, cap, Hk, d, lens), nan_cache(B, cap, Hk, d, lens)
+    local q, kn, vn = randn { B, Nnew, H, d }, randn { B, Nnew, Hk, d }, randn { B, Nnew, Hk, d }
+    local function bf(t) return t:to("bf16"):double() end
+    local want = ft.attention(bf(q), bf(kc), bf(vc), { causal = true, softcap = 5, cache_seqlens = i32(lens),
+                                                        k_new = bf(kn), v_new = bf(vn) })
+    local function g(t) return t:to("bf16"):cuda() end
+    local tbl = {}
+    for b = 1, B do
+      tbl[b] = {}
+      for i = 1, np do tbl[b][i] = (b - 1) * np + i end
+    end
+    local kp, vp = g(kc):view { B * np, PS, Hk, d }, g(vc):view { B * np, PS, Hk, d }
+    local out = ft.attention(g(q), kp, vp, { causal = true, softcap = 5, cache_seqlens = i32(lens),
+                                             k_new = g(kn), v_new = g(vn), block_table = i32(tbl) })
+    local e = ft.max_abs_diff(out:cpu():double(), want)
+    assert.is_true(e < 2^-6, "error " .. e)
+  end)
+
   gpu_it("on CUDA (bf16, contiguous and paged) as on the CPU", function()
     local B, H, Hk, d, cap, Nnew = 3, 8, 2, 128, 96, 4
     local lens = { 0, 33, cap - Nnew }
