@@ -633,6 +633,58 @@ FT_API ft_status ft_reset_peak_memory(ft_device device);
 FT_API int64_t ft_thread_allocated_bytes(void);
 FT_API int64_t ft_storage_in_use(void);
 
+/* ---- several GPUs: communicators over NCCL (dist.c) -------------------- */
+
+/* A communicator: the ranks of this process (local ranks, each with a CUDA
+ * device) among world ranks in all. Calls take one tensor per local rank,
+ * in local order, contiguous, on that rank's device. They run on a stream
+ * of the communicator's, after the work queued so far on the devices'
+ * default streams, which then wait for them (so they are ordered like
+ * kernels). NCCL_NVLS_ENABLE is set to 0 (NVLink multicast stays off).
+ * Without NCCL in the build every call is FT_ERR_UNSUPPORTED. */
+typedef struct ft_comm ft_comm;
+/* An exchange still running on the communicator's streams. */
+typedef struct ft_pending ft_pending;
+
+FT_API int ft_dist_built(void);
+/* One process driving n devices: local rank i is rank i, on devices[i]. */
+FT_API ft_status ft_dist_init_devices(ft_comm **out, int n, const int *devices);
+/* One process per GPU: this process is rank (0-based) of world, on device.
+ * Rank 0 writes NCCL's id into id_file (a path every rank can read, not
+ * left from an earlier run), the others wait for it; a rank that is not
+ * there within timeout_s seconds makes the others fail (no hang). */
+FT_API ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device,
+                                   const char *id_file, double timeout_s);
+FT_API void ft_comm_free(ft_comm *c);
+FT_API int ft_comm_world(const ft_comm *c);
+FT_API int ft_comm_local(const ft_comm *c);
+/* The rank and the CUDA device of local rank i (-1 past the end). */
+FT_API int ft_comm_rank(const ft_comm *c, int i);
+FT_API int ft_comm_device(const ft_comm *c, int i);
+/* In place over every rank's tensor; op FT_SUM, FT_MEAN, FT_MAX or FT_MIN. */
+FT_API ft_status ft_all_reduce(ft_comm *c, ft_tensor *const *ts, int n, ft_reduce_op op);
+/* Rank root's tensor into every rank's. */
+FT_API ft_status ft_broadcast(ft_comm *c, ft_tensor *const *ts, int n, int root);
+/* out[i] (world x in[i]'s elements) gets every rank's in, in rank order. */
+FT_API ft_status ft_all_gather(ft_comm *c, ft_tensor *const *out, const ft_tensor *const *in,
+                               int n);
+/* out[i] gets its rank's share (rank r: part r of world equal parts) of the
+ * reduction over every rank's in. */
+FT_API ft_status ft_reduce_scatter(ft_comm *c, ft_tensor *const *out,
+                                   const ft_tensor *const *in, int n, ft_reduce_op op);
+/* Local rank i sends send[i] to rank to[i] and receives recv[i] from rank
+ * from[i] (NULL: none), all in one group. With pending NULL the default
+ * streams wait for it at once; else *pending holds the tensors' storages
+ * and the default streams wait only at ft_pending_wait (kernels queued
+ * before then run beside the exchange; do not write send or read recv
+ * meanwhile). */
+FT_API ft_status ft_sendrecv(ft_comm *c, const ft_tensor *const *send, const int *to,
+                             ft_tensor *const *recv, const int *from, int n,
+                             ft_pending **pending);
+FT_API ft_status ft_pending_wait(ft_pending *p);
+/* Waits (as ft_pending_wait) if that was not done, then releases. */
+FT_API void ft_pending_free(ft_pending *p);
+
 #ifdef __cplusplus
 }
 #endif

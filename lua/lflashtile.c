@@ -2574,6 +2574,328 @@ static const luaL_Reg module_functions[] = {
     {"attention_block_mask_counts", l_attention_block_mask_counts},
     {NULL, NULL}};
 
+/* ---- ft.dist: communicators over NCCL (lib/dist.c) ----
+ *
+ * The core takes its arguments in one plain form; lua/flashtile/dist.lua
+ * gives them the friendly one (ft.dist.init{...}, a tensor or a list, the
+ * environment scripts/ftrun sets). Ranks and devices count from 0. */
+
+#define COMM_MT "flashtile.Comm"
+#define PENDING_MT "flashtile.Pending"
+
+typedef struct ud_comm {
+    ft_comm *c;
+} ud_comm;
+
+typedef struct ud_pending {
+    ft_pending *p;
+} ud_pending;
+
+static ft_comm *check_comm(lua_State *L, int idx)
+{
+    ud_comm *u = luaL_checkudata(L, idx, COMM_MT);
+    if (!u->c)
+        luaL_argerror(L, idx, "communicator has been freed");
+    return u->c;
+}
+
+static ud_comm *push_comm(lua_State *L)
+{
+    ud_comm *u = lua_newuserdatauv(L, sizeof *u, 0);
+    u->c = NULL;
+    luaL_setmetatable(L, COMM_MT);
+    return u;
+}
+
+static int dist_built(lua_State *L)
+{
+    lua_pushboolean(L, ft_dist_built());
+    return 1;
+}
+
+/* core.dist_init_devices({d0, d1, ...}) */
+static int dist_init_devices(lua_State *L)
+{
+    luaL_checktype(L, 1, LUA_TTABLE);
+    const int n = (int)lua_rawlen(L, 1);
+    int devices[64];
+    if (n < 1 || n > 64)
+        luaL_argerror(L, 1, "devices: a list of 1 to 64 device numbers");
+    for (int i = 0; i < n; i++) {
+        lua_rawgeti(L, 1, i + 1);
+        int ok = 0;
+        const lua_Integer d = lua_tointegerx(L, -1, &ok);
+        if (!ok || d < 0 || d > 1 << 20)
+            luaL_argerror(L, 1, lua_pushfstring(L, "devices[%d] is not a device number", i + 1));
+        devices[i] = (int)d;
+        lua_pop(L, 1);
+    }
+    ud_comm *u = push_comm(L);
+    CALL(L, 0, ft_dist_init_devices(&u->c, n, devices));
+    return 1;
+}
+
+/* core.dist_init_rank(rank, world_size, device, id_file, timeout_s) */
+static int dist_init_rank(lua_State *L)
+{
+    const lua_Integer rank = luaL_checkinteger(L, 1), world = luaL_checkinteger(L, 2);
+    const lua_Integer device = luaL_checkinteger(L, 3);
+    const char *id_file = luaL_checkstring(L, 4);
+    const double timeout = luaL_checknumber(L, 5);
+    if (rank < 0 || rank > 1 << 20 || world < 1 || world > 1 << 20 || device < 0 ||
+        device > 1 << 20)
+        luaL_argerror(L, 1, "rank, world_size or device out of range");
+    ud_comm *u = push_comm(L);
+    CALL(L, 0, ft_dist_init_rank(&u->c, (int)rank, (int)world, (int)device, id_file, timeout));
+    return 1;
+}
+
+static int comm_world_size(lua_State *L)
+{
+    lua_pushinteger(L, ft_comm_world(check_comm(L, 1)));
+    return 1;
+}
+
+/* c:ranks(), c:devices(): lists over the local ranks */
+static int comm_list(lua_State *L, int (*get)(const ft_comm *, int))
+{
+    ft_comm *c = check_comm(L, 1);
+    const int n = ft_comm_local(c);
+    lua_createtable(L, n, 0);
+    for (int i = 0; i < n; i++) {
+        lua_pushinteger(L, get(c, i));
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+static int comm_ranks(lua_State *L) { return comm_list(L, ft_comm_rank); }
+static int comm_devices(lua_State *L) { return comm_list(L, ft_comm_device); }
+
+/* The list at idx: one live tensor per local rank, pinned on the stack. */
+static ft_tensor **comm_tensors(lua_State *L, int idx, const ft_comm *c, const char *what)
+{
+    luaL_checktype(L, idx, LUA_TTABLE);
+    const int n = ft_comm_local(c);
+    if ((int)lua_rawlen(L, idx) != n)
+        luaL_argerror(L, idx, lua_pushfstring(L, "%s: %d tensors for %d local ranks", what,
+                                              (int)lua_rawlen(L, idx), n));
+    return (ft_tensor **)pin_tensor_list(L, idx, n, idx, what);
+}
+
+static ft_reduce_op check_reduce_op(lua_State *L, int idx)
+{
+    static const char *const names[] = {"sum", "mean", "max", "min", NULL};
+    static const ft_reduce_op ops[] = {FT_SUM, FT_MEAN, FT_MAX, FT_MIN};
+    return ops[luaL_checkoption(L, idx, "sum", names)];
+}
+
+/* c:all_reduce_list(ts, op) */
+static int comm_all_reduce(lua_State *L)
+{
+    ft_comm *c = check_comm(L, 1);
+    ft_tensor **ts = comm_tensors(L, 2, c, "tensors");
+    const ft_reduce_op op = check_reduce_op(L, 3);
+    CALL(L, 0, ft_all_reduce(c, ts, ft_comm_local(c), op));
+    return 0;
+}
+
+/* c:broadcast_list(ts, root) */
+static int comm_broadcast(lua_State *L)
+{
+    ft_comm *c = check_comm(L, 1);
+    ft_tensor **ts = comm_tensors(L, 2, c, "tensors");
+    const lua_Integer root = luaL_checkinteger(L, 3);
+    if (root < 0 || root >= ft_comm_world(c))
+        luaL_argerror(L, 3, lua_pushfstring(L, "root %s: ranks are 0 to %d", istr(L, root),
+                                            ft_comm_world(c) - 1));
+    CALL(L, 0, ft_broadcast(c, ts, ft_comm_local(c), (int)root));
+    return 0;
+}
+
+/* c:all_gather_list(ins) / c:reduce_scatter_list(ins, op) -> a list of new
+ * tensors: dim 1 of each input times world_size (gather) or divided by it
+ * (scatter). */
+static int comm_gather_scatter(lua_State *L, int scatter)
+{
+    ft_comm *c = check_comm(L, 1);
+    ft_tensor **in = comm_tensors(L, 2, c, "inputs");
+    const ft_reduce_op op = scatter ? check_reduce_op(L, 3) : FT_SUM;
+    const int n = ft_comm_local(c), world = ft_comm_world(c);
+    ft_tensor **out = lua_newuserdata(L, sizeof *out * (size_t)n);
+    const int list = (lua_createtable(L, n, 0), lua_gettop(L));
+    for (int i = 0; i < n; i++) {
+        int64_t shape[FT_MAX_DIMS];
+        const int nd = in[i]->ndim > 0 ? in[i]->ndim : 1;
+        for (int k = 0; k < nd; k++)
+            shape[k] = in[i]->ndim > 0 ? in[i]->shape[k] : 1;
+        if (scatter && shape[0] % world != 0)
+            luaL_argerror(L, 2, lua_pushfstring(L, "inputs[%d]: dim 1 (%s) is not a multiple "
+                                                "of world_size %d", i + 1, istr(L, shape[0]),
+                                                world));
+        shape[0] = scatter ? shape[0] / world : shape[0] * world;
+        ft_tensor **slot = push_slot(L);
+        CALL(L, NO_ARG, ft_empty(slot, nd, shape, in[i]->dtype, in[i]->device));
+        out[i] = *slot;
+        lua_rawseti(L, list, i + 1);
+    }
+    if (scatter)
+        CALL(L, 0, ft_reduce_scatter(c, out, (const ft_tensor *const *)in, n, op));
+    else
+        CALL(L, 0, ft_all_gather(c, out, (const ft_tensor *const *)in, n));
+    lua_pushvalue(L, list);
+    return 1;
+}
+static int comm_all_gather(lua_State *L) { return comm_gather_scatter(L, 0); }
+static int comm_reduce_scatter(lua_State *L) { return comm_gather_scatter(L, 1); }
+
+/* The list at idx for sendrecv: per local rank a tensor or false. */
+static ft_tensor **comm_optional_tensors(lua_State *L, int idx, const ft_comm *c,
+                                         const char *what)
+{
+    const int n = ft_comm_local(c);
+    ft_tensor **ts = lua_newuserdata(L, sizeof *ts * (size_t)n);
+    luaL_checktype(L, idx, LUA_TTABLE);
+    for (int i = 0; i < n; i++) {
+        lua_rawgeti(L, idx, i + 1);
+        if (lua_toboolean(L, -1)) {
+            ud_tensor *u = luaL_testudata(L, -1, TENSOR_MT);
+            if (!u || !u->t)
+                luaL_argerror(L, idx, lua_pushfstring(L, "%s[%d] %s", what, i + 1,
+                                                      u ? "has been freed" : "is not a tensor"));
+            ts[i] = u->t; /* the list itself (an argument) keeps it */
+        } else {
+            ts[i] = NULL;
+        }
+        lua_pop(L, 1);
+    }
+    return ts;
+}
+
+static int *comm_ints(lua_State *L, int idx, const ft_comm *c, const char *what)
+{
+    const int n = ft_comm_local(c);
+    int *v = lua_newuserdata(L, sizeof *v * (size_t)n);
+    luaL_checktype(L, idx, LUA_TTABLE);
+    for (int i = 0; i < n; i++) {
+        lua_rawgeti(L, idx, i + 1);
+        int ok = 0;
+        const lua_Integer x = lua_tointegerx(L, -1, &ok);
+        v[i] = ok && x >= -1 && x < 1 << 20 ? (int)x : -1;
+        if (!ok && lua_toboolean(L, -1))
+            luaL_argerror(L, idx, lua_pushfstring(L, "%s[%d] is not a rank", what, i + 1));
+        lua_pop(L, 1);
+    }
+    return v;
+}
+
+/* c:sendrecv_list(send, to, recv, from, async) -> a Pending when async */
+static int comm_sendrecv(lua_State *L)
+{
+    ft_comm *c = check_comm(L, 1);
+    ft_tensor **send = comm_optional_tensors(L, 2, c, "send");
+    int *to = comm_ints(L, 3, c, "to");
+    ft_tensor **recv = comm_optional_tensors(L, 4, c, "recv");
+    int *from = comm_ints(L, 5, c, "from");
+    const int async = lua_toboolean(L, 6);
+    ud_pending *u = NULL;
+    if (async) {
+        u = lua_newuserdatauv(L, sizeof *u, 0);
+        u->p = NULL;
+        luaL_setmetatable(L, PENDING_MT);
+    }
+    CALL(L, 0, ft_sendrecv(c, (const ft_tensor *const *)send, to, recv, from, ft_comm_local(c),
+                           async ? &u->p : NULL));
+    return async ? 1 : 0;
+}
+
+static void comm_release(void *c) { ft_comm_free(c); }
+
+static int comm_free(lua_State *L)
+{
+    ud_comm *u = luaL_checkudata(L, 1, COMM_MT);
+    ft_comm *c = u->c;
+    u->c = NULL;
+    release_later(L, comm_release, c);
+    return 0;
+}
+
+static int comm_gc(lua_State *L)
+{
+    ud_comm *u = lua_touserdata(L, 1);
+    ft_comm_free(u->c);
+    u->c = NULL;
+    return 0;
+}
+
+static int pending_wait(lua_State *L)
+{
+    ud_pending *u = luaL_checkudata(L, 1, PENDING_MT);
+    if (u->p)
+        CALL(L, 0, ft_pending_wait(u->p));
+    return 0;
+}
+
+static void pending_release(void *p) { ft_pending_free(p); }
+
+static int pending_free(lua_State *L)
+{
+    ud_pending *u = luaL_checkudata(L, 1, PENDING_MT);
+    ft_pending *p = u->p;
+    u->p = NULL;
+    release_later(L, pending_release, p);
+    return 0;
+}
+
+static int pending_gc(lua_State *L)
+{
+    ud_pending *u = lua_touserdata(L, 1);
+    ft_pending_free(u->p);
+    u->p = NULL;
+    return 0;
+}
+
+static const luaL_Reg comm_methods[] = {
+    {"world_size", comm_world_size},       {"ranks", comm_ranks},
+    {"devices", comm_devices},             {"all_reduce_list", comm_all_reduce},
+    {"broadcast_list", comm_broadcast},    {"all_gather_list", comm_all_gather},
+    {"reduce_scatter_list", comm_reduce_scatter}, {"sendrecv_list", comm_sendrecv},
+    {"free", comm_free},                   {NULL, NULL}};
+
+static const luaL_Reg pending_methods[] = {
+    {"wait", pending_wait}, {"free", pending_free}, {NULL, NULL}};
+
+static const luaL_Reg dist_functions[] = {
+    {"built", dist_built}, {"init_devices", dist_init_devices},
+    {"init_rank", dist_init_rank}, {NULL, NULL}};
+
+/* The metatables of Comm and Pending (methods in __index, __gc, __close)
+ * and the core's dist table, left on the stack. */
+static void open_dist(lua_State *L)
+{
+    new_class_metatable(L, COMM_MT);
+    lua_newtable(L);
+    set_funcs(L, comm_methods, "Comm:");
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, comm_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_getfield(L, -1, "__index");
+    lua_getfield(L, -1, "free");
+    lua_setfield(L, -3, "__close");
+    lua_pop(L, 2);
+    new_class_metatable(L, PENDING_MT);
+    lua_newtable(L);
+    set_funcs(L, pending_methods, "Pending:");
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, pending_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_getfield(L, -1, "__index");
+    lua_getfield(L, -1, "free");
+    lua_setfield(L, -3, "__close");
+    lua_pop(L, 2);
+    lua_newtable(L);
+    set_funcs(L, dist_functions, "dist.");
+}
+
 FT_API int luaopen_flashtile_core(lua_State *L)
 {
     state_init(L);
@@ -2646,5 +2968,7 @@ FT_API int luaopen_flashtile_core(lua_State *L)
     lua_newtable(L);
     set_funcs(L, cuda_functions, "cuda.");
     lua_setfield(L, -2, "cuda");
+    open_dist(L);
+    lua_setfield(L, -2, "dist");
     return 1;
 }

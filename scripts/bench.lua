@@ -58,6 +58,15 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
                      against a device-to-device copy timed in the same run,
                      contiguous and paged (page size 64); takes --dtype
                      (the first; default bf16 | f32), --warmup, --reps, --csv
+  --ring             instead: ring attention over the first two CUDA devices
+                     (one process, ft.dist.init{devices = {0, 1}}) against
+                     attention of the whole sequence on one; 16 heads, head
+                     dim 128, batch 1, N = --seqlen (default 32768, 131072,
+                     524288), causal and not, forward and backward; the
+                     scaling efficiency (one GPU's time / (2 x ring's)) and
+                     the time the ring spends beyond its kernels (the same
+                     ring with every exchange left out); takes --dtype,
+                     --warmup, --reps, --csv
   --help, -h         this text
 
 Exit status: 0 when every row ran, 1 when a row failed (its error is in
@@ -110,6 +119,9 @@ do
       i = i + 1
     elseif a == "--decode" then
       given.decode = true
+      i = i + 1
+    elseif a == "--ring" then
+      given.ring = true
       i = i + 1
     else
       local key, value = a:match("^%-%-([%w_-]+)=(.*)$")
@@ -257,6 +269,88 @@ for _, key in ipairs { "csv", "plot" } do
   if not f then die(2, "--%s: cannot write '%s'", key, path) end
   f:close()
   if not existed then os.remove(path) end
+end
+
+-- ---- --ring: ring attention over two GPUs --------------------------------------------
+
+if given.ring then
+  if not on_gpu or ft.cuda.device_count() < 2 or not ft.dist.built() then
+    die(1, "--ring needs two CUDA devices and a build with NCCL (ft.dist.built())")
+  end
+  local dtype = given.dtype and given.dtype:match("^[^,]+") or "bf16"
+  local H, d = 16, 128
+  local Ns = {}
+  for x in (given.seqlen or "32768,131072,524288"):gmatch("[^,]+") do Ns[#Ns + 1] = tonumber(x) end
+  local comm = ft.dist.init { devices = { 0, 1 } }
+  local reps_r, warm_r = tonumber(given.reps or 3), tonumber(given.warmup or 1)
+  --- Median wall time (ms) of fn with both devices synchronised around it.
+  local function wall(fn)
+    for _ = 1, warm_r do fn() end
+    local ts = {}
+    for i = 1, reps_r do
+      ft.cuda.synchronize(0); ft.cuda.synchronize(1)
+      local t0 = ft.clock()
+      fn()
+      ft.cuda.synchronize(0); ft.cuda.synchronize(1)
+      ts[i] = (ft.clock() - t0) * 1e3
+      collectgarbage()
+    end
+    table.sort(ts)
+    return ts[math.floor((#ts + 1) / 2)]
+  end
+  local rows = {}
+  for _, N in ipairs(Ns) do
+    for _, causal in ipairs { false, true } do
+      local o = { causal = causal }
+      local q = ft.randn({ 1, N, H, d }, { dtype = dtype, device = "cuda:0", seed = 1 })
+      local k = ft.randn({ 1, N, H, d }, { dtype = dtype, device = "cuda:0", seed = 2 })
+      local v = ft.randn({ 1, N, H, d }, { dtype = dtype, device = "cuda:0", seed = 3 })
+      local dout = ft.randn({ 1, N, H, d }, { dtype = dtype, device = "cuda:0", seed = 4 })
+      local out, lse = ft.attention(q, k, v, o)
+      local one_f = wall(function() ft.attention(q, k, v, o) end)
+      local one_b = wall(function() ft.attention_backward(dout, q, k, v, out, lse, o) end)
+      local function shards(t)
+        return { ft.dist.shard(t, 0, 2), ft.dist.shard(t, 1, 2):to("cuda:1") }
+      end
+      local qs, ks, vs, ds = shards(q), shards(k), shards(v), shards(dout)
+      out, lse = nil, nil
+      q, k, v, dout = nil, nil, nil, nil
+      collectgarbage()
+      local ro = { causal = causal }
+      local rout, rlse = comm:ring_attention(qs, ks, vs, ro)
+      local ring_f = wall(function() comm:ring_attention(qs, ks, vs, ro) end)
+      local ring_b = wall(function() comm:ring_attention_backward(ds, qs, ks, vs, rout, rlse, ro) end)
+      local nx = { causal = causal, exchange = false }
+      local solo_f = wall(function() comm:ring_attention(qs, ks, vs, nx) end)
+      local solo_b = wall(function() comm:ring_attention_backward(ds, qs, ks, vs, rout, rlse, nx) end)
+      local row = { N = N, causal = causal, one_f = one_f, one_b = one_b, ring_f = ring_f,
+                    ring_b = ring_b, wait_f = ring_f - solo_f, wait_b = ring_b - solo_b }
+      rows[#rows + 1] = row
+      io.stderr:write(("N %d causal %s: one GPU %.2f / %.2f ms, ring %.2f / %.2f ms, efficiency %.2f / %.2f\n")
+        :format(N, tostring(causal), one_f, one_b, ring_f, ring_b, one_f / (2 * ring_f), one_b / (2 * ring_b)))
+      qs, ks, vs, ds, rout, rlse = nil, nil, nil, nil, nil, nil
+      collectgarbage()
+    end
+  end
+  print(("\n%s and %s, %s, %s; ring attention over 2 GPUs (one process, zigzag shards), batch 1, "
+    .. "%d heads, head dim %d; wall-clock ms, median of %d"):format(ft.cuda.device_name(0),
+    ft.cuda.device_name(1), os.date("!%Y-%m-%d"), dtype, H, d, reps_r))
+  print("| N | causal | one GPU fwd / bwd | ring fwd / bwd | efficiency fwd / bwd | beyond the kernels fwd / bwd |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  local f = io.open(opts.csv, "w")
+  if f then f:write("N,causal,dtype,one_fwd_ms,one_bwd_ms,ring_fwd_ms,ring_bwd_ms,wait_fwd_ms,wait_bwd_ms\n") end
+  for _, r in ipairs(rows) do
+    print(("| %d | %s | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f |"):format(r.N,
+      tostring(r.causal), r.one_f, r.one_b, r.ring_f, r.ring_b, r.one_f / (2 * r.ring_f),
+      r.one_b / (2 * r.ring_b), r.wait_f, r.wait_b))
+    if f then
+      f:write(("%d,%s,%s,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f\n"):format(r.N, tostring(r.causal), dtype,
+        r.one_f, r.one_b, r.ring_f, r.ring_b, r.wait_f, r.wait_b))
+    end
+  end
+  if f then f:close() end
+  comm:free()
+  os.exit(0)
 end
 
 -- ---- --decode: the KV cache's read rate ------------------------------------------

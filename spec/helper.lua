@@ -717,4 +717,51 @@ function h.assert_table_close(t, want, tol, what)
 end
 
 
+-- ---- running scripts as a user does -------------------------------------------
+
+--- s quoted for the shell.
+function h.quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+function h.exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+function h.read_all(path)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+--- The output (stdout and stderr) of a shell command, its exit status and
+-- its wall-clock seconds. (io.popen's close gives no status in Lua 5.1.)
+function h.sh(cmd)
+  local t0 = ft.clock()
+  local p = assert(io.popen("(" .. cmd .. ") 2>&1; echo \"[exit status $?]\""))
+  local out = p:read("*a")
+  p:close()
+  local body, status = out:match("^(.-)%[exit status (%d+)%]\n?$")
+  return body or out, tonumber(status), ft.clock() - t0
+end
+
+--- The repository's root (the specs run from it).
+h.ROOT = (h.sh("pwd")):gsub("\n$", "")
+
+function h.absolute(path)
+  if path:sub(1, 1) == "/" then return path end
+  return h.ROOT .. "/" .. path:gsub("^%./", "")
+end
+
+--- The build tree this spec's flashtile comes from: the package.cpath
+-- entry that holds flashtile/core.so (nil if none does).
+h.BUILD = (function()
+  for entry in package.cpath:gmatch("[^;]+") do
+    local file = entry:gsub("%?", "flashtile/core")
+    if entry:match("/%?%.so$") and h.exists(file) then return h.absolute(entry:gsub("/%?%.so$", "")) end
+  end
+  return nil
+end)()
+
 return h

@@ -5,49 +5,10 @@
 local h = require "helper"
 local ft = h.ft
 
-local function quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
-
-local function read_all(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("*a")
-  f:close()
-  return s
-end
-
---- The output (stdout and stderr) of a shell command, its exit status and
--- its wall-clock seconds. (io.popen's close gives no status in Lua 5.1.)
-local function sh(cmd)
-  local t0 = ft.clock()
-  local p = assert(io.popen("(" .. cmd .. ") 2>&1; echo \"[exit status $?]\""))
-  local out = p:read("*a")
-  p:close()
-  local body, status = out:match("^(.-)%[exit status (%d+)%]\n?$")
-  return body or out, tonumber(status), ft.clock() - t0
-end
-
-local ROOT = assert(sh("pwd")):gsub("\n$", "")
+local quote, exists, read_all, absolute = h.quote, h.exists, h.read_all, h.absolute
+local ROOT, BUILD = h.ROOT, assert(h.BUILD, "flashtile/core.so is not on package.cpath")
 assert(exists(ROOT .. "/scripts/bench.lua"), "the specs run from the repository's root")
-
-local function absolute(path)
-  if path:sub(1, 1) == "/" then return path end
-  return ROOT .. "/" .. path:gsub("^%./", "")
-end
-
---- The build tree this spec's flashtile comes from: the package.cpath
--- entry that holds flashtile/core.so.
-local BUILD = (function()
-  for entry in package.cpath:gmatch("[^;]+") do
-    local file = entry:gsub("%?", "flashtile/core")
-    if entry:match("/%?%.so$") and exists(file) then return absolute(entry:gsub("/%?%.so$", "")) end
-  end
-  error("flashtile/core.so is not on package.cpath")
-end)()
+local sh = h.sh
 
 --- The interpreter running this spec, as a command: arg's lowest negative
 -- index, else the command line of this process, else its usual name;

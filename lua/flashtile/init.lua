@@ -12,7 +12,7 @@ local ft = {}
 -- (flashtile.mods alone uses the graph functions and op codes of the core)
 local internal = { Tensor_methods = true, attention_mods_graph = true, attention_mods_eval = true,
                    mod_ops = true, attention_block_mask = true, attention_block_mask_counts = true,
-                   attention_mods_compile = true }
+                   attention_mods_compile = true, dist = true }
 for k, v in pairs(core) do
   if not internal[k] then ft[k] = v end
 end
@@ -154,5 +154,11 @@ do
   end
   ft.cuda.compile_mods = mods.compile_mods
 end
+
+-- ---- several GPUs (flashtile.dist) ----------------------------------------------
+
+ft.dist = require "flashtile.dist"
+ft.ring_attention = ft.dist.ring_attention
+ft.ring_attention_backward = ft.dist.ring_attention_backward
 
 return ft

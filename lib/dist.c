@@ -1,0 +1,756 @@
+/*
+ * dist.c - communicators over NCCL for several GPUs: the two process
+ * models, the collectives the layers need, and point-to-point exchanges
+ * that can overlap the flash kernels (ring attention, lua/flashtile/dist.lua).
+ *
+ * Process models.
+ *   - One process driving several devices (ft_dist_init_devices):
+ *     ncclCommInitAll; local rank i is device devices[i], and every call
+ *     takes one tensor per local rank, issued as one NCCL group.
+ *   - One process per GPU (ft_dist_init_rank): rank 0 writes NCCL's unique
+ *     id into a file (written beside it, then renamed: the others never read
+ *     half an id), the others wait for it; every rank then joins with a
+ *     non-blocking NCCL init and polls it. A rank that does not come within
+ *     the timeout makes every rank that did fail with an error saying whom it
+ *     waited for, instead of hanging (scripts/ftrun starts such ranks).
+ *
+ * Streams. Every local rank has a communication stream of its own
+ * (non-blocking, so the legacy default stream, where flashtile's kernels
+ * run, does not serialise with it). A call makes that stream wait for the
+ * work queued so far on the default stream (an event), issues NCCL there,
+ * and, unless it returns a pending exchange, makes the default stream wait
+ * for it in turn: seen from the default stream it is ordered like any
+ * kernel, yet kernels queued before the wait run beside it. A pending
+ * exchange holds the storages of its tensors until ft_pending_wait (or
+ * ft_pending_free), so a tensor freed meanwhile is not reused under it.
+ *
+ * NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is set in the
+ * environment before the first communicator, whatever it was; on shared
+ * machines multicast can take the host's GPUs out of service.
+ *
+ * Check: spec/dist_spec.lua (tag multigpu for the specs that need two
+ * GPUs; the argument checks run anywhere).
+ */
+#define _GNU_SOURCE /* setenv, nanosleep, clock_gettime */
+#include "internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#ifdef FT_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#include <unistd.h>
+
+#define FT_DIST_MAX_LOCAL 64
+
+struct ft_comm {
+    int world, nlocal;
+    int rank[FT_DIST_MAX_LOCAL], device[FT_DIST_MAX_LOCAL];
+    ncclComm_t comm[FT_DIST_MAX_LOCAL];
+    cudaStream_t stream[FT_DIST_MAX_LOCAL];
+    cudaEvent_t ready[FT_DIST_MAX_LOCAL];  /* default stream -> comm stream */
+    cudaEvent_t joined[FT_DIST_MAX_LOCAL]; /* comm stream -> default stream */
+};
+
+struct ft_pending {
+    ft_comm *c;
+    cudaEvent_t done[FT_DIST_MAX_LOCAL]; /* comm stream -> default stream */
+    ft_storage **held;
+    int nheld, waited;
+};
+
+int ft_dist_built(void) { return 1; }
+
+static ft_status nccl_fail(ncclResult_t r, ncclComm_t comm, const char *func, const char *call)
+{
+    const char *last = comm ? ncclGetLastError(comm) : NULL;
+    return ft_fail(r == ncclInvalidArgument || r == ncclInvalidUsage ? FT_ERR_ARGUMENT
+                                                                       : FT_ERR_DEVICE,
+                   func, 0, "%s: %s%s%s%s", call, ncclGetErrorString(r),
+                   last && *last ? " (" : "", last && *last ? last : "",
+                   last && *last ? ")" : "");
+}
+
+#define NCCL_TRY(func, comm, expr)                                          \
+    do {                                                                    \
+        ncclResult_t ft_nccl_r_ = (expr);                                   \
+        if (ft_nccl_r_ != ncclSuccess && ft_nccl_r_ != ncclInProgress)      \
+            return nccl_fail(ft_nccl_r_, (comm), func, #expr);              \
+    } while (0)
+
+static void multicast_off(void) { setenv("NCCL_NVLS_ENABLE", "0", 1); }
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Streams and events of local rank i, on its device. */
+static ft_status local_setup(ft_comm *c, int i, const char *func)
+{
+    FT_TRY(ft_cuda_use_device(c->device[i], func));
+    FT_CUDA_TRY(func, cudaStreamCreateWithFlags(&c->stream[i], cudaStreamNonBlocking));
+    FT_CUDA_TRY(func, cudaEventCreateWithFlags(&c->ready[i], cudaEventDisableTiming));
+    FT_CUDA_TRY(func, cudaEventCreateWithFlags(&c->joined[i], cudaEventDisableTiming));
+    return FT_OK;
+}
+
+void ft_comm_free(ft_comm *c)
+{
+    if (!c)
+        return;
+    for (int i = 0; i < c->nlocal; i++) {
+        if (c->device[i] >= 0)
+            cudaSetDevice(c->device[i]);
+        if (c->stream[i])
+            cudaStreamSynchronize(c->stream[i]);
+        if (c->comm[i])
+            ncclCommDestroy(c->comm[i]);
+        if (c->ready[i])
+            cudaEventDestroy(c->ready[i]);
+        if (c->joined[i])
+            cudaEventDestroy(c->joined[i]);
+        if (c->stream[i])
+            cudaStreamDestroy(c->stream[i]);
+    }
+    cudaGetLastError();
+    free(c);
+}
+
+static ft_status check_device_index(const char *func, int arg, int d)
+{
+    return ft_cuda_device_check(func, arg, d);
+}
+
+ft_status ft_dist_init_devices(ft_comm **out, int n, const int *devices)
+{
+    static const char func[] = "ft_dist_init_devices";
+    *out = NULL;
+    if (n < 1 || n > FT_DIST_MAX_LOCAL)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "%d devices: give 1 to %d", n,
+                       FT_DIST_MAX_LOCAL);
+    for (int i = 0; i < n; i++) {
+        FT_TRY(check_device_index(func, 1, devices[i]));
+        for (int j = 0; j < i; j++)
+            if (devices[j] == devices[i])
+                return ft_fail(FT_ERR_ARGUMENT, func, 1, "device %d is listed twice",
+                               devices[i]);
+    }
+    ft_comm *c = calloc(1, sizeof *c);
+    if (!c)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    c->world = c->nlocal = n;
+    for (int i = 0; i < n; i++) {
+        c->rank[i] = i;
+        c->device[i] = devices[i];
+    }
+    multicast_off();
+    ft_status st = FT_OK;
+    ncclResult_t r = ncclCommInitAll(c->comm, n, devices);
+    if (r != ncclSuccess) {
+        memset(c->comm, 0, sizeof c->comm);
+        st = nccl_fail(r, NULL, func, "ncclCommInitAll");
+    }
+    for (int i = 0; st == FT_OK && i < n; i++)
+        st = local_setup(c, i, func);
+    if (st != FT_OK) {
+        ft_comm_free(c);
+        return st;
+    }
+    *out = c;
+    return FT_OK;
+}
+
+/* Rank 0: a fresh id into path (through path.<pid>, renamed). */
+static ft_status write_id(const char *func, const char *path, const ncclUniqueId *id)
+{
+    char tmp[4096];
+    if (snprintf(tmp, sizeof tmp, "%s.%ld", path, (long)getpid()) >= (int)sizeof tmp)
+        return ft_fail(FT_ERR_ARGUMENT, func, 4, "id_file path is too long");
+    FILE *f = fopen(tmp, "wb");
+    if (!f)
+        return ft_fail(FT_ERR_IO, func, 4, "cannot write %s: %s", tmp, strerror(errno));
+    const size_t w = fwrite(id, 1, sizeof *id, f);
+    if (fclose(f) != 0 || w != sizeof *id) {
+        remove(tmp);
+        return ft_fail(FT_ERR_IO, func, 4, "cannot write %s", tmp);
+    }
+    if (rename(tmp, path) != 0) {
+        const int e = errno;
+        remove(tmp);
+        return ft_fail(FT_ERR_IO, func, 4, "cannot rename %s to %s: %s", tmp, path, strerror(e));
+    }
+    return FT_OK;
+}
+
+/* The other ranks: wait until the id is there (or the deadline). */
+static ft_status read_id(const char *func, const char *path, ncclUniqueId *id, int rank,
+                         double deadline, double timeout_s)
+{
+    for (;;) {
+        FILE *f = fopen(path, "rb");
+        if (f) {
+            const size_t r = fread(id, 1, sizeof *id, f);
+            fclose(f);
+            if (r == sizeof *id)
+                return FT_OK;
+        }
+        if (now_s() > deadline)
+            return ft_fail(FT_ERR_DEVICE, func, 0,
+                           "rank %d: no id from rank 0 in %s after %.0f s (did rank 0 start? "
+                           "scripts/ftrun starts every rank)", rank, path, timeout_s);
+        sleep_ms(10);
+    }
+}
+
+ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, const char *id_file,
+                            double timeout_s)
+{
+    static const char func[] = "ft_dist_init_rank";
+    *out = NULL;
+    if (world < 1)
+        return ft_fail(FT_ERR_ARGUMENT, func, 2, "world_size %d: must be at least 1", world);
+    if (rank < 0 || rank >= world)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "rank %d: must be 0 to %d (world_size %d)",
+                       rank, world - 1, world);
+    FT_TRY(check_device_index(func, 3, device));
+    if (!id_file || !*id_file)
+        return ft_fail(FT_ERR_ARGUMENT, func, 4, "id_file: a path every rank can read");
+    if (!(timeout_s > 0) || timeout_s > 1e6)
+        return ft_fail(FT_ERR_ARGUMENT, func, 5, "timeout %g s: must be above 0", timeout_s);
+    const double deadline = now_s() + timeout_s;
+    multicast_off();
+    FT_TRY(ft_cuda_use_device(device, func));
+    ncclUniqueId id;
+    if (rank == 0) {
+        NCCL_TRY(func, NULL, ncclGetUniqueId(&id));
+        FT_TRY(write_id(func, id_file, &id));
+    } else {
+        FT_TRY(read_id(func, id_file, &id, rank, deadline, timeout_s));
+    }
+    ft_comm *c = calloc(1, sizeof *c);
+    if (!c)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    c->world = world;
+    c->nlocal = 1;
+    c->rank[0] = rank;
+    c->device[0] = device;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclResult_t r = ncclCommInitRankConfig(&c->comm[0], world, id, rank, &config);
+    ft_status st = FT_OK;
+    if (r != ncclSuccess && r != ncclInProgress) {
+        st = nccl_fail(r, c->comm[0], func, "ncclCommInitRankConfig");
+    } else {
+        ncclResult_t state = ncclInProgress;
+        while (st == FT_OK) {
+            r = ncclCommGetAsyncError(c->comm[0], &state);
+            if (r != ncclSuccess)
+                st = nccl_fail(r, c->comm[0], func, "ncclCommGetAsyncError");
+            else if (state == ncclSuccess)
+                break;
+            else if (state != ncclInProgress)
+                st = nccl_fail(state, c->comm[0], func, "ncclCommInitRankConfig");
+            else if (now_s() > deadline)
+                st = ft_fail(FT_ERR_DEVICE, func, 0,
+                             "rank %d of %d: the other ranks did not all join within %.0f s "
+                             "(a rank failed or was not started)", rank, world, timeout_s);
+            else
+                sleep_ms(1);
+        }
+    }
+    if (st != FT_OK && c->comm[0]) {
+        ncclCommAbort(c->comm[0]);
+        c->comm[0] = NULL;
+    }
+    if (st == FT_OK)
+        st = local_setup(c, 0, func);
+    if (st != FT_OK) {
+        ft_comm_free(c);
+        return st;
+    }
+    *out = c;
+    return FT_OK;
+}
+
+int ft_comm_world(const ft_comm *c) { return c->world; }
+int ft_comm_local(const ft_comm *c) { return c->nlocal; }
+int ft_comm_rank(const ft_comm *c, int i) { return i >= 0 && i < c->nlocal ? c->rank[i] : -1; }
+int ft_comm_device(const ft_comm *c, int i) { return i >= 0 && i < c->nlocal ? c->device[i] : -1; }
+
+/* ---- checks ---- */
+
+static ft_status nccl_type(const char *func, int arg, ft_dtype dt, int reduce, ncclDataType_t *out)
+{
+    switch (dt) {
+    case FT_F64: *out = ncclFloat64; return FT_OK;
+    case FT_F32: *out = ncclFloat32; return FT_OK;
+    case FT_F16: *out = ncclFloat16; return FT_OK;
+    case FT_BF16: *out = ncclBfloat16; return FT_OK;
+    case FT_I32: *out = ncclInt32; return FT_OK;
+    case FT_I64: *out = ncclInt64; return FT_OK;
+    case FT_FP8_E4M3:
+        if (!reduce) {
+            *out = ncclUint8;
+            return FT_OK;
+        }
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "fp8_e4m3 holds data only: a reduction "
+                       "needs f64, f32, f16, bf16, i32 or i64 (convert first)");
+    default: break;
+    }
+    return ft_fail(FT_ERR_ARGUMENT, func, arg, "dtype %d is not one flashtile knows", (int)dt);
+}
+
+static ft_status nccl_op(const char *func, ft_reduce_op op, ncclRedOp_t *out)
+{
+    switch (op) {
+    case FT_SUM: *out = ncclSum; return FT_OK;
+    case FT_MEAN: *out = ncclAvg; return FT_OK;
+    case FT_MAX: *out = ncclMax; return FT_OK;
+    case FT_MIN: *out = ncclMin; return FT_OK;
+    default: break;
+    }
+    return ft_fail(FT_ERR_ARGUMENT, func, 3, "op: sum, mean, max or min");
+}
+
+/* Tensor i of a call: present, contiguous, on local rank i's device. */
+static ft_status check_local(const char *func, int arg, const ft_comm *c, const ft_tensor *t,
+                             int i, const char *name)
+{
+    char dev[32];
+    if (!t)
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "%s[%d] is missing", name, i + 1);
+    FT_TRY(ft_check_tensor(func, arg, t));
+    if (t->device.type != FT_CUDA || t->device.index != c->device[i])
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "%s[%d] is on %s, rank %d's device is cuda:%d",
+                       name, i + 1, ft_device_name(t->device, dev, sizeof dev), c->rank[i],
+                       c->device[i]);
+    if (!ft_is_contiguous(t))
+        return ft_fail(FT_ERR_ARGUMENT, func, arg, "%s[%d] must be contiguous (t:contiguous())",
+                       name, i + 1);
+    return FT_OK;
+}
+
+static ft_status check_count(const char *func, const ft_comm *c, int n)
+{
+    if (!c)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "no communicator");
+    if (n != c->nlocal)
+        return ft_fail(FT_ERR_ARGUMENT, func, 2, "%d tensors for %d local ranks: one per device "
+                       "of this process", n, c->nlocal);
+    return FT_OK;
+}
+
+/* The comm streams wait for the default streams' work so far. */
+static ft_status streams_follow(ft_comm *c, const char *func)
+{
+    for (int i = 0; i < c->nlocal; i++) {
+        FT_TRY(ft_cuda_use_device(c->device[i], func));
+        FT_CUDA_TRY(func, cudaEventRecord(c->ready[i], 0));
+        FT_CUDA_TRY(func, cudaStreamWaitEvent(c->stream[i], c->ready[i], 0));
+    }
+    return FT_OK;
+}
+
+/* The default streams wait for the comm streams' work so far. */
+static ft_status streams_join(ft_comm *c, cudaEvent_t *done, const char *func)
+{
+    for (int i = 0; i < c->nlocal; i++) {
+        FT_TRY(ft_cuda_use_device(c->device[i], func));
+        FT_CUDA_TRY(func, cudaEventRecord(done[i], c->stream[i]));
+        FT_CUDA_TRY(func, cudaStreamWaitEvent(0, done[i], 0));
+    }
+    return FT_OK;
+}
+
+/* A communicator made non-blocking (ft_dist_init_rank, so that a join can
+ * time out) may return from a call before the work is queued: waits until
+ * every local communicator says it is (or failed). */
+static ft_status settle(ft_comm *c, const char *func, const char *call)
+{
+    for (int i = 0; i < c->nlocal; i++) {
+        ncclResult_t state = ncclInProgress;
+        while (state == ncclInProgress) {
+            const ncclResult_t r = ncclCommGetAsyncError(c->comm[i], &state);
+            if (r != ncclSuccess)
+                return nccl_fail(r, c->comm[i], func, "ncclCommGetAsyncError");
+        }
+        if (state != ncclSuccess)
+            return nccl_fail(state, c->comm[i], func, call);
+    }
+    return FT_OK;
+}
+
+/* Runs issue(i) for every local rank inside one NCCL group, between the
+ * streams' hand-overs. */
+typedef ncclResult_t (*issue_fn)(ft_comm *c, int i, void *arg);
+
+static ft_status group(ft_comm *c, const char *func, const char *call, issue_fn issue, void *arg)
+{
+    FT_TRY(streams_follow(c, func));
+    NCCL_TRY(func, NULL, ncclGroupStart());
+    ncclResult_t bad = ncclSuccess;
+    int at = 0;
+    for (int i = 0; i < c->nlocal && (bad == ncclSuccess || bad == ncclInProgress); i++) {
+        cudaSetDevice(c->device[i]);
+        bad = issue(c, i, arg);
+        at = i;
+    }
+    ncclResult_t end = ncclGroupEnd();
+    if (bad != ncclSuccess && bad != ncclInProgress)
+        return nccl_fail(bad, c->comm[at], func, call);
+    if (end != ncclSuccess && end != ncclInProgress)
+        return nccl_fail(end, c->comm[0], func, call);
+    return settle(c, func, call);
+}
+
+/* The default streams wait for the call just issued (a wait enqueued at
+ * once, so one event per rank serves every call). */
+static ft_status finish(ft_comm *c, const char *func) { return streams_join(c, c->joined, func); }
+
+/* ---- collectives ---- */
+
+typedef struct {
+    ft_tensor *const *out;
+    const ft_tensor *const *in;
+    size_t count;
+    ncclDataType_t type;
+    ncclRedOp_t op;
+    int root;
+} coll;
+
+static ncclResult_t issue_all_reduce(ft_comm *c, int i, void *arg)
+{
+    const coll *a = arg;
+    return ncclAllReduce(a->out[i]->data, a->out[i]->data, a->count, a->type, a->op, c->comm[i],
+                         c->stream[i]);
+}
+
+static ncclResult_t issue_broadcast(ft_comm *c, int i, void *arg)
+{
+    const coll *a = arg;
+    return ncclBroadcast(a->out[i]->data, a->out[i]->data, a->count, a->type, a->root,
+                         c->comm[i], c->stream[i]);
+}
+
+static ncclResult_t issue_all_gather(ft_comm *c, int i, void *arg)
+{
+    const coll *a = arg;
+    return ncclAllGather(a->in[i]->data, a->out[i]->data, a->count, a->type, c->comm[i],
+                         c->stream[i]);
+}
+
+static ncclResult_t issue_reduce_scatter(ft_comm *c, int i, void *arg)
+{
+    const coll *a = arg;
+    return ncclReduceScatter(a->in[i]->data, a->out[i]->data, a->count, a->type, a->op,
+                             c->comm[i], c->stream[i]);
+}
+
+/* Every tensor of ts: checked, one dtype and element count. */
+static ft_status check_same(const char *func, int arg, const ft_comm *c,
+                            const ft_tensor *const *ts, int n, const char *name)
+{
+    for (int i = 0; i < n; i++) {
+        FT_TRY(check_local(func, arg, c, ts[i], i, name));
+        if (ts[i]->dtype != ts[0]->dtype || ft_numel(ts[i]) != ft_numel(ts[0]))
+            return ft_fail(FT_ERR_ARGUMENT, func, arg, "%s[%d] is %s of %lld elements, %s[1] "
+                           "%s of %lld", name, i + 1, ft_dtype_name(ts[i]->dtype),
+                           (long long)ft_numel(ts[i]), name, ft_dtype_name(ts[0]->dtype),
+                           (long long)ft_numel(ts[0]));
+    }
+    return FT_OK;
+}
+
+ft_status ft_all_reduce(ft_comm *c, ft_tensor *const *ts, int n, ft_reduce_op op)
+{
+    static const char func[] = "ft_all_reduce";
+    FT_TRY(check_count(func, c, n));
+    FT_TRY(check_same(func, 2, c, (const ft_tensor *const *)ts, n, "tensors"));
+    coll a = {ts, NULL, (size_t)ft_numel(ts[0]), ncclFloat32, ncclSum, 0};
+    FT_TRY(nccl_type(func, 2, ts[0]->dtype, 1, &a.type));
+    FT_TRY(nccl_op(func, op, &a.op));
+    FT_TRY(group(c, func, "ncclAllReduce", issue_all_reduce, &a));
+    return finish(c, func);
+}
+
+ft_status ft_broadcast(ft_comm *c, ft_tensor *const *ts, int n, int root)
+{
+    static const char func[] = "ft_broadcast";
+    FT_TRY(check_count(func, c, n));
+    if (root < 0 || root >= c->world)
+        return ft_fail(FT_ERR_ARGUMENT, func, 3, "root %d: ranks are 0 to %d", root,
+                       c->world - 1);
+    FT_TRY(check_same(func, 2, c, (const ft_tensor *const *)ts, n, "tensors"));
+    coll a = {ts, NULL, (size_t)ft_numel(ts[0]), ncclFloat32, ncclSum, root};
+    FT_TRY(nccl_type(func, 2, ts[0]->dtype, 0, &a.type));
+    FT_TRY(group(c, func, "ncclBroadcast", issue_broadcast, &a));
+    return finish(c, func);
+}
+
+/* out[i] holds world x numel(in[i]) elements (rank order), in in's dtype. */
+static ft_status check_gathered(const char *func, const ft_comm *c, ft_tensor *const *out,
+                                const ft_tensor *const *in, int n, int scatter)
+{
+    FT_TRY(check_same(func, 3, c, in, n, "inputs"));
+    FT_TRY(check_same(func, 2, c, (const ft_tensor *const *)out, n, "outputs"));
+    const int64_t small = scatter ? ft_numel(out[0]) : ft_numel(in[0]);
+    const int64_t big = scatter ? ft_numel(in[0]) : ft_numel(out[0]);
+    if (out[0]->dtype != in[0]->dtype || big != small * c->world)
+        return ft_fail(FT_ERR_ARGUMENT, func, 2, "%s must be %s with world_size (%d) times the "
+                       "elements of %s (%lld), got %s of %lld", scatter ? "inputs" : "outputs",
+                       ft_dtype_name(in[0]->dtype), c->world, scatter ? "outputs" : "inputs",
+                       (long long)small, ft_dtype_name(out[0]->dtype), (long long)big);
+    for (int i = 0; i < n; i++)
+        if (ft_same_storage(out[i], in[i]))
+            return ft_fail(FT_ERR_ARGUMENT, func, 2, "outputs[%d] shares memory with inputs[%d]",
+                           i + 1, i + 1);
+    return FT_OK;
+}
+
+ft_status ft_all_gather(ft_comm *c, ft_tensor *const *out, const ft_tensor *const *in, int n)
+{
+    static const char func[] = "ft_all_gather";
+    FT_TRY(check_count(func, c, n));
+    FT_TRY(check_gathered(func, c, out, in, n, 0));
+    coll a = {out, in, (size_t)ft_numel(in[0]), ncclFloat32, ncclSum, 0};
+    FT_TRY(nccl_type(func, 3, in[0]->dtype, 0, &a.type));
+    FT_TRY(group(c, func, "ncclAllGather", issue_all_gather, &a));
+    return finish(c, func);
+}
+
+ft_status ft_reduce_scatter(ft_comm *c, ft_tensor *const *out, const ft_tensor *const *in, int n,
+                            ft_reduce_op op)
+{
+    static const char func[] = "ft_reduce_scatter";
+    FT_TRY(check_count(func, c, n));
+    FT_TRY(check_gathered(func, c, out, in, n, 1));
+    coll a = {out, in, (size_t)ft_numel(out[0]), ncclFloat32, ncclSum, 0};
+    FT_TRY(nccl_type(func, 3, in[0]->dtype, 1, &a.type));
+    FT_TRY(nccl_op(func, op, &a.op));
+    FT_TRY(group(c, func, "ncclReduceScatter", issue_reduce_scatter, &a));
+    return finish(c, func);
+}
+
+/* ---- point to point ---- */
+
+typedef struct {
+    const ft_tensor *const *send;
+    const int *to;
+    ft_tensor *const *recv;
+    const int *from;
+} p2p;
+
+static ncclResult_t issue_sendrecv(ft_comm *c, int i, void *arg)
+{
+    const p2p *a = arg;
+    ncclDataType_t type = ncclUint8;
+    ncclResult_t r = ncclSuccess;
+    if (a->send[i]) {
+        nccl_type("ft_sendrecv", 2, a->send[i]->dtype, 0, &type);
+        r = ncclSend(a->send[i]->data, (size_t)ft_numel(a->send[i]), type, a->to[i], c->comm[i],
+                     c->stream[i]);
+    }
+    if (r == ncclSuccess && a->recv[i]) {
+        nccl_type("ft_sendrecv", 4, a->recv[i]->dtype, 0, &type);
+        r = ncclRecv(a->recv[i]->data, (size_t)ft_numel(a->recv[i]), type, a->from[i],
+                     c->comm[i], c->stream[i]);
+    }
+    return r;
+}
+
+void ft_pending_free(ft_pending *p)
+{
+    if (!p)
+        return;
+    if (!p->waited)
+        ft_pending_wait(p); /* the storages go only after the exchange */
+    for (int i = 0; i < p->c->nlocal; i++) {
+        if (p->done[i]) {
+            cudaSetDevice(p->c->device[i]);
+            cudaEventDestroy(p->done[i]);
+        }
+    }
+    for (int i = 0; i < p->nheld; i++)
+        ft_storage_release(p->held[i]);
+    free(p->held);
+    free(p);
+}
+
+ft_status ft_pending_wait(ft_pending *p)
+{
+    static const char func[] = "ft_pending_wait";
+    if (!p)
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "no pending exchange");
+    if (p->waited)
+        return FT_OK;
+    p->waited = 1;
+    for (int i = 0; i < p->c->nlocal; i++) {
+        FT_TRY(ft_cuda_use_device(p->c->device[i], func));
+        FT_CUDA_TRY(func, cudaStreamWaitEvent(0, p->done[i], 0));
+    }
+    return FT_OK;
+}
+
+ft_status ft_sendrecv(ft_comm *c, const ft_tensor *const *send, const int *to,
+                      ft_tensor *const *recv, const int *from, int n, ft_pending **pending)
+{
+    static const char func[] = "ft_sendrecv";
+    if (pending)
+        *pending = NULL;
+    FT_TRY(check_count(func, c, n));
+    for (int i = 0; i < n; i++) {
+        if (send[i]) {
+            FT_TRY(check_local(func, 2, c, send[i], i, "send"));
+            ncclDataType_t t;
+            FT_TRY(nccl_type(func, 2, send[i]->dtype, 0, &t));
+            if (to[i] < 0 || to[i] >= c->world || to[i] == c->rank[i])
+                return ft_fail(FT_ERR_ARGUMENT, func, 3, "to[%d] = %d: a rank from 0 to %d other "
+                               "than %d's own", i + 1, to[i], c->world - 1, c->rank[i]);
+        }
+        if (recv[i]) {
+            FT_TRY(check_local(func, 4, c, recv[i], i, "recv"));
+            ncclDataType_t t;
+            FT_TRY(nccl_type(func, 4, recv[i]->dtype, 0, &t));
+            if (from[i] < 0 || from[i] >= c->world || from[i] == c->rank[i])
+                return ft_fail(FT_ERR_ARGUMENT, func, 5, "from[%d] = %d: a rank from 0 to %d "
+                               "other than %d's own", i + 1, from[i], c->world - 1, c->rank[i]);
+            if (send[i] && ft_same_storage(send[i], recv[i]))
+                return ft_fail(FT_ERR_ARGUMENT, func, 4, "recv[%d] shares memory with send[%d]",
+                               i + 1, i + 1);
+        }
+    }
+    ft_pending *p = calloc(1, sizeof *p);
+    if (!p)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    p->c = c;
+    p->held = calloc((size_t)(2 * n), sizeof *p->held);
+    ft_status st = p->held ? FT_OK : ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    for (int i = 0; st == FT_OK && i < n; i++) {
+        cudaSetDevice(c->device[i]);
+        if (cudaEventCreateWithFlags(&p->done[i], cudaEventDisableTiming) != cudaSuccess)
+            st = ft_fail(FT_ERR_DEVICE, func, 0, "cudaEventCreate failed");
+    }
+    p2p a = {send, to, recv, from};
+    if (st == FT_OK)
+        st = group(c, func, "ncclSend/ncclRecv", issue_sendrecv, &a);
+    for (int i = 0; st == FT_OK && i < c->nlocal; i++) {
+        cudaSetDevice(c->device[i]);
+        if (cudaEventRecord(p->done[i], c->stream[i]) != cudaSuccess)
+            st = ft_fail(FT_ERR_DEVICE, func, 0, "cudaEventRecord failed");
+    }
+    /* the storages stay until the default streams have waited */
+    for (int i = 0; st == FT_OK && i < n; i++) {
+        if (send[i]) {
+            ft_storage_retain(send[i]->storage);
+            p->held[p->nheld++] = send[i]->storage;
+        }
+        if (recv[i]) {
+            ft_storage_retain(recv[i]->storage);
+            p->held[p->nheld++] = recv[i]->storage;
+        }
+    }
+    if (st != FT_OK || !pending) {
+        ft_status w = st == FT_OK ? ft_pending_wait(p) : FT_OK;
+        p->waited = 1;
+        ft_pending_free(p);
+        return st != FT_OK ? st : w;
+    }
+    *pending = p;
+    return FT_OK;
+}
+
+#else /* no NCCL */
+
+struct ft_comm {
+    int unused;
+};
+struct ft_pending {
+    int unused;
+};
+
+int ft_dist_built(void) { return 0; }
+
+static ft_status no_nccl(const char *func)
+{
+    return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
+                   "flashtile was built without NCCL (it needs a CUDA build that finds nccl.h "
+                   "and libnccl: the CUDA toolkit's, or Debian's libnccl-dev)");
+}
+
+ft_status ft_dist_init_devices(ft_comm **out, int n, const int *devices)
+{
+    (void)n, (void)devices;
+    *out = NULL;
+    return no_nccl("ft_dist_init_devices");
+}
+
+ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, const char *id_file,
+                            double timeout_s)
+{
+    (void)rank, (void)world, (void)device, (void)id_file, (void)timeout_s;
+    *out = NULL;
+    return no_nccl("ft_dist_init_rank");
+}
+
+void ft_comm_free(ft_comm *c) { (void)c; }
+int ft_comm_world(const ft_comm *c) { return (void)c, 0; }
+int ft_comm_local(const ft_comm *c) { return (void)c, 0; }
+int ft_comm_rank(const ft_comm *c, int i) { return (void)c, (void)i, -1; }
+int ft_comm_device(const ft_comm *c, int i) { return (void)c, (void)i, -1; }
+
+ft_status ft_all_reduce(ft_comm *c, ft_tensor *const *ts, int n, ft_reduce_op op)
+{
+    (void)c, (void)ts, (void)n, (void)op;
+    return no_nccl("ft_all_reduce");
+}
+
+ft_status ft_broadcast(ft_comm *c, ft_tensor *const *ts, int n, int root)
+{
+    (void)c, (void)ts, (void)n, (void)root;
+    return no_nccl("ft_broadcast");
+}
+
+ft_status ft_all_gather(ft_comm *c, ft_tensor *const *out, const ft_tensor *const *in, int n)
+{
+    (void)c, (void)out, (void)in, (void)n;
+    return no_nccl("ft_all_gather");
+}
+
+ft_status ft_reduce_scatter(ft_comm *c, ft_tensor *const *out, const ft_tensor *const *in, int n,
+                            ft_reduce_op op)
+{
+    (void)c, (void)out, (void)in, (void)n, (void)op;
+    return no_nccl("ft_reduce_scatter");
+}
+
+ft_status ft_sendrecv(ft_comm *c, const ft_tensor *const *send, const int *to,
+                      ft_tensor *const *recv, const int *from, int n, ft_pending **pending)
+{
+    (void)c, (void)send, (void)to, (void)recv, (void)from, (void)n;
+    if (pending)
+        *pending = NULL;
+    return no_nccl("ft_sendrecv");
+}
+
+ft_status ft_pending_wait(ft_pending *p)
+{
+    (void)p;
+    return no_nccl("ft_pending_wait");
+}
+
+void ft_pending_free(ft_pending *p) { (void)p; }
+
+#endif

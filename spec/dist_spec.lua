@@ -1,0 +1,207 @@
+-- flashtile.dist (lib/dist.c, lua/flashtile/dist.lua): communicators over
+-- NCCL in both process models, the collectives, exchanges that overlap
+-- the kernels, and ring attention against attention of the whole sequence
+-- on one GPU. Specs that need one GPU carry the tag gpu; those that need
+-- two carry multigpu and are reported pending, with the reason, elsewhere.
+local h = require "helper"
+local ft = h.ft
+
+local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
+
+local function no_multigpu_reason()
+  local r = h.no_gpu_reason()
+  if r then return r end
+  if not ft.dist.built() then return "this flashtile build has no NCCL (ft.dist.built() is false)" end
+  if ft.cuda.device_count() < 2 then
+    return "needs two CUDA devices, this machine has " .. ft.cuda.device_count()
+  end
+  return nil
+end
+
+local function multigpu_it(name, body)
+  it(name, function()
+    local reason = no_multigpu_reason()
+    if reason then
+      pending(reason)
+      return
+    end
+    body()
+  end)
+end
+
+local function randn(shape, dtype)
+  return ft.randn(shape, { dtype = dtype or "f64", seed = h.next_seed() })
+end
+
+describe("ft.dist", function()
+  it("says whether it was built, and names what is wrong in ft.dist.init's options", function()
+    assert.are.equal("boolean", type(ft.dist.built()))
+    local cases = {
+      { nil, "give devices = {...}" },
+      { { devices = {} }, "devices must be a list" },
+      { { devices = { 0, -1 } }, "devices[2] must be a device number" },
+      { { devices = { 0 }, rank = 0 }, "takes no rank" },
+      { { rank = 2, world_size = 2, id_file = "x" }, "rank must be an integer from 0 to 1" },
+      { { rank = 0, world_size = 0, id_file = "x" }, "world_size must be an integer >= 1" },
+      { { rank = 0, world_size = 2, id_file = "" }, "id_file must be a path" },
+      { { rank = 0, world_size = 2, id_file = "x", timeout = 0 }, "timeout must be a number" },
+      { { rank = 0, world_size = 2, id_file = "x", device = 1.5 }, "device must be a device number" },
+      { { ranks = 2 }, "unknown option 'ranks'" },
+    }
+    for _, c in ipairs(cases) do
+      local ok, err = pcall(ft.dist.init, c[1])
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find(c[2], 1, true), tostring(err))
+    end
+    local ok, err = pcall(ft.dist.init, "x")
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("ft.dist.init: opts must be a table", 1, true))
+  end)
+
+  it("refuses a device this machine lacks, or any without NCCL, with a clear error", function()
+    local ok, err = pcall(ft.dist.init, { devices = { 63 } })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("no CUDA device", 1, true) or tostring(err):find("NCCL", 1, true)
+      or tostring(err):find("63", 1, true), tostring(err))
+  end)
+
+  it("shards a sequence (zigzag and contiguous) and puts the shards back together", function()
+    local t = randn { 2, 24, 3, 4 }
+    for _, layout in ipairs { "zigzag", "contiguous" } do
+      for _, W in ipairs { 1, 2, 3 } do
+        local shards = {}
+        for r = 0, W - 1 do shards[r + 1] = ft.dist.shard(t, r, W, layout) end
+        assert.are.equal(24 / W, shards[1]:size(2))
+        assert.are.equal(0, ft.max_abs_diff(ft.dist.unshard(shards, layout), t))
+      end
+    end
+    -- zigzag: rank 0 of 2 holds chunks 1 and 4 of 4
+    local z = ft.dist.shard(t, 0, 2)
+    assert.are.equal(0, ft.max_abs_diff(z:narrow(2, 1, 6), t:narrow(2, 1, 6)))
+    assert.are.equal(0, ft.max_abs_diff(z:narrow(2, 7, 6), t:narrow(2, 19, 6)))
+    local ok, err = pcall(ft.dist.shard, t, 0, 5)
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("ft.dist.shard: seqlen 24 is not a multiple of 2 x world (10)", 1, true))
+  end)
+
+  gpu_it("a rank alone does not hang: rank 0 of 2 and rank 1 of 2 each fail within their timeout, saying whom they waited for", function()
+    if not ft.dist.built() then
+      local ok, err = pcall(ft.dist.init, { devices = { 0 } })
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find("without NCCL", 1, true), tostring(err))
+      return
+    end
+    local dir = os.tmpname()
+    os.remove(dir)
+    local t0 = ft.clock()
+    local ok, err = pcall(ft.dist.init, { rank = 1, world_size = 2, id_file = dir .. ".id", device = 0,
+                                          timeout = 1 })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("no id from rank 0", 1, true), tostring(err))
+    t0 = ft.clock()
+    ok, err = pcall(ft.dist.init, { rank = 0, world_size = 2, id_file = dir .. ".id", device = 0,
+                                    timeout = 2 })
+    local took = ft.clock() - t0
+    os.remove(dir .. ".id")
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("did not all join within 2 s", 1, true), tostring(err))
+    assert.is_true(took < 30, "took " .. took .. " s")
+  end)
+
+  gpu_it("one device: the collectives of a world of one, and ring attention equal to attention", function()
+    if not ft.dist.built() then return end
+    local comm = ft.dist.init { devices = { 0 } }
+    assert.are.equal(1, comm:world_size())
+    assert.are.same({ 0 }, comm:ranks())
+    assert.are.same({ 0 }, comm:devices())
+    local x = randn({ 5, 7 }, "f32")
+    local g = x:cuda()
+    comm:all_reduce(g, "max")
+    assert.are.equal(0, ft.max_abs_diff(g:cpu(), x))
+    assert.are.equal(0, ft.max_abs_diff(comm:all_gather(g):cpu(), x))
+    assert.has_error(function() comm:all_reduce(x) end)           -- on the cpu
+    assert.has_error(function() comm:all_reduce(g:transpose(1, 2)) end) -- not contiguous
+    assert.has_error(function() comm:sendrecv { send = g, to = 0 } end) -- to itself
+    local q, k, v = randn { 1, 64, 4, 64 }, randn { 1, 64, 2, 64 }, randn { 1, 64, 2, 64 }
+    local function b(t) return t:to("bf16"):cuda() end
+    for _, causal in ipairs { false, true } do
+      local want = ft.attention(b(q), b(k), b(v), { causal = causal })
+      local got = comm:ring_attention(b(q), b(k), b(v), { causal = causal })
+      assert.is_true(ft.max_abs_diff(got:cpu():double(), want:cpu():double()) < 2^-7)
+    end
+    comm:free()
+    assert.has_error(function() comm:world_size() end)
+  end)
+
+  multigpu_it("two devices in one process: all_reduce, broadcast, all_gather, reduce_scatter and sendrecv against the CPU", function()
+    local comm = ft.dist.init { devices = { 0, 1 } }
+    assert.are.equal(2, comm:world_size())
+    local a, b = randn({ 6, 5 }, "f32"), randn({ 6, 5 }, "f32")
+    local function on(t, d) return t:to("cuda:" .. d) end
+    for _, op in ipairs { "sum", "mean", "max", "min" } do
+      local ts = { on(a, 0), on(b, 1) }
+      comm:all_reduce(ts, op)
+      local want = op == "sum" and a + b or op == "mean" and (a + b) / 2 or op == "max" and a:maximum(b)
+                   or a:minimum(b)
+      for i = 1, 2 do assert.is_true(ft.max_abs_diff(ts[i]:cpu(), want) < 1e-6, op) end
+    end
+    local ts = { on(a, 0), on(b, 1) }
+    comm:broadcast(ts, 1)
+    assert.are.equal(0, ft.max_abs_diff(ts[1]:cpu(), b))
+    local g = comm:all_gather { on(a, 0), on(b, 1) }
+    assert.are.same({ 12, 5 }, g[2].shape)
+    assert.are.equal(0, ft.max_abs_diff(g[2]:cpu():narrow(1, 1, 6), a))
+    assert.are.equal(0, ft.max_abs_diff(g[2]:cpu():narrow(1, 7, 6), b))
+    local s = comm:reduce_scatter({ on(a, 0), on(b, 1) }, "sum")
+    assert.are.same({ 3, 5 }, s[1].shape)
+    assert.is_true(ft.max_abs_diff(s[2]:cpu(), (a + b):narrow(1, 4, 3)) < 1e-6)
+    local r0, r1 = ft.empty({ 6, 5 }, { dtype = "f32", device = "cuda:0" }),
+                   ft.empty({ 6, 5 }, { dtype = "f32", device = "cuda:1" })
+    local p = comm:sendrecv { send = { on(a, 0), on(b, 1) }, to = { 1, 0 }, recv = { r0, r1 },
+                              from = { 1, 0 }, async = true }
+    p:wait()
+    assert.are.equal(0, ft.max_abs_diff(r0:cpu(), b))
+    assert.are.equal(0, ft.max_abs_diff(r1:cpu(), a))
+    comm:free()
+  end)
+
+  multigpu_it("one process per GPU (scripts/ftrun -n 2): every rank joins through the id file, all_reduces, and its ring attention shard (causal, GQA, forward and backward) matches attention of the whole sequence", function()
+    local out, status = h.sh(("cd %s && FT_BUILD_DIR=%s scripts/ftrun -n 2 --timeout 10 spec/dist_job.lua"):format(
+      h.quote(h.ROOT), h.quote(assert(h.BUILD))))
+    assert.are.equal(0, status, out)
+    assert.is_truthy(out:find("[0] rank 0 ok", 1, true), out)
+    assert.is_truthy(out:find("[1] rank 1 ok", 1, true), out)
+  end)
+
+  multigpu_it("ring attention over two devices matches attention of the whole sequence (forward and backward, causal or not, GQA, zigzag and contiguous) within FlashAttention's rule", function()
+    local comm = ft.dist.init { devices = { 0, 1 } }
+    local B, N, H, Hk, d = 1, 512, 8, 2, 64
+    local q, k, v, dout = randn { B, N, H, d }, randn { B, N, Hk, d }, randn { B, N, Hk, d },
+                          randn { B, N, H, d }
+    for _, causal in ipairs { false, true } do
+      for _, layout in ipairs { "zigzag", "contiguous" } do
+        local o = { causal = causal }
+        local ref = h.attention_both(q, k, v, dout, o)                     -- f64, CPU
+        local function one(t) return t:to("bf16"):cuda() end
+        local single = h.attention_both(one(q), one(k), one(v), one(dout), o)
+        local function shards(t)
+          return { ft.dist.shard(t, 0, 2, layout):to("bf16"):to("cuda:0"),
+                   ft.dist.shard(t, 1, 2, layout):to("bf16"):to("cuda:1") }
+        end
+        local qs, ks, vs, ds = shards(q), shards(k), shards(v), shards(dout)
+        local ro = { causal = causal, layout = layout }
+        local out, lse = comm:ring_attention(qs, ks, vs, ro)
+        local dq, dk, dv = comm:ring_attention_backward(ds, qs, ks, vs, out, lse, ro)
+        local got = { out = ft.dist.unshard(out, layout), dq = ft.dist.unshard(dq, layout),
+                      dk = ft.dist.unshard(dk, layout), dv = ft.dist.unshard(dv, layout) }
+        for _, name in ipairs { "out", "dq", "dk", "dv" } do
+          local e = ft.max_abs_diff(got[name]:cpu():double(), ref[name])
+          local es = ft.max_abs_diff(single[name]:cpu():double(), ref[name])
+          assert.is_true(e <= 2 * es + 4 * 2^-7,
+            ("causal %s %s %s: ring error %.3e, one GPU %.3e"):format(tostring(causal), layout, name, e, es))
+        end
+      end
+    end
+    comm:free()
+  end)
+end)
