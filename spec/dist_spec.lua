@@ -2,7 +2,8 @@
 -- NCCL in both process models, the collectives, exchanges that overlap
 -- the kernels, and ring attention against attention of the whole sequence
 -- on one GPU. Specs that need one GPU carry the tag gpu; those that need
--- two carry multigpu and are reported pending, with the reason, elsewhere.
+-- two carry gpu and multigpu; each is reported pending, with the reason,
+-- where it cannot run.
 local h = require "helper"
 local ft = h.ft
 
@@ -84,7 +85,7 @@ describe("ft.dist", function()
     assert.is_truthy(tostring(err):find("ft.dist.shard: seqlen 24 is not a multiple of 2 x world (10)", 1, true))
   end)
 
-  gpu_it("a rank alone does not hang: rank 0 of 2 and rank 1 of 2 each fail within their timeout, saying whom they waited for", function()
+  gpu_it("a rank alone does not hang: rank 0 of 2 and rank 1 of 2 each fail within their timeout, saying whom they waited for #gpu", function()
     if not ft.dist.built() then
       local ok, err = pcall(ft.dist.init, { devices = { 0 } })
       assert.is_false(ok)
@@ -108,7 +109,7 @@ describe("ft.dist", function()
     assert.is_true(took < 30, "took " .. took .. " s")
   end)
 
-  gpu_it("one device: the collectives of a world of one, and ring attention equal to attention", function()
+  gpu_it("one device: the collectives of a world of one, and ring attention equal to attention #gpu", function()
     if not ft.dist.built() then return end
     local comm = ft.dist.init { devices = { 0 } }
     assert.are.equal(1, comm:world_size())
@@ -133,7 +134,7 @@ describe("ft.dist", function()
     assert.has_error(function() comm:world_size() end)
   end)
 
-  multigpu_it("two devices in one process: all_reduce, broadcast, all_gather, reduce_scatter and sendrecv against the CPU", function()
+  multigpu_it("two devices in one process: all_reduce, broadcast, all_gather, reduce_scatter and sendrecv against the CPU #gpu #gpu #multigpu", function()
     local comm = ft.dist.init { devices = { 0, 1 } }
     assert.are.equal(2, comm:world_size())
     local a, b = randn({ 6, 5 }, "f32"), randn({ 6, 5 }, "f32")
@@ -165,7 +166,7 @@ describe("ft.dist", function()
     comm:free()
   end)
 
-  multigpu_it("one process per GPU (scripts/ftrun -n 2): every rank joins through the id file, all_reduces, and its ring attention shard (causal, GQA, forward and backward) matches attention of the whole sequence", function()
+  multigpu_it("one process per GPU (scripts/ftrun -n 2): every rank joins through the id file, all_reduces, and its ring attention shard (causal, GQA, forward and backward) matches attention of the whole sequence #gpu #gpu #multigpu", function()
     local out, status = h.sh(("cd %s && FT_BUILD_DIR=%s scripts/ftrun -n 2 --timeout 10 spec/dist_job.lua"):format(
       h.quote(h.ROOT), h.quote(assert(h.BUILD))))
     assert.are.equal(0, status, out)
@@ -173,7 +174,7 @@ describe("ft.dist", function()
     assert.is_truthy(out:find("[1] rank 1 ok", 1, true), out)
   end)
 
-  multigpu_it("ring attention over two devices matches attention of the whole sequence (forward and backward, causal or not, GQA, zigzag and contiguous) within FlashAttention's rule", function()
+  multigpu_it("ring attention over two devices matches attention of the whole sequence (forward and backward, causal or not, GQA, zigzag and contiguous) within FlashAttention's rule #gpu #gpu #multigpu", function()
     local comm = ft.dist.init { devices = { 0, 1 } }
     local B, N, H, Hk, d = 1, 512, 8, 2, 64
     local q, k, v, dout = randn { B, N, H, d }, randn { B, N, Hk, d }, randn { B, N, Hk, d },
