@@ -134,7 +134,7 @@ describe("ft.dist", function()
     assert.has_error(function() comm:world_size() end)
   end)
 
-  multigpu_it("two devices in one process: all_reduce, broadcast, all_gather, reduce_scatter and sendrecv against the CPU #gpu #gpu #multigpu", function()
+  multigpu_it("two devices in one process: all_reduce, broadcast, all_gather, reduce_scatter and sendrecv against the CPU #gpu #multigpu", function()
     local comm = ft.dist.init { devices = { 0, 1 } }
     assert.are.equal(2, comm:world_size())
     local a, b = randn({ 6, 5 }, "f32"), randn({ 6, 5 }, "f32")
@@ -166,7 +166,7 @@ describe("ft.dist", function()
     comm:free()
   end)
 
-  multigpu_it("one process per GPU (scripts/ftrun -n 2): every rank joins through the id file, all_reduces, and its ring attention shard (causal, GQA, forward and backward) matches attention of the whole sequence #gpu #gpu #multigpu", function()
+  multigpu_it("one process per GPU (scripts/ftrun -n 2): every rank joins through the id file, all_reduces, and its ring attention shard (causal, GQA, forward and backward) matches attention of the whole sequence #gpu #multigpu", function()
     local out, status = h.sh(("cd %s && FT_BUILD_DIR=%s scripts/ftrun -n 2 --timeout 10 spec/dist_job.lua"):format(
       h.quote(h.ROOT), h.quote(assert(h.BUILD))))
     assert.are.equal(0, status, out)
@@ -174,7 +174,7 @@ describe("ft.dist", function()
     assert.is_truthy(out:find("[1] rank 1 ok", 1, true), out)
   end)
 
-  multigpu_it("ring attention over two devices matches attention of the whole sequence (forward and backward, causal or not, GQA, zigzag and contiguous) within FlashAttention's rule #gpu #gpu #multigpu", function()
+  multigpu_it("ring attention over two devices matches attention of the whole sequence (forward and backward, causal or not, GQA, zigzag and contiguous) within FlashAttention's rule #gpu #multigpu", function()
     local comm = ft.dist.init { devices = { 0, 1 } }
     local B, N, H, Hk, d = 1, 512, 8, 2, 64
     local q, k, v, dout = randn { B, N, H, d }, randn { B, N, Hk, d }, randn { B, N, Hk, d },
