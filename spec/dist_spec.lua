@@ -109,7 +109,7 @@ describe("ft.dist", function()
     assert.is_true(took < 30, "took " .. took .. " s")
   end)
 
-  gpu_it("one device: the collectives of a world of one, and ring attention equal to attention #gpu", function()
+  gpu_it("one device: the collectives of a world of one, and ring attention (forward and backward) equal to attention #gpu", function()
     if not ft.dist.built() then return end
     local comm = ft.dist.init { devices = { 0 } }
     assert.are.equal(1, comm:world_size())
@@ -125,10 +125,18 @@ describe("ft.dist", function()
     assert.has_error(function() comm:sendrecv { send = g, to = 0 } end) -- to itself
     local q, k, v = randn { 1, 64, 4, 64 }, randn { 1, 64, 2, 64 }, randn { 1, 64, 2, 64 }
     local function b(t) return t:to("bf16"):cuda() end
+    local dout = randn { 1, 64, 4, 64 }
     for _, causal in ipairs { false, true } do
-      local want = ft.attention(b(q), b(k), b(v), { causal = causal })
-      local got = comm:ring_attention(b(q), b(k), b(v), { causal = causal })
+      local o = { causal = causal }
+      local want, wl = ft.attention(b(q), b(k), b(v), o)
+      local got, gl = comm:ring_attention(b(q), b(k), b(v), o)
       assert.is_true(ft.max_abs_diff(got:cpu():double(), want:cpu():double()) < 2^-7)
+      assert.is_true(ft.max_abs_diff(gl:cpu():double(), wl:cpu():double()) < 1e-5)
+      local w = { ft.attention_backward(b(dout), b(q), b(k), b(v), want, wl, o) }
+      local g = { comm:ring_attention_backward(b(dout), b(q), b(k), b(v), got, gl, o) }
+      for i = 1, 3 do
+        assert.is_true(ft.max_abs_diff(g[i]:cpu():double(), w[i]:cpu():double()) < 2^-6, "gradient " .. i)
+      end
     end
     comm:free()
     assert.has_error(function() comm:world_size() end)

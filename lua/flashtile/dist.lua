@@ -403,8 +403,8 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
       end
     end
     -- the gradient sums follow their keys to the next rank (after the last
-    -- step: home)
-    if exchange then
+    -- step: home; a world of one has no next rank)
+    if exchange and W > 1 then
       local nxt_dk, nxt_dv = {}, {}
       for i = 1, n do nxt_dk[i], nxt_dv[i] = like(cur_dk[i]), like(cur_dv[i]) end
       local pg = { self:sendrecv_list(cur_dk, to, nxt_dk, from, true),
