@@ -2,7 +2,14 @@
 -- model without attention as a control.
 --
 --   scripts/ftlua scripts/train_tiny.lua [--steps N] [--device cpu|cuda]
---       [--seed N] [--control true|false] [--csv FILE] [--save FILE] [--help]
+--       [--seed N] [--control true|false] [--csv FILE] [--save FILE]
+--       [--gpus N] [--help]
+--
+-- --gpus N trains data-parallel on N GPUs: the script starts itself again
+-- through scripts/ftrun, one process per GPU; each rank draws its own
+-- batches, and the gradients are averaged over the ranks (an NCCL
+-- all_reduce, ft.dist.all_reduce_grads) before every step, so that the
+-- replicas stay equal. Rank 0 prints and saves.
 --
 -- --save FILE writes the trained model's parameters and its shape (as
 -- metadata) to a .safetensors file, which scripts/generate.lua reads.
@@ -36,7 +43,7 @@ local train = {}
 
 local usage = [==[
 usage: train_tiny.lua [--steps N] [--device cpu|cuda] [--seed N]
-                      [--control true|false] [--csv FILE] [--save FILE] [--help]]==]
+                      [--control true|false] [--csv FILE] [--save FILE] [--gpus N] [--help]]==]
 
 --- v as an integer when it is a finite whole number, else nil.
 local function to_int(v)
@@ -47,7 +54,7 @@ end
 --- Options from the command line: --name value pairs.
 function train.parse_args(args)
   local o, kinds = {}, { steps = "int", seed = "int", device = "string", csv = "string", control = "bool",
-                         save = "string" }
+                         save = "string", gpus = "int" }
   local i = 1
   while args[i] do
     local name = args[i]:match("^%-%-([%w_]+)$")
@@ -58,8 +65,9 @@ function train.parse_args(args)
     if v == nil then return nil, ("--%s needs a value\n%s"):format(name, usage) end
     if kind == "int" then
       v = to_int(tonumber(v))
-      if not v or (name == "steps" and v < 1) then
-        return nil, ("--%s must be %s"):format(name, name == "steps" and "a positive integer" or "an integer")
+      if not v or ((name == "steps" or name == "gpus") and v < 1) then
+        return nil, ("--%s must be %s"):format(name, (name == "steps" or name == "gpus") and "a positive integer"
+          or "an integer")
       end
     elseif kind == "bool" then
       if v ~= "true" and v ~= "false" then return nil, ("--%s must be true or false"):format(name) end
@@ -185,15 +193,19 @@ function train.fit(model, o, name)
   local curve, tokens = {}, o.batch * 2 * o.k
   local t0 = ft.clock()
   local t_last, s_last = t0, 0
+  local comm = o.comm -- data-parallel: this rank's batches, gradients averaged
+  local rank, world = comm and comm:rank() or 0, comm and comm:world_size() or 1
   for step = 1, o.steps do
-    local ids, targets = train.batch(o, nn.derive_seed(o.seed, step))
+    local bseed = world == 1 and step or (step - 1) * world + rank + 1
+    local ids, targets = train.batch(o, nn.derive_seed(o.seed, bseed))
     opt:zero_grad()
     curve[step] = loss_of(model, crit, ids:to(o.device), targets:to(o.device), o, true)
+    if comm then ft.dist.all_reduce_grads(model, comm) end
     opt:step()
     if o.log_every > 0 and (step % o.log_every == 0 or step == o.steps) then
       local now = ft.clock()
       say(o, "%-7s step %5d  loss %.4f  tokens/s %.0f", name, step, curve[step],
-          (step - s_last) * tokens / (now - t_last))
+          (step - s_last) * tokens * world / (now - t_last))
       t_last, s_last = now, step
     end
   end
@@ -214,18 +226,35 @@ function train.run(opts)
   local o = {}
   for k, v in pairs(train.defaults) do o[k] = v end
   for k, v in pairs(opts or {}) do
-    if train.defaults[k] == nil and k ~= "device" and k ~= "csv" and k ~= "save" then
+    if train.defaults[k] == nil and k ~= "device" and k ~= "csv" and k ~= "save" and k ~= "gpus" then
       error(("train_tiny: unknown option '%s'"):format(k), 2)
     end
     o[k] = v
+  end
+  if o.gpus then
+    if not os.getenv("FT_RANK") then -- start one process per GPU, this script in each
+      local function q(x) return "'" .. tostring(x):gsub("'", "'\\''") .. "'" end
+      local cmd = q(here .. "ftrun") .. " -n " .. o.gpus .. " " .. q(here .. "train_tiny.lua")
+      for i = 1, #(arg or {}) do cmd = cmd .. " " .. q(arg[i]) end
+      local okx, how, code = os.execute(cmd)
+      local status = type(okx) == "number" and okx or (okx and 0 or (code or 1))
+      os.exit(status == 0 and 0 or 1)
+    end
+    o.comm = ft.dist.init()
+    if o.comm:world_size() ~= o.gpus then
+      error(("train_tiny: --gpus %d, but ftrun started %d ranks"):format(o.gpus, o.comm:world_size()), 2)
+    end
+    o.device = "cuda:" .. o.comm:devices()[1]
+    o.quiet = o.quiet or o.comm:rank() ~= 0
   end
   o.device = o.device or (ft.cuda.is_available() and "cuda" or "cpu")
   if o.device:sub(1, 4) == "cuda" and not ft.cuda.is_available() then
     error(("train_tiny: device '%s', but ft.cuda.is_available() is false"):format(o.device), 2)
   end
   local chance = math.log(o.vocab)
-  say(o, "copy task: %d tokens of %d, batch %d, dim %d, %d heads, %d steps on %s (chance %.4f)",
-      o.k, o.vocab, o.batch, o.dim, o.heads, o.steps, o.device, chance)
+  say(o, "copy task: %d tokens of %d, batch %d, dim %d, %d heads, %d steps on %s%s (chance %.4f)",
+      o.k, o.vocab, o.batch, o.dim, o.heads, o.steps, o.device,
+      o.comm and (" and %d more GPUs, data-parallel"):format(o.comm:world_size() - 1) or "", chance)
 
   local model = train.model(o)
   say(o, "%d parameters", model:n_parameters())
@@ -239,7 +268,7 @@ function train.run(opts)
   end
   if o.csv then write_csv(o.csv, r.curve, r.control_curve) end
   r.model = model
-  if o.save then
+  if o.save and not (o.comm and o.comm:rank() ~= 0) then
     local meta = {}
     for _, key in ipairs(train.shape_keys) do meta[key] = tostring(o[key]) end
     ft.save_safetensors(o.save, model:clone():to({ dtype = "f32", device = "cpu" }):state_dict(), meta)
@@ -248,6 +277,7 @@ function train.run(opts)
   r.summary = ("final loss %.4f (control %s, chance %.4f)"):format(r.loss,
     r.control and ("%.4f"):format(r.control) or "not trained", chance)
   say(o, "%s", r.summary)
+  if o.comm then o.comm:free() end
   return r
 end
 

@@ -2,7 +2,9 @@
 -- (one process per GPU): ft.dist.init() from ftrun's environment, an
 -- all_reduce, then ring attention (forward and backward, causal, GQA) of
 -- this rank's zigzag shard against attention of the whole sequence on
--- this rank's GPU. Prints "rank R ok" and exits 0, or raises.
+-- this rank's GPU, and nn.MultiheadAttention with context_parallel against
+-- the same layer over the whole sequence. Prints "rank R ok" and exits 0,
+-- or raises.
 local ft = require "flashtile"
 
 local comm = ft.dist.init { timeout = 60 }
@@ -37,5 +39,30 @@ for name, pair in pairs { out = { rout, out }, dq = { rdq, dq }, dk = { rdk, dk 
   assert(e <= 2^-6 * scale, ("rank %d: %s differs from one GPU's by %g (largest %g)"):format(rank,
     name, e, scale))
 end
+
+-- nn.MultiheadAttention with context_parallel (rotary, causal, GQA) on this
+-- rank's shard against the same layer over the whole sequence: outputs,
+-- input gradients, and weight gradients summed over the ranks
+local nn = require "flashtile.nn"
+local dim = 64
+local function layer(cp)
+  return nn.MultiheadAttention { dim = dim, heads = 4, kv_heads = 2, causal = true, rotary = true,
+                                 seed = 7, dtype = "f32", device = dev, context_parallel = cp }
+end
+local whole, part = layer(nil), layer(comm)
+local x = ft.randn({ 2, N, dim }, { seed = 5 }):to(dev)
+local gy = ft.randn({ 2, N, dim }, { seed = 6 }):to(dev)
+local y, gx = whole:forward(x), whole:backward(x, gy)
+local ys, gxs = part:forward(shard(x)), part:backward(shard(x), shard(gy))
+local function close(a, b, what)
+  local e = ft.max_abs_diff(a:double(), b:double())
+  assert(e < 1e-3, ("rank %d: nn %s differs by %g"):format(rank, what, e))
+end
+close(ys, shard(y), "output")
+close(gxs, shard(gx), "input gradient")
+ft.dist.all_reduce_grads(part, comm, "sum")
+local _, g1 = whole:parameters()
+local _, g2 = part:parameters()
+for i = 1, #g1 do close(g2[i], g1[i], "weight gradient " .. i) end
 comm:free()
 print(("rank %d ok"):format(rank))

@@ -448,6 +448,21 @@ function M.ring_attention_backward(dout, q, k, v, out, lse, opts)
   return opts.comm:ring_attention_backward(dout, q, k, v, out, lse, o)
 end
 
+-- ---- data parallelism -------------------------------------------------------------
+
+--- Averages (op "mean", or "sum") every gradient of module over the ranks,
+-- in place: after each rank's backward on its own batch, before the
+-- optimiser's step, so that every replica takes the same step.
+function M.all_reduce_grads(module, comm, op)
+  if type(module) ~= "table" or type(module.parameters) ~= "function" then
+    error("ft.dist.all_reduce_grads: module must be an nn module", 2)
+  end
+  if comm == nil then error("ft.dist.all_reduce_grads: comm must be a communicator", 2) end
+  local _, grads = module:parameters()
+  for _, g in ipairs(grads) do comm:all_reduce(g, op or "mean") end
+  return module
+end
+
 -- ---- sharding ----------------------------------------------------------------------
 
 --- Rank r's shard (0-based r of world) of a [B, N, ...] tensor along dim 2:

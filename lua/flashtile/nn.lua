@@ -1028,7 +1028,8 @@ function MultiheadAttention:__init(opts)
   local o = check_opts(ctx, opts, { dim = false, heads = false, kv_heads = false, causal = false,
                                     bias = false, seed = false, dtype = false, device = false,
                                     window_left = -1, window_right = -1, softcap = 0,
-                                    alibi = false, sink = false, dropout = 0, rotary = false })
+                                    alibi = false, sink = false, dropout = 0, rotary = false,
+                                    context_parallel = false })
   check_count(ctx, "dim", o.dim)
   check_count(ctx, "heads", o.heads)
   o.rotary = o.rotary or false
@@ -1056,6 +1057,23 @@ function MultiheadAttention:__init(opts)
   check_boolean(ctx, "sink", o.sink)
   o.kv_heads = o.kv_heads or o.heads
   check_count(ctx, "kv_heads", o.kv_heads)
+  if o.context_parallel then
+    -- the input is this rank's zigzag shard of the sequence (ft.dist.shard)
+    local comm = o.context_parallel
+    if type(comm) ~= "userdata" or not pcall(function() return comm:ranks() end) then
+      error(ctx .. ": option 'context_parallel' must be a communicator (ft.dist.init)", 3)
+    end
+    if #comm:ranks() ~= 1 then
+      error(ctx .. ": context_parallel takes a communicator of one process per GPU "
+        .. "(scripts/ftrun), not one driving several devices", 3)
+    end
+    if o.window_left ~= -1 or o.window_right ~= -1 or o.softcap ~= 0 or o.alibi or o.sink
+       or o.dropout ~= 0 then
+      error(ctx .. ": context_parallel (ring attention) takes causal or not, and rotary; not "
+        .. "windows, softcap, alibi, sink or dropout", 3)
+    end
+    self.context_parallel = comm
+  end
   o.causal = o.causal or false
   o.bias = o.bias or false
   check_boolean(ctx, "causal", o.causal)
@@ -1149,6 +1167,19 @@ function MultiheadAttention:attention_options(x)
   return o
 end
 
+--- q or k rotated at their positions: pos0 on; under context_parallel the
+-- two chunks of this rank's zigzag shard at theirs.
+function MultiheadAttention:rotate(t, pos0, inverse)
+  local comm = self.context_parallel
+  if not comm then return self.rotary:rotate(t, pos0, inverse) end
+  local r, W, n = comm:rank(), comm:world_size(), t:size(2)
+  local c = math.floor(n / 2)
+  local out = ft.empty(t.shape, { dtype = t.dtype, device = t.device })
+  out:narrow(2, 1, c):copy(self.rotary:rotate(t:narrow(2, 1, c), r * c, inverse))
+  out:narrow(2, c + 1, c):copy(self.rotary:rotate(t:narrow(2, c + 1, c), (2 * W - 1 - r) * c, inverse))
+  return out
+end
+
 function MultiheadAttention:forward(x)
   self:check_input(x)
   if x:dim() ~= 3 or x:size(3) ~= self.dim then
@@ -1161,13 +1192,18 @@ function MultiheadAttention:forward(x)
     error("nn.MultiheadAttention: a KV cache is for decoding: call evaluate() first (a cached "
           .. "forward has no backward)", 2)
   end
+  if cache and self.context_parallel then
+    error("nn.MultiheadAttention: context_parallel does not take a KV cache", 2)
+  end
   local pos0 = cache and cache.len or 0
   if self.rotary then
-    q, k = self.rotary:rotate(q, pos0), self.rotary:rotate(k, pos0)
+    q, k = self:rotate(q, pos0), self:rotate(k, pos0)
   end
   local opts = self:attention_options(x)
   local out, lse
-  if cache then
+  if self.context_parallel then
+    out, lse = self.context_parallel:ring_attention(q, k, v, { causal = self.causal })
+  elseif cache then
     cache:check(x, self)
     opts.cache_seqlens, opts.k_new, opts.v_new = cache.lens, k, v
     out, lse = ft.attention(q, cache.k[self], cache.v[self], opts)
@@ -1191,11 +1227,17 @@ end
 function MultiheadAttention:backward(x, grad_output)
   local B, N, H, Hk, d = x:size(1), x:size(2), self.heads, self.kv_heads, self.head_dim
   local dattn = self.out_proj:backward(self.attn:reshape(B, N, self.dim), grad_output)
-  local dq, dk, dv, dsink = ft.attention_backward(dattn:reshape(B, N, H, d), self.q, self.k,
-                                                  self.v, self.attn, self.lse, self.opts)
+  local dq, dk, dv, dsink
+  if self.context_parallel then
+    dq, dk, dv = self.context_parallel:ring_attention_backward(dattn:reshape(B, N, H, d), self.q,
+      self.k, self.v, self.attn, self.lse, { causal = self.causal })
+  else
+    dq, dk, dv, dsink = ft.attention_backward(dattn:reshape(B, N, H, d), self.q, self.k,
+                                              self.v, self.attn, self.lse, self.opts)
+  end
   if dsink then self.grad_sink:copy(self.grad_sink + dsink:to(self.grad_sink.dtype)) end
   if self.rotary then -- the rotation's gradient: the inverse rotation
-    dq, dk = self.rotary:rotate(dq, 0, true), self.rotary:rotate(dk, 0, true)
+    dq, dk = self:rotate(dq, 0, true), self:rotate(dk, 0, true)
   end
   if self.qkv then
     self.grad_input = self.qkv:backward(x, pack({ dq, dk, dv }, B, N, H, d, x))
@@ -1226,7 +1268,8 @@ function TransformerBlock:__init(opts)
                                     hidden = false, norm = "rms", eps = false, bias = false,
                                     seed = false, dtype = false, device = false,
                                     window_left = false, window_right = false, softcap = false,
-                                    alibi = false, sink = false, dropout = false, rotary = false })
+                                    alibi = false, sink = false, dropout = false, rotary = false,
+                                    context_parallel = false })
   check_count(ctx, "dim", o.dim)
   o.hidden = o.hidden or 4 * o.dim
   check_count(ctx, "hidden", o.hidden)
@@ -1244,7 +1287,8 @@ function TransformerBlock:__init(opts)
                                     dtype = t.dtype, device = t.device,
                                     window_left = o.window_left, window_right = o.window_right,
                                     softcap = o.softcap, alibi = o.alibi, sink = o.sink,
-                                    dropout = o.dropout, rotary = o.rotary }
+                                    dropout = o.dropout, rotary = o.rotary,
+                                    context_parallel = o.context_parallel }
   local mlp = Sequential(
     norm(),
     Linear(o.dim, o.hidden, { seed = derive(seed, 2), dtype = t.dtype, device = t.device }),
