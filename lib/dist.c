@@ -57,8 +57,8 @@ struct ft_comm {
 };
 
 struct ft_pending {
-    ft_comm *c;
-    cudaEvent_t done[FT_DIST_MAX_LOCAL]; /* comm stream -> default stream */
+    int nlocal, device[FT_DIST_MAX_LOCAL]; /* copied: the comm may go first */
+    cudaEvent_t done[FT_DIST_MAX_LOCAL];   /* comm stream -> default stream */
     ft_storage **held;
     int nheld, waited;
 };
@@ -577,9 +577,9 @@ void ft_pending_free(ft_pending *p)
         return;
     if (!p->waited)
         ft_pending_wait(p); /* the storages go only after the exchange */
-    for (int i = 0; i < p->c->nlocal; i++) {
+    for (int i = 0; i < p->nlocal; i++) {
         if (p->done[i]) {
-            cudaSetDevice(p->c->device[i]);
+            cudaSetDevice(p->device[i]);
             cudaEventDestroy(p->done[i]);
         }
     }
@@ -597,8 +597,8 @@ ft_status ft_pending_wait(ft_pending *p)
     if (p->waited)
         return FT_OK;
     p->waited = 1;
-    for (int i = 0; i < p->c->nlocal; i++) {
-        FT_TRY(ft_cuda_use_device(p->c->device[i], func));
+    for (int i = 0; i < p->nlocal; i++) {
+        FT_TRY(ft_cuda_use_device(p->device[i], func));
         FT_CUDA_TRY(func, cudaStreamWaitEvent(0, p->done[i], 0));
     }
     return FT_OK;
@@ -632,10 +632,27 @@ ft_status ft_sendrecv(ft_comm *c, const ft_tensor *const *send, const int *to,
                                i + 1, i + 1);
         }
     }
+    /* between local ranks (one process, several devices) each send must
+     * meet a receive of the same size: NCCL would wait for ever otherwise */
+    for (int i = 0; i < n; i++) {
+        if (!send[i])
+            continue;
+        for (int j = 0; j < n; j++) {
+            if (c->rank[j] != to[i])
+                continue;
+            if (!recv[j] || from[j] != c->rank[i] || recv[j]->dtype != send[i]->dtype ||
+                ft_numel(recv[j]) != ft_numel(send[i]))
+                return ft_fail(FT_ERR_ARGUMENT, func, 4, "send[%d] (rank %d to %d) has no "
+                               "matching recv[%d] (from %d, %s, %lld elements)", i + 1,
+                               c->rank[i], to[i], j + 1, c->rank[i],
+                               ft_dtype_name(send[i]->dtype), (long long)ft_numel(send[i]));
+        }
+    }
     ft_pending *p = calloc(1, sizeof *p);
     if (!p)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
-    p->c = c;
+    p->nlocal = c->nlocal;
+    memcpy(p->device, c->device, sizeof p->device);
     p->held = calloc((size_t)(2 * n), sizeof *p->held);
     ft_status st = p->held ? FT_OK : ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
     for (int i = 0; st == FT_OK && i < n; i++) {
