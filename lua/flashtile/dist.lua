@@ -366,6 +366,10 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
   local function like(t, dtype)
     return core.empty(shape_of(t), { dtype = dtype or t.dtype, device = t.device })
   end
+  -- pg: the exchange of the gradient sums started at the end of the last
+  -- step, whose result (in_dk, in_dv: the sums of this step's block) is
+  -- waited for only after this step's kernels are queued
+  local pg, in_dk, in_dv
   for step = 0, W - 1 do
     local nxt_k, nxt_v, pend = {}, {}, nil
     if step < W - 1 and exchange then
@@ -373,6 +377,7 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
       pend = { self:sendrecv_list(cur_k, to, nxt_k, from, true),
                self:sendrecv_list(cur_v, to, nxt_v, from, true) }
     end
+    local grads = {}
     for i = 1, n do
       local r = ranks[i]
       local j = (r - step) % W
@@ -392,32 +397,43 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
         else
           dq[i] = dq[i] + gq:float()
         end
-        if how == "first" then
-          local dk1, dv1 = half(cur_dk[i], 1, 2), half(cur_dv[i], 1, 2)
-          dk1:copy(dk1 + gk:float())
-          dv1:copy(dv1 + gv:float())
-        else
-          cur_dk[i] = cur_dk[i] + gk:float()
-          cur_dv[i] = cur_dv[i] + gv:float()
-        end
+        grads[i] = { how, gk, gv }
+      end
+    end
+    if pg then
+      pg[1]:wait()
+      pg[2]:wait()
+      cur_dk, cur_dv, pg = in_dk, in_dv, nil
+    end
+    for i = 1, n do
+      local g = grads[i]
+      if g and g[1] == "first" then
+        local dk1, dv1 = half(cur_dk[i], 1, 2), half(cur_dv[i], 1, 2)
+        dk1:copy(dk1 + g[2]:float())
+        dv1:copy(dv1 + g[3]:float())
+      elseif g then
+        cur_dk[i] = cur_dk[i] + g[2]:float()
+        cur_dv[i] = cur_dv[i] + g[3]:float()
       end
     end
     -- the gradient sums follow their keys to the next rank (after the last
     -- step: home; a world of one has no next rank)
     if exchange and W > 1 then
-      local nxt_dk, nxt_dv = {}, {}
-      for i = 1, n do nxt_dk[i], nxt_dv[i] = like(cur_dk[i]), like(cur_dv[i]) end
-      local pg = { self:sendrecv_list(cur_dk, to, nxt_dk, from, true),
-                   self:sendrecv_list(cur_dv, to, nxt_dv, from, true) }
-      if pend then
-        pend[1]:wait()
-        pend[2]:wait()
-        cur_k, cur_v = nxt_k, nxt_v
-      end
-      pg[1]:wait()
-      pg[2]:wait()
-      cur_dk, cur_dv = nxt_dk, nxt_dv
+      in_dk, in_dv = {}, {}
+      for i = 1, n do in_dk[i], in_dv[i] = like(cur_dk[i]), like(cur_dv[i]) end
+      pg = { self:sendrecv_list(cur_dk, to, in_dk, from, true),
+             self:sendrecv_list(cur_dv, to, in_dv, from, true) }
     end
+    if pend then
+      pend[1]:wait()
+      pend[2]:wait()
+      cur_k, cur_v = nxt_k, nxt_v
+    end
+  end
+  if pg then
+    pg[1]:wait()
+    pg[2]:wait()
+    cur_dk, cur_dv = in_dk, in_dv
   end
   local dqs, dks, dvs = {}, {}, {}
   for i = 1, n do
