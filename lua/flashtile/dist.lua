@@ -235,8 +235,8 @@ local function half(t, which, dim)
   return which == 1 and t:narrow(dim, 1, n) or t:narrow(dim, n + 1, t:size(dim) - n)
 end
 
---- The attention of q over one block of keys as the step needs it: out f32
--- and lse for the rows it covers, and those rows ("all" or 2 for the
+--- The attention of q over one block of keys as the step needs it: out (in
+-- the LSE's dtype: f32, f64 for f64) and lse for the rows it covers, and those rows ("all" or 2 for the
 -- second half).
 local function block_forward(q, k, v, how, opts)
   local o = {}
@@ -244,18 +244,18 @@ local function block_forward(q, k, v, how, opts)
   if how == "causal" then
     o.causal = true
     local out, lse = core.attention(q, k, v, o)
-    return out:float(), lse, nil
+    return out:to(lse.dtype), lse, nil
   end
   o.causal = false
   if how == "first" then
     local out, lse = core.attention(q, half(k, 1, 2), half(v, 1, 2), o)
-    return out:float(), lse, nil
+    return out:to(lse.dtype), lse, nil
   elseif how == "second" then
     local out, lse = core.attention(half(q, 2, 2), k, v, o)
-    return out:float(), lse, 2
+    return out:to(lse.dtype), lse, 2
   end
   local out, lse = core.attention(q, k, v, o)
-  return out:float(), lse, nil
+  return out:to(lse.dtype), lse, nil
 end
 
 local function check_ring(ctx, comm, q, k, v, opts)
@@ -354,12 +354,13 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
   local ls = as_list(self, ctx, lse, "lse")
   local W, ranks, n = self:world_size(), self:ranks(), #qs
   local dq = {}
+  local acc = qs[1].dtype == "f64" and "f64" or "f32" -- the sums' dtype
   local cur_k, cur_v, cur_dk, cur_dv = {}, {}, {}, {}
   for i = 1, n do
     cur_k[i], cur_v[i] = ks[i], vs[i]
-    cur_dk[i] = core.zeros(shape_of(ks[i]), { dtype = "f32", device = ks[i].device })
-    cur_dv[i] = core.zeros(shape_of(vs[i]), { dtype = "f32", device = vs[i].device })
-    dq[i] = core.zeros(shape_of(qs[i]), { dtype = "f32", device = qs[i].device })
+    cur_dk[i] = core.zeros(shape_of(ks[i]), { dtype = acc, device = ks[i].device })
+    cur_dv[i] = core.zeros(shape_of(vs[i]), { dtype = acc, device = vs[i].device })
+    dq[i] = core.zeros(shape_of(qs[i]), { dtype = acc, device = qs[i].device })
   end
   local to, from = {}, {}
   for i = 1, n do to[i], from[i] = (ranks[i] + 1) % W, (ranks[i] - 1) % W end
@@ -393,9 +394,9 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
         local gq, gk, gv = core.attention_backward(dd, qq, kk, vv, oo, ll:contiguous(), o)
         if how == "second" then
           local dst = half(dq[i], 2, 2)
-          dst:copy(dst + gq:float())
+          dst:copy(dst + gq:to(acc))
         else
-          dq[i] = dq[i] + gq:float()
+          dq[i] = dq[i] + gq:to(acc)
         end
         grads[i] = { how, gk, gv }
       end
@@ -409,11 +410,11 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
       local g = grads[i]
       if g and g[1] == "first" then
         local dk1, dv1 = half(cur_dk[i], 1, 2), half(cur_dv[i], 1, 2)
-        dk1:copy(dk1 + g[2]:float())
-        dv1:copy(dv1 + g[3]:float())
+        dk1:copy(dk1 + g[2]:to(acc))
+        dv1:copy(dv1 + g[3]:to(acc))
       elseif g then
-        cur_dk[i] = cur_dk[i] + g[2]:float()
-        cur_dv[i] = cur_dv[i] + g[3]:float()
+        cur_dk[i] = cur_dk[i] + g[2]:to(acc)
+        cur_dv[i] = cur_dv[i] + g[3]:to(acc)
       end
     end
     -- the gradient sums follow their keys to the next rank (after the last
