@@ -257,9 +257,8 @@ static ft_status read_offsets(const char *func, int ap, const char *name, const 
         return ft_fail(FT_ERR_ARGUMENT, func, ap,
                        "%s must be a 1-d i32 tensor [batch + 1], got %s with %d dims", name,
                        ft_dtype_name(t->dtype), t->ndim);
-    ft_tensor *h = NULL;
-    FT_TRY(ft_to(&h, t, FT_I64, (ft_device){FT_CPU, 0}));
-    const int64_t n = t->shape[0], *v = h->data;
+    int64_t n = 0, *v = NULL;
+    FT_TRY(ft_read_i32(func, ap, name, t, &v, &n));
     ft_status st = FT_OK;
     *longest = 0;
     if (v[0] != 0)
@@ -278,13 +277,13 @@ static ft_status read_offsets(const char *func, int ap, const char *name, const 
         st = ft_fail(FT_ERR_ARGUMENT, func, ap,
                      "%s must end at the token count %lld, got %lld", name, (long long)total,
                      (long long)v[n - 1]);
-    if (st == FT_OK && !(*out = malloc((size_t)n * sizeof **out)))
-        st = ft_fail(FT_ERR_NOMEM, func, ap, "out of memory reading %s", name);
-    if (st == FT_OK)
-        memcpy(*out, v, (size_t)n * sizeof **out);
+    if (st != FT_OK) {
+        free(v);
+        return st;
+    }
+    *out = v;
     *count = n;
-    ft_tensor_free(h);
-    return st;
+    return FT_OK;
 }
 
 /* The sizes of a varlen call: B sequences, Nq and Nk their longest. */

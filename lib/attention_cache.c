@@ -50,16 +50,8 @@ static ft_status read_ints(const char *func, int ap, const char *name, const ft_
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "%s must be an i32 tensor %s, got %s %s",
                        name, ft_format_shape(sa, sizeof sa, ndim, shape),
                        ft_dtype_name(t->dtype), ft_format_shape(sb, sizeof sb, t->ndim, t->shape));
-    ft_tensor *h = NULL;
-    FT_TRY(ft_to(&h, t, FT_I64, (ft_device){FT_CPU, 0}));
-    const int64_t n = ft_numel(h);
-    ft_status st = FT_OK;
-    if (!(*out = malloc((size_t)(n > 0 ? n : 1) * sizeof **out)))
-        st = ft_fail(FT_ERR_NOMEM, func, ap, "out of memory reading %s", name);
-    else
-        memcpy(*out, h->data, (size_t)n * sizeof **out);
-    ft_tensor_free(h);
-    return st;
+    int64_t n = 0;
+    return ft_read_i32(func, ap, name, t, out, &n);
 }
 
 /* A cache, page pool or new rows: 4-d, q's dtype and device, heads of

@@ -6,6 +6,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define FT_ERROR_SIZE 512
@@ -70,4 +71,26 @@ ft_status ft_check_computable(const char *func, int arg, ft_dtype dtype, const c
                        "%s: %s tensors hold data only; convert with :to('f16') (ft_to) first",
                        what, ft_dtype_name(dtype));
     return FT_OK;
+}
+
+ft_status ft_read_i32(const char *func, int ap, const char *name, const ft_tensor *t,
+                      int64_t **out, int64_t *n)
+{
+    *out = NULL;
+    *n = 0;
+    FT_TRY(ft_check_tensor(func, ap, t));
+    if (t->dtype != FT_I32)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "%s must be an i32 tensor, got %s", name,
+                       ft_dtype_name(t->dtype));
+    ft_tensor *h = NULL;
+    FT_TRY(ft_to(&h, t, FT_I64, (ft_device){FT_CPU, 0}));
+    const int64_t count = ft_numel(h);
+    ft_status st = FT_OK;
+    if (!(*out = malloc((size_t)(count > 0 ? count : 1) * sizeof **out)))
+        st = ft_fail(FT_ERR_NOMEM, func, ap, "out of memory reading %s", name);
+    else
+        memcpy(*out, h->data, (size_t)count * sizeof **out);
+    *n = count;
+    ft_tensor_free(h);
+    return st;
 }

@@ -58,6 +58,11 @@ ft_status ft_check_dim(const char *func, int arg, int dim, int ndim, int *out);
 
 /* Checks a tensor argument is non-NULL; the message names func and arg. */
 ft_status ft_check_tensor(const char *func, int arg, const ft_tensor *t);
+/* The elements of an i32 tensor (any device) as a malloc'd int64 array on
+ * the host (*out, freed by the caller; *n of them). A tensor that is not
+ * i32 is an error naming func, argument ap and name. */
+ft_status ft_read_i32(const char *func, int ap, const char *name, const ft_tensor *t,
+                      int64_t **out, int64_t *n);
 
 /* Refuses a storage dtype (fp8_e4m3) where `what` (an op's name) would
  * compute on it, with the way out in the message; FT_OK for the others. */
