@@ -30,32 +30,20 @@ usage: generate.lua [--weights FILE] [--device cpu|cuda] [--samples N]
 local kinds = { weights = "string", device = "string", samples = "int", temperature = "number",
                 ["top-k"] = "int", ["top-p"] = "number", seed = "int", steps = "int" }
 
+local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
+local paths = dofile(here .. "lib/paths.lua")
+
 function gen.parse_args(args)
-  local o, i = {}, 1
-  while args[i] do
-    local name = args[i]:match("^%-%-([%w_%-]+)$")
-    if name == "help" then return nil, usage end
-    local kind = name and kinds[name]
-    if not kind then return nil, ("unknown argument '%s'\n%s"):format(args[i], usage) end
-    local v = args[i + 1]
-    if v == nil then return nil, ("--%s needs a value\n%s"):format(name, usage) end
-    if kind ~= "string" then
-      local n = tonumber(v)
-      if not n or (kind == "int" and (n ~= math.floor(n) or n < 1)) or n ~= n or n < 0
-         or n == math.huge or (name == "top-p" and (n <= 0 or n > 1)) then
-        return nil, ("--%s: bad value '%s'"):format(name, v)
-      end
-      v = n
+  return paths.parse_args(args, kinds, usage, function(name, n, text)
+    if kinds[name] == "string" then return nil end
+    if not n or n ~= n or n < 0 or n == math.huge or (kinds[name] == "int" and n < 1)
+       or (name == "top-p" and (n <= 0 or n > 1)) then
+      return ("--%s: bad value '%s'"):format(name, text)
     end
-    o[name:gsub("%-", "_")] = v
-    i = i + 2
-  end
-  return o
+  end)
 end
 
 local as_library = select("#", ...) > 0 and type((...)) == "table"
-local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
-local paths = dofile(here .. "lib/paths.lua")
 local cli = not as_library and paths.options(gen.parse_args, usage)
 
 local ok, ft = pcall(require, "flashtile")

@@ -45,44 +45,25 @@ local usage = [==[
 usage: train_tiny.lua [--steps N] [--device cpu|cuda] [--seed N]
                       [--control true|false] [--csv FILE] [--save FILE] [--gpus N] [--help]]==]
 
---- v as an integer when it is a finite whole number, else nil.
-local function to_int(v)
-  if type(v) ~= "number" or v ~= math.floor(v) or v == math.huge or v == -math.huge then return nil end
-  return math.tointeger and math.tointeger(v) or v
-end
+local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
+local paths = dofile(here .. "lib/paths.lua")
 
 --- Options from the command line: --name value pairs.
 function train.parse_args(args)
-  local o, kinds = {}, { steps = "int", seed = "int", device = "string", csv = "string", control = "bool",
-                         save = "string", gpus = "int" }
-  local i = 1
-  while args[i] do
-    local name = args[i]:match("^%-%-([%w_]+)$")
-    if name == "help" then return nil, usage end
-    local kind = name and kinds[name]
-    if not kind then return nil, ("unknown argument '%s'\n%s"):format(args[i], usage) end
-    local v = args[i + 1]
-    if v == nil then return nil, ("--%s needs a value\n%s"):format(name, usage) end
-    if kind == "int" then
-      v = to_int(tonumber(v))
-      if not v or ((name == "steps" or name == "gpus") and v < 1) then
-        return nil, ("--%s must be %s"):format(name, (name == "steps" or name == "gpus") and "a positive integer"
-          or "an integer")
-      end
-    elseif kind == "bool" then
-      if v ~= "true" and v ~= "false" then return nil, ("--%s must be true or false"):format(name) end
-      v = v == "true"
+  local kinds = { steps = "int", seed = "int", device = "string", csv = "string", control = "bool",
+                  save = "string", gpus = "int" }
+  return paths.parse_args(args, kinds, usage, function(name, v)
+    if kinds[name] == "int" and (v == nil or ((name == "steps" or name == "gpus") and v < 1)) then
+      return ("--%s must be %s"):format(name, (name == "steps" or name == "gpus") and "a positive integer"
+        or "an integer")
+    elseif kinds[name] == "bool" and v == nil then
+      return ("--%s must be true or false"):format(name)
     end
-    o[name] = v
-    i = i + 2
-  end
-  return o
+  end)
 end
 
 -- loadfile("scripts/train_tiny.lua")({}) is the library: nothing runs.
 local as_library = select("#", ...) > 0 and type((...)) == "table"
-local here = debug.getinfo(1, "S").source:match("^@(.-)[^/\\]*$") or ""
-local paths = dofile(here .. "lib/paths.lua")
 local cli = not as_library and paths.options(train.parse_args, usage)
 
 local ok, ft = pcall(require, "flashtile")

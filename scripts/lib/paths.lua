@@ -81,6 +81,38 @@ end
 -- parse(args) -> options, or nil and a message: on --help (the message is
 -- usage) prints it and exits 0, on a bad argument prints the message on
 -- stderr and exits 2.
+--- --name value pairs of the command line into a table (dashes in names
+-- become underscores), each value read as kinds[name]: "int" (a whole
+-- number, else nil), "number", "bool" ("true" or "false", else nil) or
+-- "string"; check(name, value, text) may return a message for a bad one.
+-- Returns the table, or nil and a message (--help: nil and usage).
+function paths.parse_args(args, kinds, usage, check)
+  local o, i = {}, 1
+  while args[i] do
+    local name = args[i]:match("^%-%-([%w_%-]+)$")
+    if name == "help" then return nil, usage end
+    local kind = name and kinds[name]
+    if not kind then return nil, ("unknown argument '%s'\n%s"):format(args[i], usage) end
+    local text = args[i + 1]
+    if text == nil then return nil, ("--%s needs a value\n%s"):format(name, usage) end
+    local v = text
+    if kind == "int" or kind == "number" then
+      v = tonumber(text)
+      if kind == "int" and v and (v ~= math.floor(v) or v ~= v or v == math.huge or v == -math.huge) then
+        v = nil
+      end
+      if kind == "int" and v and math.tointeger then v = math.tointeger(v) end
+    elseif kind == "bool" then
+      if text == "true" then v = true elseif text == "false" then v = false else v = nil end
+    end
+    local err = check and check(name, v, text)
+    if err then return nil, err end
+    o[(name:gsub("%-", "_"))] = v
+    i = i + 2
+  end
+  return o
+end
+
 function paths.options(parse, usage)
   local o, err = parse(arg or {})
   if o then return o end
