@@ -279,6 +279,31 @@ local function check_ring(ctx, comm, q, k, v, opts)
   return qs, ks, vs, layout, opts.causal and true or false, opts.scale, opts.exchange ~= false
 end
 
+--- The ring's neighbours of each local rank: to (rank + 1) and from
+-- (rank - 1), modulo the world.
+local function neighbours(comm)
+  local W, to, from = comm:world_size(), {}, {}
+  for i, r in ipairs(comm:ranks()) do to[i], from[i] = (r + 1) % W, (r - 1) % W end
+  return to, from
+end
+
+--- Starts passing the lists a and b (one tensor per local rank) one step
+-- around the ring; returns the lists they arrive in and a function that
+-- makes the devices wait for them.
+local function pass_on(comm, a, b)
+  local to, from = neighbours(comm)
+  local ra, rb = {}, {}
+  for i = 1, #a do
+    ra[i] = core.empty(shape_of(a[i]), { dtype = a[i].dtype, device = a[i].device })
+    rb[i] = core.empty(shape_of(b[i]), { dtype = b[i].dtype, device = b[i].device })
+  end
+  local p = { comm:sendrecv_list(a, to, ra, from, true), comm:sendrecv_list(b, to, rb, from, true) }
+  return ra, rb, function()
+    p[1]:wait()
+    p[2]:wait()
+  end
+end
+
 --- Ring attention over the communicator's ranks: q, k, v are this
 -- process's shards ([B, n, H, d] each; lists of them for several local
 -- ranks) of one sequence of world_size x n rows, laid out by
@@ -299,19 +324,8 @@ function Comm:ring_attention(q, k, v, opts)
   local cur_k, cur_v = {}, {}
   for i = 1, n do cur_k[i], cur_v[i] = ks[i], vs[i] end
   for step = 0, W - 1 do
-    local nxt_k, nxt_v, pend = {}, {}, nil
-    if step < W - 1 and exchange then
-      local to, from = {}, {}
-      for i = 1, n do
-        nxt_k[i] = core.empty(shape_of(cur_k[i]), { dtype = cur_k[i].dtype, device = cur_k[i].device })
-        nxt_v[i] = core.empty(shape_of(cur_v[i]), { dtype = cur_v[i].dtype, device = cur_v[i].device })
-        to[i], from[i] = (ranks[i] + 1) % W, (ranks[i] - 1) % W
-      end
-      -- keys and values in one exchange each way: a list of 2n entries is
-      -- not possible (one tensor a local rank), so two exchanges
-      pend = { self:sendrecv_list(cur_k, to, nxt_k, from, true),
-               self:sendrecv_list(cur_v, to, nxt_v, from, true) }
-    end
+    local nxt_k, nxt_v, arrived
+    if step < W - 1 and exchange then nxt_k, nxt_v, arrived = pass_on(self, cur_k, cur_v) end
     for i = 1, n do
       local r = ranks[i]
       local j = (r - step) % W
@@ -330,9 +344,8 @@ function Comm:ring_attention(q, k, v, opts)
         end
       end
     end
-    if pend then
-      pend[1]:wait()
-      pend[2]:wait()
+    if arrived then
+      arrived()
       cur_k, cur_v = nxt_k, nxt_v
     end
   end
@@ -362,22 +375,13 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
     cur_dv[i] = core.zeros(shape_of(vs[i]), { dtype = acc, device = vs[i].device })
     dq[i] = core.zeros(shape_of(qs[i]), { dtype = acc, device = qs[i].device })
   end
-  local to, from = {}, {}
-  for i = 1, n do to[i], from[i] = (ranks[i] + 1) % W, (ranks[i] - 1) % W end
-  local function like(t, dtype)
-    return core.empty(shape_of(t), { dtype = dtype or t.dtype, device = t.device })
-  end
-  -- pg: the exchange of the gradient sums started at the end of the last
-  -- step, whose result (in_dk, in_dv: the sums of this step's block) is
-  -- waited for only after this step's kernels are queued
-  local pg, in_dk, in_dv
+  -- sums_arrived: the exchange of the gradient sums started at the end of
+  -- the last step, whose result (in_dk, in_dv: the sums of this step's
+  -- block) is waited for only after this step's kernels are queued
+  local sums_arrived, in_dk, in_dv
   for step = 0, W - 1 do
-    local nxt_k, nxt_v, pend = {}, {}, nil
-    if step < W - 1 and exchange then
-      for i = 1, n do nxt_k[i], nxt_v[i] = like(cur_k[i]), like(cur_v[i]) end
-      pend = { self:sendrecv_list(cur_k, to, nxt_k, from, true),
-               self:sendrecv_list(cur_v, to, nxt_v, from, true) }
-    end
+    local nxt_k, nxt_v, arrived
+    if step < W - 1 and exchange then nxt_k, nxt_v, arrived = pass_on(self, cur_k, cur_v) end
     local grads = {}
     for i = 1, n do
       local r = ranks[i]
@@ -401,10 +405,9 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
         grads[i] = { how, gk, gv }
       end
     end
-    if pg then
-      pg[1]:wait()
-      pg[2]:wait()
-      cur_dk, cur_dv, pg = in_dk, in_dv, nil
+    if sums_arrived then
+      sums_arrived()
+      cur_dk, cur_dv, sums_arrived = in_dk, in_dv, nil
     end
     for i = 1, n do
       local g = grads[i]
@@ -419,21 +422,14 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
     end
     -- the gradient sums follow their keys to the next rank (after the last
     -- step: home; a world of one has no next rank)
-    if exchange and W > 1 then
-      in_dk, in_dv = {}, {}
-      for i = 1, n do in_dk[i], in_dv[i] = like(cur_dk[i]), like(cur_dv[i]) end
-      pg = { self:sendrecv_list(cur_dk, to, in_dk, from, true),
-             self:sendrecv_list(cur_dv, to, in_dv, from, true) }
-    end
-    if pend then
-      pend[1]:wait()
-      pend[2]:wait()
+    if exchange and W > 1 then in_dk, in_dv, sums_arrived = pass_on(self, cur_dk, cur_dv) end
+    if arrived then
+      arrived()
       cur_k, cur_v = nxt_k, nxt_v
     end
   end
-  if pg then
-    pg[1]:wait()
-    pg[2]:wait()
+  if sums_arrived then
+    sums_arrived()
     cur_dk, cur_dv = in_dk, in_dv
   end
   local dqs, dks, dvs = {}, {}, {}
