@@ -9,26 +9,7 @@ local ft = h.ft
 
 local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
-local function no_multigpu_reason()
-  local r = h.no_gpu_reason()
-  if r then return r end
-  if not ft.dist.built() then return "this flashtile build has no NCCL (ft.dist.built() is false)" end
-  if ft.cuda.device_count() < 2 then
-    return "needs two CUDA devices, this machine has " .. ft.cuda.device_count()
-  end
-  return nil
-end
-
-local function multigpu_it(name, body)
-  it(name, function()
-    local reason = no_multigpu_reason()
-    if reason then
-      pending(reason)
-      return
-    end
-    body()
-  end)
-end
+local multigpu_it = h.multigpu_it(it, function(reason) pending(reason) end)
 
 local function randn(shape, dtype)
   return ft.randn(shape, { dtype = dtype or "f64", seed = h.next_seed() })

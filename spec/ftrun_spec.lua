@@ -16,20 +16,9 @@ local function write_all(path, s)
 end
 
 
---- A fresh empty directory.
-local function tmpdir()
-  local d = os.tmpname()
-  os.remove(d)
-  assert(sh("mkdir -p " .. quote(d)))
-  return d
-end
-local function rmdir(d) sh("rm -rf " .. quote(d)) end
+local tmpdir, rmdir = h.tmpdir, h.rmdir
 
-local function lines_of(s)
-  local r = {}
-  for line in s:gmatch("[^\n]+") do r[#r + 1] = line end
-  return r
-end
+local lines_of = h.lines_of
 
 --- Runs `scripts/ftrun <args>` from the root with this spec's build tree,
 -- temporary files under tmp and the extra variables of env ("A=1 B=2"):

@@ -525,10 +525,10 @@ end
 -- pending" only when looked up inside the running test (taken at load
 -- time it would declare another, empty test and let this one pass):
 --   local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
-function h.gpu_it(it, pending)
+local function guarded_it(it, pending, why_not)
   return function(name, body)
     it(name, function()
-      local reason = h.no_gpu_reason()
+      local reason = why_not()
       if reason then
         pending(reason)
         return
@@ -537,6 +537,22 @@ function h.gpu_it(it, pending)
     end)
   end
 end
+
+function h.gpu_it(it, pending) return guarded_it(it, pending, h.no_gpu_reason) end
+
+--- Why specs tagged #multigpu cannot run here, or nil when they can.
+function h.no_multigpu_reason()
+  local r = h.no_gpu_reason()
+  if r then return r end
+  if not ft.dist.built() then return "this flashtile build has no NCCL (ft.dist.built() is false)" end
+  if ft.cuda.device_count() < 2 then
+    return "needs two CUDA devices, this machine has " .. ft.cuda.device_count()
+  end
+  return nil
+end
+
+--- An it() for specs that need two GPUs, as h.gpu_it.
+function h.multigpu_it(it, pending) return guarded_it(it, pending, h.no_multigpu_reason) end
 
 -- ---- attention specs' shared pieces -------------------------------------------------
 
@@ -745,6 +761,21 @@ function h.sh(cmd)
   local body, status = out:match("^(.-)%[exit status (%d+)%]\n?$")
   return body or out, tonumber(status), ft.clock() - t0
 end
+
+function h.lines_of(s)
+  local r = {}
+  for line in s:gmatch("[^\n]+") do r[#r + 1] = line end
+  return r
+end
+
+--- A fresh empty directory, and its removal.
+function h.tmpdir()
+  local d = os.tmpname()
+  os.remove(d)
+  assert(h.sh("mkdir -p " .. h.quote(d)))
+  return d
+end
+function h.rmdir(d) h.sh("rm -rf " .. h.quote(d)) end
 
 --- The repository's root (the specs run from it).
 h.ROOT = (h.sh("pwd")):gsub("\n$", "")

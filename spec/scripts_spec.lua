@@ -52,20 +52,9 @@ local function lua(script, args, o)
   return sh(cmd)
 end
 
-local function lines_of(s)
-  local r = {}
-  for line in s:gmatch("[^\n]+") do r[#r + 1] = line end
-  return r
-end
+local lines_of = h.lines_of
 
---- A fresh empty directory.
-local function tmpdir()
-  local d = os.tmpname()
-  os.remove(d)
-  assert(sh("mkdir -p " .. quote(d)))
-  return d
-end
-local function rmdir(d) sh("rm -rf " .. quote(d)) end
+local tmpdir, rmdir = h.tmpdir, h.rmdir
 
 local BENCH_OPTIONS = { "--device", "--impl", "--dtype", "--hdim", "--seqlen", "--causal", "--pass",
   "--tokens", "--width", "--warmup", "--reps", "--reference", "--csv", "--plot", "--no-check", "--help" }
