@@ -258,6 +258,35 @@ local function block_forward(q, k, v, how, opts)
   return out:to(lse.dtype), lse, nil
 end
 
+local DTYPE_CODE = { f64 = 1, f32 = 2, f16 = 3, bf16 = 4 }
+local same_everywhere
+
+--- Every rank's shards must have the same shapes and dtype: the keys a
+-- rank receives land in a buffer shaped like its own, and NCCL waits for
+-- ever on a size that does not match. One small all_gather of each rank's
+-- shapes finds the rank that differs first.
+same_everywhere = function(comm, ctx, qs, ks, vs)
+  if comm:world_size() == 1 then return end
+  local sigs = {}
+  for i = 1, #qs do
+    local sig = { DTYPE_CODE[qs[i].dtype] or 0 }
+    for _, t in ipairs { qs[i], ks[i], vs[i] } do
+      for dd = 1, 4 do sig[#sig + 1] = t:size(dd) end
+    end
+    sigs[i] = core.tensor(sig, { dtype = "i64", device = qs[i].device })
+  end
+  local all = comm:all_gather_list(sigs)[1]:cpu():totable()
+  local per = #all / comm:world_size()
+  for r = 1, comm:world_size() - 1 do
+    for e = 1, per do
+      if all[r * per + e] ~= all[e] then
+        error(("%s: rank %d's q, k, v (shapes or dtype) differ from rank 0's: every rank holds a "
+          .. "shard of the same size"):format(ctx, r), 4)
+      end
+    end
+  end
+end
+
 local function check_ring(ctx, comm, q, k, v, opts)
   opts = opts or {}
   check_opts(ctx, opts, { causal = true, scale = true, layout = true, exchange = true })
@@ -275,7 +304,12 @@ local function check_ring(ctx, comm, q, k, v, opts)
     if layout == "zigzag" and (qs[i]:size(2) % 2 ~= 0 or ks[i]:size(2) % 2 ~= 0) then
       error(ctx .. ": zigzag shards hold two chunks: their seqlen must be even", 3)
     end
+    if not (ks[i].dtype == qs[i].dtype and vs[i].dtype == qs[i].dtype and ks[i].device == qs[i].device
+            and vs[i].device == qs[i].device) then
+      error(ctx .. ": q, k and v of a rank must share a dtype and a device", 3)
+    end
   end
+  same_everywhere(comm, ctx, qs, ks, vs)
   return qs, ks, vs, layout, opts.causal and true or false, opts.scale, opts.exchange ~= false
 end
 
