@@ -42,8 +42,76 @@
 
 #ifdef FT_HAVE_NCCL
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <nccl.h>
+#include <pthread.h>
 #include <unistd.h>
+
+/* NCCL is opened when the first communicator is made, not linked: a
+ * process that never uses flashtile.dist does not load it (nor its
+ * threads and its gigabyte of kernels), and a machine without it still
+ * loads flashtile. The library CMake found is tried first, then the
+ * loader's libnccl.so.2. */
+static struct {
+    const char *(*GetErrorString)(ncclResult_t);
+    const char *(*GetLastError)(ncclComm_t);
+    ncclResult_t (*GetUniqueId)(ncclUniqueId *);
+    ncclResult_t (*CommInitAll)(ncclComm_t *, int, const int *);
+    ncclResult_t (*CommInitRankConfig)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *);
+    ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
+    ncclResult_t (*CommAbort)(ncclComm_t);
+    ncclResult_t (*CommDestroy)(ncclComm_t);
+    ncclResult_t (*GroupStart)(void);
+    ncclResult_t (*GroupEnd)(void);
+    ncclResult_t (*AllReduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
+                              ncclComm_t, cudaStream_t);
+    ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t,
+                              cudaStream_t);
+    ncclResult_t (*AllGather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
+                              cudaStream_t);
+    ncclResult_t (*ReduceScatter)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
+                                  ncclComm_t, cudaStream_t);
+    ncclResult_t (*Send)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+    ncclResult_t (*Recv)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+} N;
+static char nccl_error[512];
+
+static void nccl_open(void)
+{
+    static const char *const names[] = {
+#ifdef FT_NCCL_PATH
+        FT_NCCL_PATH,
+#endif
+        "libnccl.so.2", "libnccl.so"};
+    void *lib = NULL;
+    for (size_t i = 0; !lib && i < sizeof names / sizeof names[0]; i++)
+        lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *e = dlerror();
+        snprintf(nccl_error, sizeof nccl_error, "NCCL's library could not be loaded (%s)",
+                 e ? e : "libnccl.so.2 not found");
+        return;
+    }
+#define FT_NCCL_SYM(f)                                                          \
+    if (!nccl_error[0] && !(*(void **)&N.f = dlsym(lib, "nccl" #f)))            \
+        snprintf(nccl_error, sizeof nccl_error, "NCCL's library has no nccl%s", #f);
+    FT_NCCL_SYM(GetErrorString) FT_NCCL_SYM(GetLastError) FT_NCCL_SYM(GetUniqueId)
+    FT_NCCL_SYM(CommInitAll) FT_NCCL_SYM(CommInitRankConfig) FT_NCCL_SYM(CommGetAsyncError)
+    FT_NCCL_SYM(CommAbort) FT_NCCL_SYM(CommDestroy) FT_NCCL_SYM(GroupStart)
+    FT_NCCL_SYM(GroupEnd) FT_NCCL_SYM(AllReduce) FT_NCCL_SYM(Broadcast) FT_NCCL_SYM(AllGather)
+    FT_NCCL_SYM(ReduceScatter) FT_NCCL_SYM(Send) FT_NCCL_SYM(Recv)
+#undef FT_NCCL_SYM
+}
+
+/* NCCL's functions in N, or an error naming func. */
+static ft_status nccl_load(const char *func)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, nccl_open);
+    if (nccl_error[0])
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 0, "%s", nccl_error);
+    return FT_OK;
+}
 
 #define FT_DIST_MAX_LOCAL 64
 
@@ -67,10 +135,10 @@ int ft_dist_built(void) { return 1; }
 
 static ft_status nccl_fail(ncclResult_t r, ncclComm_t comm, const char *func, const char *call)
 {
-    const char *last = comm ? ncclGetLastError(comm) : NULL;
+    const char *last = comm ? N.GetLastError(comm) : NULL;
     return ft_fail(r == ncclInvalidArgument || r == ncclInvalidUsage ? FT_ERR_ARGUMENT
                                                                        : FT_ERR_DEVICE,
-                   func, 0, "%s: %s%s%s%s", call, ncclGetErrorString(r),
+                   func, 0, "%s: %s%s%s%s", call, N.GetErrorString(r),
                    last && *last ? " (" : "", last && *last ? last : "",
                    last && *last ? ")" : "");
 }
@@ -117,7 +185,7 @@ void ft_comm_free(ft_comm *c)
         if (c->stream[i])
             cudaStreamSynchronize(c->stream[i]);
         if (c->comm[i])
-            ncclCommDestroy(c->comm[i]);
+            N.CommDestroy(c->comm[i]);
         if (c->ready[i])
             cudaEventDestroy(c->ready[i]);
         if (c->joined[i])
@@ -148,6 +216,7 @@ ft_status ft_dist_init_devices(ft_comm **out, int n, const int *devices)
                 return ft_fail(FT_ERR_ARGUMENT, func, 1, "device %d is listed twice",
                                devices[i]);
     }
+    FT_TRY(nccl_load(func)); /* once the arguments are good */
     ft_comm *c = calloc(1, sizeof *c);
     if (!c)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
@@ -158,7 +227,7 @@ ft_status ft_dist_init_devices(ft_comm **out, int n, const int *devices)
     }
     multicast_off();
     ft_status st = FT_OK;
-    ncclResult_t r = ncclCommInitAll(c->comm, n, devices);
+    ncclResult_t r = N.CommInitAll(c->comm, n, devices);
     if (r != ncclSuccess) {
         memset(c->comm, 0, sizeof c->comm);
         st = nccl_fail(r, NULL, func, "ncclCommInitAll");
@@ -230,12 +299,13 @@ ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, cons
         return ft_fail(FT_ERR_ARGUMENT, func, 4, "id_file: a path every rank can read");
     if (!(timeout_s > 0) || timeout_s > 1e6)
         return ft_fail(FT_ERR_ARGUMENT, func, 5, "timeout %g s: must be above 0", timeout_s);
+    FT_TRY(nccl_load(func)); /* once the arguments are good */
     const double deadline = now_s() + timeout_s;
     multicast_off();
     FT_TRY(ft_cuda_use_device(device, func));
     ncclUniqueId id;
     if (rank == 0) {
-        NCCL_TRY(func, NULL, ncclGetUniqueId(&id));
+        NCCL_TRY(func, NULL, N.GetUniqueId(&id));
         FT_TRY(write_id(func, id_file, &id));
     } else {
         FT_TRY(read_id(func, id_file, &id, rank, deadline, timeout_s));
@@ -249,14 +319,14 @@ ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, cons
     c->device[0] = device;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    ncclResult_t r = ncclCommInitRankConfig(&c->comm[0], world, id, rank, &config);
+    ncclResult_t r = N.CommInitRankConfig(&c->comm[0], world, id, rank, &config);
     ft_status st = FT_OK;
     if (r != ncclSuccess && r != ncclInProgress) {
         st = nccl_fail(r, c->comm[0], func, "ncclCommInitRankConfig");
     } else {
         ncclResult_t state = ncclInProgress;
         while (st == FT_OK) {
-            r = ncclCommGetAsyncError(c->comm[0], &state);
+            r = N.CommGetAsyncError(c->comm[0], &state);
             if (r != ncclSuccess)
                 st = nccl_fail(r, c->comm[0], func, "ncclCommGetAsyncError");
             else if (state == ncclSuccess)
@@ -272,7 +342,7 @@ ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, cons
         }
     }
     if (st != FT_OK && c->comm[0]) {
-        ncclCommAbort(c->comm[0]);
+        N.CommAbort(c->comm[0]);
         c->comm[0] = NULL;
     }
     if (st == FT_OK)
@@ -383,7 +453,7 @@ static ft_status settle(ft_comm *c, const char *func, const char *call)
     for (int i = 0; i < c->nlocal; i++) {
         ncclResult_t state = ncclInProgress;
         while (state == ncclInProgress) {
-            const ncclResult_t r = ncclCommGetAsyncError(c->comm[i], &state);
+            const ncclResult_t r = N.CommGetAsyncError(c->comm[i], &state);
             if (r != ncclSuccess)
                 return nccl_fail(r, c->comm[i], func, "ncclCommGetAsyncError");
         }
@@ -400,7 +470,7 @@ typedef ncclResult_t (*issue_fn)(ft_comm *c, int i, void *arg);
 static ft_status group(ft_comm *c, const char *func, const char *call, issue_fn issue, void *arg)
 {
     FT_TRY(streams_follow(c, func));
-    NCCL_TRY(func, NULL, ncclGroupStart());
+    NCCL_TRY(func, NULL, N.GroupStart());
     ncclResult_t bad = ncclSuccess;
     int at = 0;
     for (int i = 0; i < c->nlocal && (bad == ncclSuccess || bad == ncclInProgress); i++) {
@@ -408,7 +478,7 @@ static ft_status group(ft_comm *c, const char *func, const char *call, issue_fn 
         bad = issue(c, i, arg);
         at = i;
     }
-    ncclResult_t end = ncclGroupEnd();
+    ncclResult_t end = N.GroupEnd();
     if (bad != ncclSuccess && bad != ncclInProgress)
         return nccl_fail(bad, c->comm[at], func, call);
     if (end != ncclSuccess && end != ncclInProgress)
@@ -434,28 +504,28 @@ typedef struct {
 static ncclResult_t issue_all_reduce(ft_comm *c, int i, void *arg)
 {
     const coll *a = arg;
-    return ncclAllReduce(a->out[i]->data, a->out[i]->data, a->count, a->type, a->op, c->comm[i],
+    return N.AllReduce(a->out[i]->data, a->out[i]->data, a->count, a->type, a->op, c->comm[i],
                          c->stream[i]);
 }
 
 static ncclResult_t issue_broadcast(ft_comm *c, int i, void *arg)
 {
     const coll *a = arg;
-    return ncclBroadcast(a->out[i]->data, a->out[i]->data, a->count, a->type, a->root,
+    return N.Broadcast(a->out[i]->data, a->out[i]->data, a->count, a->type, a->root,
                          c->comm[i], c->stream[i]);
 }
 
 static ncclResult_t issue_all_gather(ft_comm *c, int i, void *arg)
 {
     const coll *a = arg;
-    return ncclAllGather(a->in[i]->data, a->out[i]->data, a->count, a->type, c->comm[i],
+    return N.AllGather(a->in[i]->data, a->out[i]->data, a->count, a->type, c->comm[i],
                          c->stream[i]);
 }
 
 static ncclResult_t issue_reduce_scatter(ft_comm *c, int i, void *arg)
 {
     const coll *a = arg;
-    return ncclReduceScatter(a->in[i]->data, a->out[i]->data, a->count, a->type, a->op,
+    return N.ReduceScatter(a->in[i]->data, a->out[i]->data, a->count, a->type, a->op,
                              c->comm[i], c->stream[i]);
 }
 
@@ -560,12 +630,12 @@ static ncclResult_t issue_sendrecv(ft_comm *c, int i, void *arg)
     ncclResult_t r = ncclSuccess;
     if (a->send[i]) {
         nccl_type("ft_sendrecv", 2, a->send[i]->dtype, 0, &type);
-        r = ncclSend(a->send[i]->data, (size_t)ft_numel(a->send[i]), type, a->to[i], c->comm[i],
+        r = N.Send(a->send[i]->data, (size_t)ft_numel(a->send[i]), type, a->to[i], c->comm[i],
                      c->stream[i]);
     }
     if (r == ncclSuccess && a->recv[i]) {
         nccl_type("ft_sendrecv", 4, a->recv[i]->dtype, 0, &type);
-        r = ncclRecv(a->recv[i]->data, (size_t)ft_numel(a->recv[i]), type, a->from[i],
+        r = N.Recv(a->recv[i]->data, (size_t)ft_numel(a->recv[i]), type, a->from[i],
                      c->comm[i], c->stream[i]);
     }
     return r;
