@@ -2808,6 +2808,34 @@ static int comm_sendrecv(lua_State *L)
     return async ? 1 : 0;
 }
 
+/* tostring(comm): "flashtile.Comm: ranks {0, 1} of 2 on cuda:0, cuda:1" */
+static int comm_tostring(lua_State *L)
+{
+    ud_comm *u = luaL_checkudata(L, 1, COMM_MT);
+    if (!u->c) {
+        lua_pushliteral(L, "flashtile.Comm (freed)");
+        return 1;
+    }
+    luaL_Buffer b;
+    luaL_buffinit(L, &b);
+    luaL_addstring(&b, "flashtile.Comm: rank");
+    const int n = ft_comm_local(u->c);
+    if (n > 1)
+        luaL_addstring(&b, "s");
+    for (int i = 0; i < n; i++) {
+        lua_pushfstring(L, "%s %d", i ? "," : "", ft_comm_rank(u->c, i));
+        luaL_addvalue(&b);
+    }
+    lua_pushfstring(L, " of %d on", ft_comm_world(u->c));
+    luaL_addvalue(&b);
+    for (int i = 0; i < n; i++) {
+        lua_pushfstring(L, "%s cuda:%d", i ? "," : "", ft_comm_device(u->c, i));
+        luaL_addvalue(&b);
+    }
+    luaL_pushresult(&b);
+    return 1;
+}
+
 static void comm_release(void *c) { ft_comm_free(c); }
 
 static int comm_free(lua_State *L)
@@ -2878,6 +2906,8 @@ static void open_dist(lua_State *L)
     lua_setfield(L, -2, "__index");
     lua_pushcfunction(L, comm_gc);
     lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, comm_tostring);
+    lua_setfield(L, -2, "__tostring");
     lua_getfield(L, -1, "__index");
     lua_getfield(L, -1, "free");
     lua_setfield(L, -3, "__close");
