@@ -180,9 +180,10 @@ function Comm:sendrecv(a)
     return (as_list(self, ctx, v, what))
   end
   local send, recv = side(a.send, "send"), side(a.recv, "recv")
-  local to, from = a.to, a.from
-  if type(to) ~= "table" then to = { to } end
-  if type(from) ~= "table" then from = { from } end
+  local to_in = type(a.to) == "table" and a.to or { a.to }
+  local from_in = type(a.from) == "table" and a.from or { a.from }
+  local to, from = {}, {} -- copies: the caller's lists stay as they were
+  for i = 1, n do to[i], from[i] = to_in[i], from_in[i] end
   for i = 1, n do
     if send[i] and not is_integer(to[i]) then
       error(("%s: to[%d] must be a rank"):format(ctx, i), 2)
