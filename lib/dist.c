@@ -197,11 +197,6 @@ void ft_comm_free(ft_comm *c)
     free(c);
 }
 
-static ft_status check_device_index(const char *func, int arg, int d)
-{
-    return ft_cuda_device_check(func, arg, d);
-}
-
 ft_status ft_dist_init_devices(ft_comm **out, int n, const int *devices)
 {
     static const char func[] = "ft_dist_init_devices";
@@ -210,7 +205,7 @@ ft_status ft_dist_init_devices(ft_comm **out, int n, const int *devices)
         return ft_fail(FT_ERR_ARGUMENT, func, 1, "%d devices: give 1 to %d", n,
                        FT_DIST_MAX_LOCAL);
     for (int i = 0; i < n; i++) {
-        FT_TRY(check_device_index(func, 1, devices[i]));
+        FT_TRY(ft_cuda_device_check(func, 1, devices[i]));
         for (int j = 0; j < i; j++)
             if (devices[j] == devices[i])
                 return ft_fail(FT_ERR_ARGUMENT, func, 1, "device %d is listed twice",
@@ -294,7 +289,7 @@ ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, cons
     if (rank < 0 || rank >= world)
         return ft_fail(FT_ERR_ARGUMENT, func, 1, "rank %d: must be 0 to %d (world_size %d)",
                        rank, world - 1, world);
-    FT_TRY(check_device_index(func, 3, device));
+    FT_TRY(ft_cuda_device_check(func, 3, device));
     if (!id_file || !*id_file)
         return ft_fail(FT_ERR_ARGUMENT, func, 4, "id_file: a path every rank can read");
     if (!(timeout_s > 0) || timeout_s > 1e6)

@@ -2302,6 +2302,17 @@ static int cuda_synchronize(lua_State *L)
     return 0;
 }
 
+/* The handle of a userdata whose one field is a pointer (an event, a
+ * communicator, a pending exchange), taken out of it: t:free() and __gc
+ * leave NULL behind, so later use is an error, never a crash. */
+static void *take_handle(lua_State *L, int idx, const char *mt)
+{
+    void **slot = mt ? luaL_checkudata(L, idx, mt) : lua_touserdata(L, idx);
+    void *p = *slot;
+    *slot = NULL;
+    return p;
+}
+
 typedef struct ud_event {
     ft_event *e;
 } ud_event;
@@ -2352,18 +2363,13 @@ static void event_release(void *e) { ft_event_free(e); }
 /* e:free() and __close: now, or after the binding calls in progress. */
 static int event_free(lua_State *L)
 {
-    ud_event *u = luaL_checkudata(L, 1, EVENT_MT);
-    ft_event *e = u->e;
-    u->e = NULL;
-    release_later(L, event_release, e);
+    release_later(L, event_release, take_handle(L, 1, EVENT_MT));
     return 0;
 }
 
 static int event_gc(lua_State *L)
 {
-    ud_event *u = lua_touserdata(L, 1);
-    ft_event_free(u->e);
-    u->e = NULL;
+    ft_event_free(take_handle(L, 1, NULL));
     return 0;
 }
 
@@ -2840,18 +2846,13 @@ static void comm_release(void *c) { ft_comm_free(c); }
 
 static int comm_free(lua_State *L)
 {
-    ud_comm *u = luaL_checkudata(L, 1, COMM_MT);
-    ft_comm *c = u->c;
-    u->c = NULL;
-    release_later(L, comm_release, c);
+    release_later(L, comm_release, take_handle(L, 1, COMM_MT));
     return 0;
 }
 
 static int comm_gc(lua_State *L)
 {
-    ud_comm *u = lua_touserdata(L, 1);
-    ft_comm_free(u->c);
-    u->c = NULL;
+    ft_comm_free(take_handle(L, 1, NULL));
     return 0;
 }
 
@@ -2867,18 +2868,13 @@ static void pending_release(void *p) { ft_pending_free(p); }
 
 static int pending_free(lua_State *L)
 {
-    ud_pending *u = luaL_checkudata(L, 1, PENDING_MT);
-    ft_pending *p = u->p;
-    u->p = NULL;
-    release_later(L, pending_release, p);
+    release_later(L, pending_release, take_handle(L, 1, PENDING_MT));
     return 0;
 }
 
 static int pending_gc(lua_State *L)
 {
-    ud_pending *u = lua_touserdata(L, 1);
-    ft_pending_free(u->p);
-    u->p = NULL;
+    ft_pending_free(take_handle(L, 1, NULL));
     return 0;
 }
 

@@ -198,12 +198,6 @@ end
 
 -- ---- ring attention -------------------------------------------------------------
 
-local function shape_of(t)
-  local s = {}
-  for i = 1, t:dim() do s[i] = t:size(i) end
-  return s
-end
-
 --- The merge of two partial attentions over disjoint keys by their LSE:
 -- o [B, n, H, d] f32, lse [B, H, n] f32.
 local function merge(o1, l1, o2, l2)
@@ -212,7 +206,7 @@ local function merge(o1, l1, o2, l2)
   local s = e1 + e2
   local lse = m + s:log()
   local B, H, n = l1:size(1), l1:size(2), l1:size(3)
-  local sh = shape_of(o1)
+  local sh = o1.shape
   local function w(e)
     return (e / s):permute(1, 3, 2):contiguous():view(B, n, H, 1):expand(sh)
   end
@@ -329,8 +323,8 @@ local function pass_on(comm, a, b)
   local to, from = neighbours(comm)
   local ra, rb = {}, {}
   for i = 1, #a do
-    ra[i] = core.empty(shape_of(a[i]), { dtype = a[i].dtype, device = a[i].device })
-    rb[i] = core.empty(shape_of(b[i]), { dtype = b[i].dtype, device = b[i].device })
+    ra[i] = core.empty(a[i].shape, { dtype = a[i].dtype, device = a[i].device })
+    rb[i] = core.empty(b[i].shape, { dtype = b[i].dtype, device = b[i].device })
   end
   local p = { comm:sendrecv_list(a, to, ra, from, true), comm:sendrecv_list(b, to, rb, from, true) }
   return ra, rb, function()
@@ -406,9 +400,9 @@ function Comm:ring_attention_backward(dout, q, k, v, out, lse, opts)
   local cur_k, cur_v, cur_dk, cur_dv = {}, {}, {}, {}
   for i = 1, n do
     cur_k[i], cur_v[i] = ks[i], vs[i]
-    cur_dk[i] = core.zeros(shape_of(ks[i]), { dtype = acc, device = ks[i].device })
-    cur_dv[i] = core.zeros(shape_of(vs[i]), { dtype = acc, device = vs[i].device })
-    dq[i] = core.zeros(shape_of(qs[i]), { dtype = acc, device = qs[i].device })
+    cur_dk[i] = core.zeros(ks[i].shape, { dtype = acc, device = ks[i].device })
+    cur_dv[i] = core.zeros(vs[i].shape, { dtype = acc, device = vs[i].device })
+    dq[i] = core.zeros(qs[i].shape, { dtype = acc, device = qs[i].device })
   end
   -- sums_arrived: the exchange of the gradient sums started at the end of
   -- the last step, whose result (in_dk, in_dv: the sums of this step's
@@ -532,7 +526,7 @@ function M.shard(t, rank, world, layout)
   local c = math.floor(N / (2 * world))
   local a = t:narrow(2, rank * c + 1, c)
   local b = t:narrow(2, (2 * world - 1 - rank) * c + 1, c)
-  local shape = shape_of(t)
+  local shape = t.shape
   shape[2] = 2 * c
   local out = core.empty(shape, { dtype = t.dtype, device = t.device })
   out:narrow(2, 1, c):copy(a)
@@ -546,7 +540,7 @@ function M.unshard(shards, layout)
   layout = layout or "zigzag"
   local W = #shards
   local n = shards[1]:size(2)
-  local shape = shape_of(shards[1])
+  local shape = shards[1].shape
   shape[2] = n * W
   local out = core.empty(shape, { dtype = shards[1].dtype, device = shards[1].device })
   for r = 0, W - 1 do
