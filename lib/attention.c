@@ -499,9 +499,12 @@ static ft_status forward_flash_cuda(const ft_attn_shape *s, const ft_tensor *q,
                                     const ft_tensor *k, const ft_tensor *v, ft_tensor *out,
                                     ft_tensor *lse)
 {
+    ft_status st = FT_OK;
+    if (ft_attention_decode_plain(s, q, k, v, out, lse, &st)) /* a few rows, many keys */
+        return st;
     ft_attn_shape fs;
     ft_tensor *tmp[2];
-    ft_status st = flash_inputs(s, &fs, tmp);
+    st = flash_inputs(s, &fs, tmp);
     if (st == FT_OK)
         st = ft_attention_forward_flash_cuda(&fs, q, k, v, out, lse);
     ft_tensor_free(tmp[0]);

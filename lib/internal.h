@@ -364,6 +364,14 @@ typedef struct ft_attn_shape {
     const int64_t *mod_goff;
 } ft_attn_shape;
 
+#ifdef FT_HAVE_CUDA
+/* attention_cache.c: plain attention of up to 64 query rows against many
+ * keys (decoding without a cache) through the split-KV kernel; returns 1
+ * (with *st) when it took the call, 0 when the flash kernels should. */
+int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
+                              const ft_tensor *v, ft_tensor *out, ft_tensor *lse, ft_status *st);
+#endif
+
 /* Loops the compiler vectorises, compiled also for AVX-512 and AVX2 and
  * chosen at load time from the CPU (x86-64 with GCC; elsewhere the
  * baseline only): the CPU attention's row work and decoding. */

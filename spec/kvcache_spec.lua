@@ -326,6 +326,23 @@ describe("attention over a KV cache", function()
     assert.is_true(e < 2^-6, "error " .. e)
   end)
 
+  gpu_it("on CUDA, plain attention of a few rows against many keys (no cache: the split-KV kernel's case) matches the CPU, forward and backward", function()
+    for _, c in ipairs { { Nq = 1, H = 32, Hk = 8, Nk = 4096, causal = true }, { Nq = 4, H = 8, Hk = 2, Nk = 700, causal = false },
+                         { Nq = 16, H = 4, Hk = 4, Nk = 2048, causal = true }, { Nq = 64, H = 4, Hk = 4, Nk = 2048, causal = true } } do
+      local q, k, v = randn { 2, c.Nq, c.H, 128 }, randn { 2, c.Nk, c.Hk, 128 }, randn { 2, c.Nk, c.Hk, 128 }
+      local dout = randn { 2, c.Nq, c.H, 128 }
+      local function bf(t) return t:to("bf16"):double() end
+      local o = { causal = c.causal }
+      local want = h.attention_both(bf(q), bf(k), bf(v), bf(dout), o)
+      local function g(t) return t:to("bf16"):cuda() end
+      local got = h.attention_both(g(q), g(k), g(v), g(dout), o)
+      for _, name in ipairs { "out", "lse", "dq", "dk", "dv" } do
+        local e = ft.max_abs_diff(got[name]:cpu():double(), want[name])
+        assert.is_true(e < (name == "lse" and 1e-3 or 2^-5), ("Nq %d Nk %d: %s error %g"):format(c.Nq, c.Nk, name, e))
+      end
+    end
+  end)
+
   gpu_it("on CUDA (bf16, contiguous and paged) as on the CPU", function()
     local B, H, Hk, d, cap, Nnew = 3, 8, 2, 128, 96, 4
     local lens = { 0, 33, cap - Nnew }

@@ -432,6 +432,26 @@ template <typename T, int D, int WR> struct DecodeKernel {
         }
         return FT_OK;
     }
+    /* CTAs an SM holds, asked once per device (the query costs microseconds
+     * of host time, comparable to a short decoding step). */
+    static int per_sm(const char *func)
+    {
+        static int cached[64];
+        int dev = 0;
+        cudaGetDevice(&dev);
+        if (dev >= 0 && dev < 64 && cached[dev] > 0)
+            return cached[dev];
+        void (*k)(DecodeParams);
+        int n = 1;
+        if (get(&k, func) != FT_OK ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, DEC_WARPS * FT_WARP, L::bytes) !=
+                cudaSuccess || n < 1)
+            n = 1;
+        cudaGetLastError();
+        if (dev >= 0 && dev < 64)
+            cached[dev] = n;
+        return n;
+    }
 };
 
 /* Calls fn(TypeOf<T>, IntC<D>, IntC<WR>) for the call's dtype, padded head
@@ -471,12 +491,7 @@ extern "C" int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, i
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q->device.index);
     decode_dispatch(q->dtype, d, M, [&](auto type, auto dd, auto wr) {
         using K = DecodeKernel<typename decltype(type)::type, decltype(dd)::value, decltype(wr)::value>;
-        void (*k)(DecodeParams);
-        if (K::get(&k, "ft_attention_forward") == FT_OK &&
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, DEC_WARPS * FT_WARP,
-                                                          K::L::bytes) != cudaSuccess)
-            per_sm = 1;
-        cudaGetLastError();
+        per_sm = K::per_sm("ft_attention_forward");
         return FT_OK;
     });
     const int64_t slots = (int64_t)sms * (per_sm > 0 ? per_sm : 1);
