@@ -237,15 +237,19 @@ int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const 
     const ft_attn_mod *m = &s->mod;
     /* a few query rows against many keys, no variant but causal: at most 16
      * rows a kv head (GQA packs a group's rows), where the split-KV kernel
-     * measured faster than the flash kernels (H200, bf16, d 128: 7.6x at
+     * measured faster than the flash kernels (H200, bf16, d 128: 7.7x at
      * 1 x 32768 keys, GQA 32/8; 0.93x at 16 rows x 4 heads a group, 0.37x at
-     * 64 rows without GQA) */
+     * 64 rows without GQA; bench/h200-decode.md) */
+    const int shape_ok = s->B >= 1 && s->H >= 1 && s->Hk >= 1 && s->Nq >= 1 &&
+                         s->Nq * (s->H / s->Hk) <= 16 && s->Nk >= 512 && s->Nk >= 16 * s->Nq &&
+                         s->Nk < INT32_MAX / 2 && !s->cu_q;
+    const int plain = !s->mods && !s->block_mask && m->left < 0 &&
+                      (m->right < 0 || (s->causal && m->right == 0)) && m->softcap == 0 &&
+                      !m->alibi && !m->sink && !m->dropout;
     if ((off && *off && strcmp(off, "0")) || q->device.type != FT_CUDA ||
         (s->dtype != FT_F16 && s->dtype != FT_BF16) || s->d % 8 != 0 || s->d > 256 ||
-        s->Hk <= 0 || s->Nq * (s->H / s->Hk) > 16 || s->Nk < 512 || s->Nk < 16 * s->Nq || s->Nk >= INT32_MAX / 2 || s->cu_q ||
-        s->mods || s->block_mask || m->left >= 0 || (m->right >= 0 && !(s->causal && m->right == 0)) ||
-        m->softcap != 0 || m->alibi || m->sink || m->dropout || !aligned16(q) || !aligned16(k) ||
-        !aligned16(v) || !aligned16(out) || lse->dtype != FT_F32)
+        !shape_ok || !plain || !aligned16(q) || !aligned16(k) || !aligned16(v) ||
+        !aligned16(out) || lse->dtype != FT_F32)
         return 0;
     cache_call c = {0};
     c.B = s->B;
