@@ -54,7 +54,7 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
   --no-check         skip the correctness check (not for published numbers)
   --decode           instead: decoding with a KV cache (one query row, GQA
                      32/8, head dim 128; B x Nk = 1x32768, 16x8192, 64x4096,
-                     8x131072 | 1x4096, 4x2048), the cache read in GB/s
+                     8x131072 | 1x4096, 4x2048, 1x32768), the cache read in GB/s
                      against a device-to-device copy timed in the same run,
                      contiguous and paged (page size 64); takes --dtype
                      (the first; default bf16 | f32), --warmup, --reps, --csv
@@ -362,7 +362,7 @@ if given.decode then
   local dev = on_gpu and device or "cpu"
   local H, Hk, d, PAGE = 32, 8, 128, 64
   local shapes = on_gpu and { { 1, 32768 }, { 16, 8192 }, { 64, 4096 }, { 8, 131072 } }
-                        or { { 1, 4096 }, { 4, 2048 } }
+                        or { { 1, 4096 }, { 4, 2048 }, { 1, 32768 } }
   local name = on_gpu and ft.cuda.device_name(tonumber(device:match("^cuda:(%d+)$") or "0")) or "cpu"
   local o = { dtype = dtype, device = dev }
   -- the copy: read + write of 2 GiB (256 MiB on the cpu)
