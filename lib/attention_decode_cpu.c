@@ -1,10 +1,11 @@
 /*
  * attention_decode_cpu.c - attention over a KV cache on the cpu, for
  * decoding: few query rows per sequence against many keys. The work is
- * split into tasks of (sequence, a chunk of keys); a task walks
- * its keys one by one across every kv head (a key's rows of all heads lie
- * together in the cache, so the reads are sequential) and runs the query
- * heads of each kv head together (GQA: every key and value row is read
+ * split into tasks of (sequence, a chunk of keys, a group of kv heads:
+ * all of them unless that leaves few tasks); a task walks its keys one by
+ * one across its kv heads (a key's rows of all heads lie together in the
+ * cache, so the reads are sequential) and runs the query heads of each kv
+ * head together (GQA: every key and value row is read
  * once for all of them) through an online softmax over blocks of keys;
  * the chunks' partial results are merged by their LSE in chunk order. The
  * chunks come from the shape alone, so the result does not depend on the
@@ -60,24 +61,25 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
 }
 
 #define DEC_DEFINE(SFX, T, EXP, LOG)                                                           \
-    /* One task: every kv head of sequence b over keys [k0, k1), each with                    \
+    /* One task: kv heads [h0, h1) of sequence b over keys [k0, k1), each with                \
      * the rows (query i, head g) of its group, key by key across the heads                   \
      * (a key's rows of all heads lie together, so the reads are sequential                   \
      * and the hardware's prefetchers follow them); writes each row's                         \
      * unnormalised O, its max m and sum l (scaled scores, natural units)                     \
-     * into part, kv head by kv head. */                                                      \
-    FT_ROW_CLONES static void task##SFX(const ft_decode_cpu *a, int64_t b, int64_t k0,        \
-                                        int64_t k1, T *part, T *scratch)                      \
+     * into part (kv head hk's at hk per). */                                                 \
+    FT_ROW_CLONES static void task##SFX(const ft_decode_cpu *a, int64_t b, int64_t h0,        \
+                                        int64_t h1, int64_t k0, int64_t k1, T *part,          \
+                                        T *scratch)                                           \
     {                                                                                         \
         const ft_tensor *q = a->q;                                                            \
         const int64_t Nq = q->shape[1], H = q->shape[2], d = q->shape[3];                     \
         const int64_t Hk = a->k->shape[2], G = H / Hk, M = Nq * G, len = a->lens[b];          \
-        const int64_t HM = Hk * M, per = M * (d + 2);                                         \
+        const int64_t HM = (h1 - h0) * M, per = M * (d + 2);                                  \
         const T scale = (T)a->scale;                                                          \
         T *s = scratch;                                                                       \
         const T **qr = (const T **)(s + HM * DEC_BLOCK);                                      \
-        for (int64_t x = 0; x < HM; x++) { /* x = hk M + r */                                 \
-            const int64_t hk = x / M, r = x % M;                                              \
+        for (int64_t x = 0; x < HM; x++) { /* x = (hk - h0) M + r */                          \
+            const int64_t hk = h0 + x / M, r = x % M;                                         \
             T *o = part + hk * per;                                                           \
             qr[x] = (const T *)ft_elem_ptr(q, b * q->stride[0] + (r / G) * q->stride[1] +     \
                                                   (hk * G + r % G) * q->stride[2]);           \
@@ -88,7 +90,7 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
         for (int64_t j0 = k0; j0 < k1; j0 += DEC_BLOCK) {                                     \
             const int64_t nb = k1 - j0 < DEC_BLOCK ? k1 - j0 : DEC_BLOCK;                     \
             for (int64_t jj = 0; jj < nb; jj++)                                               \
-                for (int64_t hk = 0; hk < Hk; hk++) {                                         \
+                for (int64_t hk = h0; hk < h1; hk++) {                                        \
                     const T *kr = (const T *)key_row(a, a->k, b, hk, j0 + jj);                \
                     if (j0 + jj + DEC_AHEAD < k1) { /* and its value rows */                  \
                         prefetch_row(key_row(a, a->k, b, hk, j0 + jj + DEC_AHEAD),            \
@@ -97,7 +99,7 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
                                      (size_t)d * sizeof(T));                                  \
                     }                                                                         \
                     for (int64_t r = 0; r < M; r++) {                                         \
-                        const T *qv = qr[hk * M + r];                                         \
+                        const T *qv = qr[(hk - h0) * M + r];                                  \
                         /* DEC_LANES running sums: a loop the compiler vectorises */          \
                         T lane[DEC_LANES] = {0}, dot = 0;                                     \
                         int64_t c = 0;                                                        \
@@ -109,12 +111,12 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
                         for (int u = 0; u < DEC_LANES; u++)                                   \
                             dot += lane[u];                                                   \
                         const int64_t last = a->causal ? len - Nq + r / G : len - 1;          \
-                        s[(hk * M + r) * DEC_BLOCK + jj] =                                    \
+                        s[((hk - h0) * M + r) * DEC_BLOCK + jj] =                             \
                             j0 + jj <= last ? dot * scale : (T)-INFINITY;                     \
                     }                                                                         \
                 }                                                                             \
             for (int64_t x = 0; x < HM; x++) {                                                \
-                T *o = part + (x / M) * per, *m = o + M * d, *l = m + M;                      \
+                T *o = part + (h0 + x / M) * per, *m = o + M * d, *l = m + M;                 \
                 const int64_t r = x % M;                                                      \
                 T *sr = s + x * DEC_BLOCK, mx = m[r];                                         \
                 for (int64_t jj = 0; jj < nb; jj++)                                           \
@@ -134,14 +136,14 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
             /* four keys a step: each O row is read and written once per four */              \
             int64_t jj = 0;                                                                   \
             for (; jj + 4 <= nb; jj += 4)                                                     \
-                for (int64_t hk = 0; hk < Hk; hk++) {                                         \
+                for (int64_t hk = h0; hk < h1; hk++) {                                        \
                     const T *v0 = (const T *)key_row(a, a->v, b, hk, j0 + jj);                \
                     const T *v1 = (const T *)key_row(a, a->v, b, hk, j0 + jj + 1);            \
                     const T *v2 = (const T *)key_row(a, a->v, b, hk, j0 + jj + 2);            \
                     const T *v3 = (const T *)key_row(a, a->v, b, hk, j0 + jj + 3);            \
                     T *o = part + hk * per;                                                   \
                     for (int64_t r = 0; r < M; r++) {                                         \
-                        const T *pr = s + (hk * M + r) * DEC_BLOCK + jj;                      \
+                        const T *pr = s + ((hk - h0) * M + r) * DEC_BLOCK + jj;               \
                         const T p0 = pr[0], p1 = pr[1], p2 = pr[2], p3 = pr[3];               \
                         T *orow = o + r * d;                                                  \
                         for (int64_t c = 0; c < d; c++)                                       \
@@ -149,11 +151,11 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
                     }                                                                         \
                 }                                                                             \
             for (; jj < nb; jj++)                                                             \
-                for (int64_t hk = 0; hk < Hk; hk++) {                                         \
+                for (int64_t hk = h0; hk < h1; hk++) {                                        \
                     const T *vr = (const T *)key_row(a, a->v, b, hk, j0 + jj);                \
                     T *o = part + hk * per;                                                   \
                     for (int64_t r = 0; r < M; r++) {                                         \
-                        const T pr = s[(hk * M + r) * DEC_BLOCK + jj];                        \
+                        const T pr = s[((hk - h0) * M + r) * DEC_BLOCK + jj];                 \
                         T *orow = o + r * d;                                                  \
                         for (int64_t c = 0; c < d; c++)                                       \
                             orow[c] += pr * vr[c];                                            \
@@ -226,13 +228,16 @@ ft_status ft_attention_decode_cpu(const ft_decode_cpu *a)
     const int64_t chunks = longest > 0 ? (longest + chunk - 1) / chunk : 1;
     const int f64 = q->dtype == FT_F64;
     const size_t es = f64 ? sizeof(double) : sizeof(float);
-    const int64_t per = M * (d + 2), tasks = B * chunks;
+    /* and when that still leaves under 32 tasks, the kv heads in groups */
+    int64_t groups = (32 + B * chunks - 1) / (B * chunks);
+    groups = groups > Hk ? Hk : groups;
+    const int64_t per = M * (d + 2), tasks = B * chunks * groups;
     const int nthreads = ft_get_num_threads();
     /* per task its partial rows of every kv head; per thread its scores and
      * row pointers */
     const size_t scratch =
         (size_t)(Hk * M) * DEC_BLOCK * es + (size_t)(Hk * M) * sizeof(void *) + 64;
-    char *parts = malloc((size_t)tasks * (size_t)(Hk * per) * es);
+    char *parts = malloc((size_t)(B * chunks) * (size_t)(Hk * per) * es);
     char *scr = malloc((size_t)nthreads * scratch);
     if (!parts || !scr) {
         free(parts);
@@ -242,18 +247,19 @@ ft_status ft_attention_decode_cpu(const ft_decode_cpu *a)
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t t = 0; t < tasks; t++) {
-        const int64_t b = t / chunks, c = t % chunks;
+        const int64_t b = t / (chunks * groups), c = t / groups % chunks, g = t % groups;
+        const int64_t h0 = g * Hk / groups, h1 = (g + 1) * Hk / groups;
         const int64_t k0 = c * chunk, k1 = a->lens[b] < k0 + chunk ? a->lens[b] : k0 + chunk;
 #ifdef _OPENMP
         char *mine = scr + (size_t)omp_get_thread_num() * scratch;
 #else
         char *mine = scr;
 #endif
-        char *part = parts + (size_t)t * (size_t)(Hk * per) * es;
+        char *part = parts + (size_t)(b * chunks + c) * (size_t)(Hk * per) * es;
         if (f64)
-            task_f64(a, b, k0, k1 > k0 ? k1 : k0, (double *)part, (double *)mine);
+            task_f64(a, b, h0, h1, k0, k1 > k0 ? k1 : k0, (double *)part, (double *)mine);
         else
-            task_f32(a, b, k0, k1 > k0 ? k1 : k0, (float *)part, (float *)mine);
+            task_f32(a, b, h0, h1, k0, k1 > k0 ? k1 : k0, (float *)part, (float *)mine);
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < B * Hk; t++) {
