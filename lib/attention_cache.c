@@ -134,18 +134,25 @@ static ft_status sequence_keys(const cache_call *c, const ft_tensor *cache,
     return FT_OK;
 }
 
+/* FT_NO_DECODE set (not empty, not "0"): the decoding paths stay out, for
+ * comparison. */
+static int decode_off(void)
+{
+    const char *off = getenv("FT_NO_DECODE");
+    return off && *off && strcmp(off, "0");
+}
+
 /* Whether attention_decode_cpu.c takes the call: the cpu, f32 or f64,
  * the last dims contiguous, impl auto or tiled, causal or not and no other
  * variant (the calls sequence by sequence take those), FT_NO_DECODE unset. */
 static int cpu_decode_takes(const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
                             const ft_tensor *out, const ft_attn_params *p)
 {
-    const char *off = getenv("FT_NO_DECODE");
     return q->device.type == FT_CPU && (q->dtype == FT_F32 || q->dtype == FT_F64) &&
            q->stride[3] == 1 && k->stride[3] == 1 && v->stride[3] == 1 && out->stride[3] == 1 &&
            (p->impl == FT_ATTN_AUTO || p->impl == FT_ATTN_TILED) && p->window_left < 0 &&
            p->window_right < 0 && p->softcap == 0 && !p->alibi_slopes && !p->sink &&
-           !(off && *off && strcmp(off, "0"));
+           !decode_off();
 }
 
 #ifdef FT_HAVE_CUDA
@@ -168,15 +175,13 @@ static int aligned16(const ft_tensor *t)
 static int decode_kernel_takes(const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
                                const cache_call *c, const ft_attn_params *p)
 {
-    const char *off = getenv("FT_NO_DECODE");
     const int64_t d = q->shape[3];
     return q->device.type == FT_CUDA && (q->dtype == FT_F16 || q->dtype == FT_BF16) &&
            d % 8 == 0 && d <= 256 && (p->impl == FT_ATTN_AUTO || p->impl == FT_ATTN_FLASH) &&
            p->window_left < 0 && p->window_right < 0 && p->softcap == 0 && !p->alibi_slopes &&
            !p->sink && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(p->k_new) &&
            aligned16(p->v_new) && c->capacity < INT32_MAX / 2 && k->shape[0] < INT32_MAX &&
-           c->B * (c->max_pages > 0 ? c->max_pages : 1) < INT32_MAX &&
-           !(off && *off && strcmp(off, "0"));
+           c->B * (c->max_pages > 0 ? c->max_pages : 1) < INT32_MAX && !decode_off();
 }
 
 /* The split-KV kernel's call: lengths and pages go to the device in one
@@ -187,6 +192,8 @@ static ft_status decode_on_device(const cache_call *c, const ft_tensor *q, const
                                   ft_tensor *l)
 {
     static const char func[] = "ft_attention_forward";
+    /* q's device current: the split count asks it for its occupancy */
+    FT_TRY(ft_cuda_use_device(q->device.index, func));
     const int64_t B = c->B, H = q->shape[2], Nq = q->shape[1], d = q->shape[3];
     const int64_t ntable = c->page_size ? B * c->max_pages : 0;
     const int inline_lens = !ntable && B <= FT_DECODE_INLINE; /* nothing to upload */
@@ -233,7 +240,6 @@ static ft_status decode_on_device(const cache_call *c, const ft_tensor *q, const
 int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
                               const ft_tensor *v, ft_tensor *out, ft_tensor *lse, ft_status *st)
 {
-    const char *off = getenv("FT_NO_DECODE");
     const ft_attn_mod *m = &s->mod;
     /* a few query rows against many keys, no variant but causal: at most 16
      * rows a kv head (GQA packs a group's rows), where the split-KV kernel
@@ -242,28 +248,27 @@ int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const 
      * 64 rows without GQA; bench/h200-decode.md) */
     const int shape_ok = s->B >= 1 && s->H >= 1 && s->Hk >= 1 && s->Nq >= 1 &&
                          s->Nq * (s->H / s->Hk) <= 16 && s->Nk >= 512 && s->Nk >= 16 * s->Nq &&
-                         s->Nk < INT32_MAX / 2 && !s->cu_q;
+                         !s->cu_q;
     const int plain = !s->mods && !s->block_mask && m->left < 0 &&
                       (m->right < 0 || (s->causal && m->right == 0)) && m->softcap == 0 &&
                       !m->alibi && !m->sink && !m->dropout;
-    if ((off && *off && strcmp(off, "0")) || q->device.type != FT_CUDA ||
-        (s->dtype != FT_F16 && s->dtype != FT_BF16) || s->d % 8 != 0 || s->d > 256 ||
-        !shape_ok || !plain || !aligned16(q) || !aligned16(k) || !aligned16(v) ||
-        !aligned16(out) || lse->dtype != FT_F32)
-        return 0;
+    /* the same call as a cache of Nk valid rows and nothing to append */
     cache_call c = {0};
     c.B = s->B;
     c.capacity = s->Nk;
+    ft_attn_params p;
+    ft_attn_params_init(&p);
+    p.causal = s->causal;
+    p.scale = s->scale;
+    if (!shape_ok || !plain || !decode_kernel_takes(q, k, v, &c, &p) || !aligned16(out) ||
+        lse->dtype != FT_F32)
+        return 0;
     if (!(c.lens = malloc((size_t)c.B * sizeof *c.lens))) {
         *st = ft_fail(FT_ERR_NOMEM, "ft_attention_forward", 0, "out of memory");
         return 1;
     }
     for (int64_t b = 0; b < c.B; b++)
         c.lens[b] = s->Nk;
-    ft_attn_params p;
-    ft_attn_params_init(&p);
-    p.causal = s->causal;
-    p.scale = s->scale;
     *st = decode_on_device(&c, q, k, v, &p, out, lse);
     free(c.lens);
     return 1;

@@ -229,7 +229,8 @@ ft_status ft_attention_decode_cpu(const ft_decode_cpu *a)
     const int f64 = q->dtype == FT_F64;
     const size_t es = f64 ? sizeof(double) : sizeof(float);
     /* and when that still leaves under 32 tasks, the kv heads in groups */
-    int64_t groups = (32 + B * chunks - 1) / (B * chunks);
+    const int64_t whole = B * chunks > 0 ? B * chunks : 1;
+    int64_t groups = (32 + whole - 1) / whole;
     groups = groups > Hk ? Hk : groups;
     const int64_t per = M * (d + 2), tasks = B * chunks * groups;
     const int nthreads = ft_get_num_threads();

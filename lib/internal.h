@@ -365,9 +365,10 @@ typedef struct ft_attn_shape {
 } ft_attn_shape;
 
 #ifdef FT_HAVE_CUDA
-/* attention_cache.c: plain attention of up to 64 query rows against many
- * keys (decoding without a cache) through the split-KV kernel; returns 1
- * (with *st) when it took the call, 0 when the flash kernels should. */
+/* attention_cache.c: plain attention of up to 16 query rows a kv head
+ * against many keys (decoding without a cache) through the split-KV kernel;
+ * returns 1 (with *st) when it took the call, 0 when the flash kernels
+ * should. */
 int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
                               const ft_tensor *v, ft_tensor *out, ft_tensor *lse, ft_status *st);
 #endif

@@ -254,13 +254,12 @@ local function block_forward(q, k, v, how, opts)
 end
 
 local DTYPE_CODE = { f64 = 1, f32 = 2, f16 = 3, bf16 = 4 }
-local same_everywhere
 
 --- Every rank's shards must have the same shapes and dtype: the keys a
 -- rank receives land in a buffer shaped like its own, and NCCL waits for
 -- ever on a size that does not match. One small all_gather of each rank's
 -- shapes finds the rank that differs first.
-same_everywhere = function(comm, ctx, qs, ks, vs)
+local function same_everywhere(comm, ctx, qs, ks, vs)
   if comm:world_size() == 1 then return end
   local sigs = {}
   for i = 1, #qs do
