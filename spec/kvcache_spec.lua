@@ -304,6 +304,31 @@ describe("attention over a KV cache", function()
     end
   end)
 
+  gpu_it("on CUDA, more splits than the split kernel merges itself (a merge kernel then) and the automatic count agree with the CPU, and a call repeated gives the same bits", function()
+    local B, cap, H, Hk, d = 2, 16384, 8, 2, 64
+    local lens = { cap - 1, 3000 }
+    local kc, vc = nan_cache(B, cap, Hk, d, lens), nan_cache(B, cap, Hk, d, lens)
+    local q, kn, vn = randn { B, 1, H, d }, randn { B, 1, Hk, d }, randn { B, 1, Hk, d }
+    local function bf(t) return t:to("bf16"):double() end
+    local want, wl = ft.attention(bf(q), bf(kc), bf(vc), { causal = true, cache_seqlens = i32(lens),
+                                                          k_new = bf(kn), v_new = bf(vn) })
+    local function g(t) return t:to("bf16"):cuda() end
+    local qg, kng, vng = g(q), g(kn), g(vn)
+    for _, splits in ipairs { 0, 7, 200 } do
+      local kg, vg = g(kc), g(vc)
+      local o = { causal = true, cache_seqlens = i32(lens), k_new = kng, v_new = vng, num_splits = splits }
+      local out, lse = ft.attention(qg, kg, vg, o)
+      local e = ft.max_abs_diff(out:cpu():double(), want)
+      local el = ft.max_abs_diff(lse:cpu():double(), wl)
+      assert.is_true(e < 2^-6 and el < 1e-3, ("splits %d: out error %g, lse %g"):format(splits, e, el))
+      for _ = 1, 3 do
+        local out2, lse2 = ft.attention(qg, kg, vg, o)
+        assert.are.equal(0, ft.max_abs_diff(out2:cpu():double(), out:cpu():double()), "splits " .. splits .. ": again")
+        assert.are.equal(0, ft.max_abs_diff(lse2:cpu():double(), lse:cpu():double()), "splits " .. splits .. ": again, lse")
+      end
+    end
+  end)
+
   gpu_it("on CUDA, a variant (softcap) runs sequence by sequence, with lengths and the block table on the host, as on the CPU", function()
     local B, H, Hk, d, PS, np, Nnew = 2, 4, 2, 64, 16, 4, 3
     local cap = PS * np

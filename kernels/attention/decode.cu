@@ -2,7 +2,9 @@
  * decode.cu - attention for decoding: a few query rows per sequence (1 to
  * 64) against a long KV cache, with the keys split across CTAs (split-KV)
  * so that the whole GPU reads the cache, and the splits' partial results
- * merged by their LSE in a second kernel (in a fixed order: deterministic).
+ * merged by their LSE in a fixed order (deterministic): by the last CTA of
+ * each group to finish (up to DEC_FUSED_MAX splits), else by a second
+ * kernel.
  *
  *   q [B, Nq, H, d]; k, v caches [B, rows, Hk, d] or page pools [pages,
  *   page_size, Hk, d] with a block table (0-based, [B, max_pages]);
@@ -13,8 +15,8 @@
  * The append is part of the kernel: keys and values at positions
  * lens[b] .. lens[b] + Nnew - 1 are read from k_new / v_new, and the CTA of
  * row block 0 whose split holds them also writes them into the cache. So a
- * decoding step is one launch (two with the merge), and no row is read
- * from the cache while another CTA writes it.
+ * decoding step is one launch, and no row is read from the cache while
+ * another CTA writes it.
  *
  * The query heads of one kv head are processed together (GQA): a CTA's
  * rows are (query i, head g of the group) pairs, packed r = i G + g, so
@@ -26,6 +28,7 @@
 #include "flash_mma.cuh"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 template <int V> struct IntC {
@@ -49,12 +52,15 @@ struct DecodeParams {
     float *lse;       /* [B, H, Nq] contiguous */
     float *part_o;    /* splits > 1: [S][B][H][Nq][d] */
     float *part_lse;  /* [S][B][H][Nq] */
+    unsigned *tickets; /* the merge in the split kernel: a count a (b, hk, row block), zero
+                        * between launches (the group's last CTA resets its own) */
     int B, Nq, H, Hk, G, d, splits, chunk, causal;
     float scale_log2;
 };
 
 #define DEC_BC 64   /* keys a tile */
 #define DEC_WARPS 4
+#define DEC_FUSED_MAX 128 /* splits merged in the split kernel, more by decode_merge_kernel */
 
 /* Shared memory: Q [16 WR][LD], then NS stages of K and V [DEC_BC][LD]
  * (16-bit, rows padded for ldmatrix); the epilogue reuses the stages. */
@@ -99,6 +105,71 @@ __device__ __forceinline__ void cache_slot(const DecodeParams &p, int b, int hk,
     const int2 e = cache_place(p, b, j);
     *ko = e.x * p.k_bs + (int64_t)e.y * p.k_rs + hk * p.k_hs;
     *vo = e.x * p.v_bs + (int64_t)e.y * p.v_rs + hk * p.v_hs;
+}
+
+/* ---- the merge of the splits' partial results, in split order ---- */
+
+/* Warp-wide: row `row`'s weights e^(lse_s - LSE) into w[0 .. splits), and
+ * LSE = log sum_s e^lse_s (in every lane). The partial results come from
+ * other CTAs: read at L2 (ld.global.cg). */
+__device__ __forceinline__ float merge_weights(const DecodeParams &p, int64_t row, float *w,
+                                               int lane)
+{
+    const int64_t plane = (int64_t)p.B * p.H * p.Nq;
+    const int S = p.splits;
+    float mx = -INFINITY;
+    for (int s = lane; s < S; s += FT_WARP) {
+        w[s] = __ldcg(p.part_lse + s * plane + row);
+        mx = fmaxf(mx, w[s]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int s = lane; s < S; s += FT_WARP) {
+        w[s] = mx == -INFINITY ? 0.f : expf(w[s] - mx);
+        sum += w[s];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int s = lane; s < S; s += FT_WARP)
+        w[s] *= inv;
+    return sum > 0.f ? mx + logf(sum) : -INFINITY;
+}
+
+/* Columns c .. c + 3 of row `row` (d % 8 == 0): sum_s w[s] O_s, the loads
+ * of 16 splits issued together. */
+__device__ __forceinline__ float4 merge_cols4(const DecodeParams &p, int64_t row, const float *w,
+                                              int c)
+{
+    const int64_t step = (int64_t)p.B * p.H * p.Nq * p.d / 4;
+    const float4 *po = reinterpret_cast<const float4 *>(p.part_o + row * p.d + c);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+    for (int s = 0; s < p.splits; s++) {
+        const float4 x = __ldcg(po + s * step);
+        const float ws = w[s];
+        acc.x = fmaf(ws, x.x, acc.x);
+        acc.y = fmaf(ws, x.y, acc.y);
+        acc.z = fmaf(ws, x.z, acc.z);
+        acc.w = fmaf(ws, x.w, acc.w);
+    }
+    return acc;
+}
+
+/* Stat row (b, h, i) = ((b H + h) Nq + i): columns c .. c + 3 of its output. */
+template <typename T>
+__device__ __forceinline__ void merge_store(const DecodeParams &p, int64_t row, int c, float4 v)
+{
+    const int i = (int)(row % p.Nq), h = (int)(row / p.Nq % p.H), b = (int)(row / p.Nq / p.H);
+    T *out = reinterpret_cast<T *>(p.out) + (int64_t)b * p.o_bs + (int64_t)i * p.o_rs +
+             (int64_t)h * p.o_hs + c;
+    out[0] = T(v.x);
+    out[1] = T(v.y);
+    out[2] = T(v.z);
+    out[3] = T(v.w);
 }
 
 template <typename T, int D, int WR, int NS>
@@ -292,28 +363,33 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
 
     /* The warps of one row group (WK of them, each over its key slices)
      * meet in shared memory: O [WK][ROWS][D] f32, then m and l. */
-    float *so = reinterpret_cast<float *>(sKV), *sm = so + WK * ROWS * D, *sl = sm + WK * ROWS;
+    /* rows padded to D + 4 floats: a warp's float2 stores touch each bank
+     * twice, the fewest for 256 bytes; rows past M are left out */
+    constexpr int SLD = D + 4;
+    static_assert((WK * ROWS * (SLD + 2)) * 4 <= NS * L::STAGE * 2, "the meeting fits the stages");
+    static_assert(ROWS * DEC_FUSED_MAX * 4 <= NS * L::STAGE * 2, "the merge's weights fit");
+    const int R = min(ROWS, M - r0);
+    float *so = reinterpret_cast<float *>(sKV), *sm = so + WK * ROWS * SLD, *sl = sm + WK * ROWS;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         float sum = l[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const int row = wr * 16 + g + 8 * r;
+        if (row >= R)
+            continue;
         if (t4 == 0) {
             sm[wk * ROWS + row] = m[r];
             sl[wk * ROWS + row] = sum;
         }
 #pragma unroll
-        for (int n = 0; n < NT_O; n++) {
-            so[(wk * ROWS + row) * D + n * 8 + t4 * 2] = o[n][2 * r];
-            so[(wk * ROWS + row) * D + n * 8 + t4 * 2 + 1] = o[n][2 * r + 1];
-        }
+        for (int n = 0; n < NT_O; n++)
+            *reinterpret_cast<float2 *>(so + (wk * ROWS + row) * SLD + n * 8 + t4 * 2) =
+                make_float2(o[n][2 * r], o[n][2 * r + 1]);
     }
     __syncthreads();
-    for (int idx = tid; idx < ROWS * D; idx += THREADS) {
-        const int row = idx / D, c = idx % D, rr = r0 + row;
-        if (rr >= M || c >= p.d)
-            continue;
+    for (int idx = tid; idx < R * p.d; idx += THREADS) {
+        const int row = idx / p.d, c = idx % p.d, rr = r0 + row;
         float mt = -INFINITY;
         for (int w = 0; w < WK; w++)
             mt = fmaxf(mt, sm[w * ROWS + row]);
@@ -322,7 +398,7 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
         for (int w = 0; w < WK; w++) {
             const float f = ex2(sm[w * ROWS + row] - mu);
             lt += sl[w * ROWS + row] * f;
-            ot += so[(w * ROWS + row) * D + c] * f;
+            ot += so[(w * ROWS + row) * SLD + c] * f;
         }
         const float val = lt > 0.f ? ot / lt : 0.f;
         const float lse = lt > 0.f ? (mu + log2f(lt)) / FT_LOG2E : -INFINITY;
@@ -340,13 +416,43 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
                 p.part_lse[part] = lse;
         }
     }
+    if (p.splits == 1 || !p.tickets)
+        return;
+    /* The group's last CTA to finish merges its rows (the partial results
+     * made visible before the ticket is taken, as in a threadfence
+     * reduction), so one launch does the whole step. */
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    const int64_t grp = ((int64_t)b * p.Hk + hk) * (gridDim.x / p.splits) + rb;
+    if (tid == 0)
+        s_last = atomicAdd(p.tickets + grp, 1u) == (unsigned)p.splits - 1;
+    __syncthreads();
+    if (!s_last)
+        return;
+    __threadfence();
+    float *const w = reinterpret_cast<float *>(sKV); /* [rows][splits] */
+    for (int r = warp; r < R; r += DEC_WARPS) {
+        const int rr = r0 + r, i = rr / p.G, h = hk * p.G + rr % p.G;
+        const int64_t stat = ((int64_t)b * p.H + h) * p.Nq + i;
+        const float lse = merge_weights(p, stat, w + r * p.splits, lane);
+        if (lane == 0)
+            p.lse[stat] = lse;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < R * (p.d / 4); idx += THREADS) {
+        const int r = idx / (p.d / 4), c = idx % (p.d / 4) * 4, rr = r0 + r;
+        const int64_t stat = ((int64_t)b * p.H + hk * p.G + rr % p.G) * p.Nq + rr / p.G;
+        merge_store<T>(p, stat, c, merge_cols4(p, stat, w + r * p.splits, c));
+    }
+    if (tid == 0)
+        p.tickets[grp] = 0;
 }
 
-/* The splits' results of each (b, h, i) row merged: LSE = log sum e^lse_s,
- * out = sum e^(lse_s - LSE) O_s, in split order. Warp 0 finds the weights
- * (a lane a split), then every thread sums its columns with independent
- * loads. On sm_90 the kernel is launched before the split kernel ends
- * (programmatic dependent launch) and waits for its results here. */
+/* The merge as a kernel of its own, for more splits than the split kernel
+ * merges (DEC_FUSED_MAX): a CTA a (b, h, i) row. On sm_90 it is launched
+ * before the split kernel ends (programmatic dependent launch) and waits
+ * for its results here. */
 #define DEC_MERGE_MAX 4096
 template <typename T> __global__ void __launch_bounds__(128) decode_merge_kernel(DecodeParams p)
 {
@@ -356,47 +462,15 @@ template <typename T> __global__ void __launch_bounds__(128) decode_merge_kernel
     __shared__ float w[DEC_MERGE_MAX];
     __shared__ float s_lse;
     const int64_t row = blockIdx.x; /* (b, h, i) */
-    const int i = (int)(row % p.Nq), h = (int)(row / p.Nq % p.H), b = (int)(row / p.Nq / p.H);
-    const int64_t plane = (int64_t)p.B * p.H * p.Nq;
-    const int S = p.splits, tid = threadIdx.x;
+    const int tid = threadIdx.x;
     if (tid < FT_WARP) {
-        float mx = -INFINITY;
-        for (int s = tid; s < S; s += FT_WARP)
-            mx = fmaxf(mx, p.part_lse[s * plane + row]);
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2)
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        float sum = 0.f;
-        for (int s = tid; s < S; s += FT_WARP) {
-            const float e = mx == -INFINITY ? 0.f : expf(p.part_lse[s * plane + row] - mx);
-            w[s] = e;
-            sum += e;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2)
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float lse = merge_weights(p, row, w, tid);
         if (tid == 0)
-            s_lse = sum > 0.f ? mx + logf(sum) : -INFINITY;
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int s = tid; s < S; s += FT_WARP)
-            w[s] *= inv;
+            s_lse = lse;
     }
     __syncthreads();
-    const float *po = p.part_o + row * p.d;
-    const int64_t step = plane * p.d;
-    for (int c = tid; c < p.d; c += blockDim.x) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        int s = 0;
-        for (; s + 4 <= S; s += 4)
-#pragma unroll
-            for (int u = 0; u < 4; u++)
-                acc[u] += w[s + u] * po[(s + u) * step + c];
-        for (; s < S; s++)
-            acc[0] += w[s] * po[s * step + c];
-        T *out = reinterpret_cast<T *>(p.out) + (int64_t)b * p.o_bs + (int64_t)i * p.o_rs +
-                 (int64_t)h * p.o_hs + c;
-        *out = (T)((acc[0] + acc[1]) + (acc[2] + acc[3]));
-    }
+    for (int c = tid * 4; c < p.d; c += blockDim.x * 4)
+        merge_store<T>(p, row, c, merge_cols4(p, row, w, c));
     if (tid == 0)
         p.lse[row] = s_lse;
 }
@@ -514,6 +588,45 @@ extern "C" int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, i
     return (int)best;
 }
 
+/* Each device's tickets for the merge in the split kernel: zeroed once,
+ * grown when a call needs more (cudaFree waits for the device, so no
+ * launch still counts on the old ones), kept until the process ends. */
+static ft_status decode_tickets(int dev, size_t n, unsigned **out, const char *func)
+{
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    static unsigned *buf[64];
+    static size_t cap[64];
+    if (dev < 0 || dev >= 64) {
+        *out = NULL; /* the merge kernel does it */
+        return FT_OK;
+    }
+    ft_status st = FT_OK;
+    pthread_mutex_lock(&lock);
+    if (cap[dev] < n) {
+        const size_t want = n > 4096 ? n : 4096;
+        unsigned *nb = NULL;
+        if (buf[dev])
+            cudaFree(buf[dev]);
+        buf[dev] = NULL, cap[dev] = 0;
+        cudaError_t e = cudaMalloc((void **)&nb, want * sizeof *nb);
+        if (e == cudaSuccess)
+            e = cudaMemset(nb, 0, want * sizeof *nb);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            if (nb)
+                cudaFree(nb);
+            st = ft_fail(e == cudaErrorMemoryAllocation ? FT_ERR_NOMEM : FT_ERR_DEVICE, func, 0,
+                         "CUDA device %d: the decoding's merge counters: %s", dev,
+                         cudaGetErrorString(e));
+        } else {
+            buf[dev] = nb, cap[dev] = want;
+        }
+    }
+    *out = buf[dev];
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
 extern "C" ft_status ft_attention_decode_cuda(const ft_decode_cuda *a)
 {
     static const char func[] = "ft_attention_forward";
@@ -547,16 +660,19 @@ extern "C" ft_status ft_attention_decode_cuda(const ft_decode_cuda *a)
     p.chunk = (int)decode_chunk(a->max_len, a->splits);
     p.part_o = a->part_o, p.part_lse = a->part_lse;
     const int M = p.Nq * p.G;
+    const int64_t row_blocks = M <= 16 ? 1 : (M + 63) / 64;
+    if (p.splits > 1 && p.splits <= DEC_FUSED_MAX)
+        FT_TRY(decode_tickets(q->device.index, (size_t)(p.B * p.Hk * row_blocks), &p.tickets, func));
     ft_status st = decode_dispatch(q->dtype, p.d, M, [&](auto type, auto dd, auto wr) {
         constexpr int WR = decltype(wr)::value;
         using K = DecodeKernel<typename decltype(type)::type, decltype(dd)::value, WR>;
         void (*kern)(DecodeParams);
         FT_TRY(K::get(&kern, func));
-        const int row_blocks = (M + 16 * WR - 1) / (16 * WR);
-        kern<<<dim3(p.splits * row_blocks, p.Hk, p.B), DEC_WARPS * FT_WARP, K::L::bytes>>>(p);
+        static_assert(WR == 1 || WR == 4, "row blocks of 16 or 64");
+        kern<<<dim3((unsigned)(p.splits * row_blocks), p.Hk, p.B), DEC_WARPS * FT_WARP, K::L::bytes>>>(p);
         return ft_cuda_check_launch(func, __FILE__, __LINE__);
     });
-    if (st == FT_OK && p.splits > 1) {
+    if (st == FT_OK && p.splits > 1 && !p.tickets) {
         /* sm_90: launched while the split kernel runs, waiting in the kernel */
         int major = 0;
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q->device.index);
