@@ -57,7 +57,14 @@ static void put(strbuf *b, const char *fmt, ...)
     }
 }
 
-enum { T_INT, T_FLOAT };
+/* T_EXACT, a flag on an int node: a float computes its value exactly
+ * (positions, indices, small constants and their sums, differences,
+ * negations, absolute values, minima and maxima, below 2^24 as the
+ * built-in ALiBi's positions), so a score that takes it as a float gets
+ * it from f%d (FP32 arithmetic from the kernels' float positions) instead
+ * of converting v%d, one conversion a score at the special-function
+ * unit's rate. */
+enum { T_INT, T_FLOAT, T_EXACT = 2 };
 
 /* The type of each node (T_INT or T_FLOAT), from its operands'. */
 static void node_types(int n, const ft_mod_node *nodes, const ft_tensor *const *tensors,
@@ -77,13 +84,13 @@ static void node_types(int n, const ft_mod_node *nodes, const ft_tensor *const *
             break;
         case FT_MOD_ADD: case FT_MOD_SUB: case FT_MOD_MUL: case FT_MOD_MOD: case FT_MOD_MIN:
         case FT_MOD_MAX:
-            t = ty[x->a] == T_INT && ty[x->b] == T_INT ? T_INT : T_FLOAT;
+            t = ty[x->a] != T_FLOAT && ty[x->b] != T_FLOAT ? T_INT : T_FLOAT;
             break;
         case FT_MOD_NEG: case FT_MOD_ABS: case FT_MOD_FLOOR:
             t = ty[x->a];
             break;
         case FT_MOD_WHERE:
-            t = ty[x->b] == T_INT && ty[x->c] == T_INT ? T_INT : T_FLOAT;
+            t = ty[x->b] != T_FLOAT && ty[x->c] != T_FLOAT ? T_INT : T_FLOAT;
             break;
         case FT_MOD_READ:
             t = ft_dtype_is_float(tensors[x->a]->dtype) ? T_FLOAT : T_INT;
@@ -93,6 +100,33 @@ static void node_types(int n, const ft_mod_node *nodes, const ft_tensor *const *
             break;
         }
         ty[k] = (unsigned char)t;
+    }
+    for (int k = 0; k < n; k++) { /* then the flag */
+        const ft_mod_node *x = &nodes[k];
+#define EX(q) ((ty[q] & T_EXACT) != 0)
+        int e = 0;
+        switch (x->op) {
+        case FT_MOD_B: case FT_MOD_H: case FT_MOD_I: case FT_MOD_J:
+            e = 1;
+            break;
+        case FT_MOD_CONST:
+            e = ty[k] == T_INT && fabs(x->value) < 16777216.0;
+            break;
+        case FT_MOD_ADD: case FT_MOD_SUB: case FT_MOD_MIN: case FT_MOD_MAX:
+            e = ty[k] == T_INT && EX(x->a) && EX(x->b);
+            break;
+        case FT_MOD_NEG: case FT_MOD_ABS: case FT_MOD_FLOOR:
+            e = ty[k] == T_INT && EX(x->a);
+            break;
+        case FT_MOD_WHERE:
+            e = ty[k] == T_INT && EX(x->b) && EX(x->c);
+            break;
+        default:
+            break;
+        }
+#undef EX
+        if (e)
+            ty[k] |= T_EXACT;
     }
 }
 
@@ -127,10 +161,39 @@ static void mark_needed(int root, const ft_mod_node *nodes, const int32_t *indic
     }
 }
 
-/* Node k's value as a float expression / an int one. */
+/* Node k's value as a float expression. */
 static void fval(strbuf *b, const unsigned char *ty, int k)
 {
-    put(b, ty[k] == T_INT ? "(float)v%d" : "v%d", k);
+    put(b, ty[k] == T_FLOAT ? "v%d" : ty[k] & T_EXACT ? "f%d" : "(float)v%d", k);
+}
+
+/* An exact int node's float twin f%d, after its v%d: from the float
+ * positions fi_, fj_ and the twins of its operands; what comes from the
+ * Ctx (or b, h) converted once (the compiler hoists it out of the tile's
+ * loop). */
+static void emit_exact(strbuf *b, int k, const ft_mod_node *nodes, int from_ctx)
+{
+    const ft_mod_node *x = &nodes[k];
+    put(b, "        const float f%d = ", k);
+    if (from_ctx) {
+        put(b, "(float)v%d;\n", k);
+        return;
+    }
+    switch (x->op) {
+    case FT_MOD_I: put(b, "fi_ + 1.f"); break;
+    case FT_MOD_J: put(b, "fj_ + 1.f"); break;
+    case FT_MOD_CONST: put(b, "%d.f", (int)x->value); break;
+    case FT_MOD_ADD: put(b, "f%d + f%d", x->a, x->b); break;
+    case FT_MOD_SUB: put(b, "f%d - f%d", x->a, x->b); break;
+    case FT_MOD_MIN: put(b, "fminf(f%d, f%d)", x->a, x->b); break;
+    case FT_MOD_MAX: put(b, "fmaxf(f%d, f%d)", x->a, x->b); break;
+    case FT_MOD_NEG: put(b, "-f%d", x->a); break;
+    case FT_MOD_ABS: put(b, "fabsf(f%d)", x->a); break;
+    case FT_MOD_FLOOR: put(b, "f%d", x->a); break;
+    case FT_MOD_WHERE: put(b, "v%d != 0 ? f%d : f%d", x->a, x->b, x->c); break;
+    default: put(b, "(float)v%d", k); break; /* b, h */
+    }
+    put(b, ";\n");
 }
 
 static const char *load_expr(ft_dtype dt)
@@ -220,7 +283,7 @@ static void emit_value(strbuf *b, int k, const ft_mod_node *nodes, const int32_t
     case FT_MOD_GE: {
         static const char *const ops[] = {"==", "!=", "<", "<=", ">", ">="};
         const char *op = ops[x->op - FT_MOD_EQ];
-        if (ty[a] == T_INT && ty[c2] == T_INT)
+        if (ty[a] != T_FLOAT && ty[c2] != T_FLOAT)
             put(b, "v%d %s v%d", a, op, c2);
         else
             fval(b, ty, a), put(b, " %s ", op), fval(b, ty, c2);
@@ -338,6 +401,8 @@ static void emit_nodes(strbuf *b, int n, const ft_mod_node *nodes, const int32_t
             put(b, "        const %s v%d = c.v%d;\n", ty[k] == T_FLOAT ? "float" : "int", k, k);
         else if (what & EMIT_VALUES)
             emit_value(b, k, nodes, indices, ty, fast);
+        if ((what & EMIT_VALUES) && (ty[k] & T_EXACT))
+            emit_exact(b, k, nodes, ctx && ctx[k]);
         if ((what & EMIT_DERIVS) && ty[k] == T_FLOAT)
             emit_deriv(b, k, seed, nodes, ty, dep);
     }
@@ -550,7 +615,8 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
             "        for (int k = 0; k < %d; k++)\n            if (st.p[k])\n"
             "                atomicAdd(st.p[k], st.a[k]);\n    }\n", nsites);
     put(&b, "    static __device__ __forceinline__ float score(const Ctx &c, int i_, int j_, "
-            "float s, float *ds)\n    {\n        (void)c, (void)i_, (void)j_;\n");
+            "float fi_, float fj_, float s, float *ds)\n    {\n"
+            "        (void)c, (void)i_, (void)j_, (void)fi_, (void)fj_;\n");
     if (score >= 0 && !b.failed) {
         emit_root(&b, score, n, nodes, indices, ty, need, dep, ctx, EMIT_VALUES | EMIT_DERIVS,
                   fast);
@@ -561,8 +627,8 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     } else {
         put(&b, "        *ds = 1.f;\n        return s;\n");
     }
-    put(&b, "    }\n    static __device__ __forceinline__ bool keep(const Ctx &c, int i_, int j_)\n"
-            "    {\n        (void)c, (void)i_, (void)j_;\n");
+    put(&b, "    }\n    static __device__ __forceinline__ bool keep(const Ctx &c, int i_, int j_, "
+            "float fi_, float fj_)\n    {\n        (void)c, (void)i_, (void)j_, (void)fi_, (void)fj_;\n");
     if (mask >= 0 && !b.failed) {
         emit_root(&b, mask, n, nodes, indices, ty, need, dep, ctx, EMIT_VALUES, fast);
         put(&b, "        return v%d != 0;\n", mask);
@@ -572,8 +638,8 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     /* grad(b, h, i, j, s, g): adds g d score / d(value read) into each
      * float tensor's gradient where a read of it took its value */
     put(&b, "    }\n    static __device__ __forceinline__ void grad(const Ctx &c, int i_, int j_, "
-            "float s, float g, GradState &st)\n    {\n        (void)c, (void)i_, (void)j_, "
-            "(void)s, (void)g, (void)st;\n");
+            "float fi_, float fj_, float s, float g, GradState &st)\n    {\n"
+            "        (void)c, (void)i_, (void)j_, (void)fi_, (void)fj_, (void)s, (void)g, (void)st;\n");
     if (has_grad && !b.failed) {
         emit_root(&b, score, n, nodes, indices, ty, need, dep, ctx, EMIT_VALUES, fast);
         for (int k = 0, site = 0; k < n && !b.failed; k++) {

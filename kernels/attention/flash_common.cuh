@@ -593,30 +593,37 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
 
 /* A modification written in Lua, as rtc.cu generates it: prepare(b, h)
  * works out once what a (batch, head) tile shares (reads at indices of b
- * and h alone: a per-head slope) into a Ctx; score(ctx, i, j, x, &dx)
- * takes the scaled score x (after the built-in variants) and gives the
- * new one and its derivative in x; keep(ctx, i, j) the mask.
- * Indices are 0-based here (i, j within the sequence); has_score is
+ * and h alone: a per-head slope) into a Ctx; score(ctx, i, j, fi, fj, x,
+ * &dx) takes the scaled score x (after the built-in variants) and gives
+ * the new one and its derivative in x; keep(ctx, i, j, fi, fj) the mask.
+ * Indices are 0-based here (i, j within the sequence), and come as floats
+ * too (fi, fj: what the mod's arithmetic on positions takes, with no
+ * conversion a score); has_score is
  * false for a mask alone (whose backward needs no derivative, so runs in
  * the plain instantiations). With has_grad, grad(b, h, i, j, x, g, st)
  * adds g times the score's derivatives in the values it read from float
  * tensors into their gradients (the dK/dV kernel calls it with g = dL /
  * d score): into a thread's running sum in st while the element stays the
  * same (a per-head table: one atomic a thread and head, not one a score),
- * with an atomic when it moves on and in grad_flush(st) at the end. The
+ * with an atomic when it moves on and in grad_flush(st) at the end
+ * (grad takes fi, fj after i, j as score does). The
  * kernels compiled ahead of time take NoUserMod, whose code never runs. */
 struct NoUserMod {
     static constexpr bool on = false, has_score = false, has_grad = false;
     struct GradState {};
     struct Ctx {};
     static __device__ __forceinline__ Ctx prepare(int, int) { return Ctx(); }
-    static __device__ __forceinline__ float score(const Ctx &, int, int, float x, float *dx)
+    static __device__ __forceinline__ float score(const Ctx &, int, int, float, float, float x,
+                                                  float *dx)
     {
         *dx = 1.f;
         return x;
     }
-    static __device__ __forceinline__ bool keep(const Ctx &, int, int) { return true; }
-    static __device__ __forceinline__ void grad(const Ctx &, int, int, float, float, GradState &) {}
+    static __device__ __forceinline__ bool keep(const Ctx &, int, int, float, float) { return true; }
+    static __device__ __forceinline__ void grad(const Ctx &, int, int, float, float, float, float,
+                                                GradState &)
+    {
+    }
     static __device__ __forceinline__ void grad_flush(GradState &) {}
 };
 
@@ -641,6 +648,12 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
     for (int r = 0; r < 2; r++)
         rpos[r] = KEY_ROWS ? (float)(row0 + g + 8 * r) : m.pos(row0 + g + 8 * r);
     const float cbase = KEY_ROWS ? m.pos(col0 + 2 * t4) : (float)(col0 + 2 * t4);
+    /* and for UM, the plain indices as floats */
+    float urow[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        urow[r] = UM::on ? (float)(row0 + g + 8 * r) : 0.f;
+    const float ucol = UM::on ? (float)(col0 + 2 * t4) : 0.f;
     const typename UM::Ctx uc = UM::prepare(m.b, m.h);
     /* the fragment inside the mask's inner band: no mask to evaluate */
     const long long q0 = KEY_ROWS ? col0 : row0, q1 = q0 + (KEY_ROWS ? 2 * N : 16);
@@ -660,14 +673,17 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
                 if (UM::on) { /* then the Lua-written one, on the scaled score */
                     const int r = row0 + g + 8 * ((i / 2) % 2), c = col0 + 8 * (i / 4) + 2 * t4 + e;
                     const int qi = KEY_ROWS ? c : r, kj = KEY_ROWS ? r : c;
-                    if (decltype(mask)::value && !UM::keep(uc, qi, kj)) {
+                    const float fr = urow[(i / 2) % 2], fc = ucol + (float)(8 * (i / 4) + e);
+                    const float fq = KEY_ROWS ? fc : fr, fk = KEY_ROWS ? fr : fc;
+                    if (decltype(mask)::value && !UM::keep(uc, qi, kj, fq, fk)) {
                         acc[i] = -INFINITY;
                         d[e] = 0.f;
                     } else if (UM::has_score) {
                         float dx;
                         if (UM::has_grad && um_in) /* the dK/dV kernel's */
                             um_in[i] = acc[i] * m.scale;
-                        acc[i] = UM::score(uc, qi, kj, acc[i] * m.scale, &dx) * m.inv_scale;
+                        acc[i] = UM::score(uc, qi, kj, fq, fk, acc[i] * m.scale, &dx) *
+                                 m.inv_scale;
                         d[e] *= dx;
                     }
                 }
