@@ -178,6 +178,13 @@ function gen.run(opts)
     o.weights, model:n_parameters(), o.device, tostring(o.temperature or 0),
     tostring(o.top_k or "all"), tostring(o.top_p or 1)))
   local rand = uniform((o.seed or 1) + 7)
+  -- one untimed generation each way first: the first use of each kernel
+  -- (CUDA loads them lazily) and of each buffer size is not the rate
+  do
+    local warm = gen.prompt(mo, uniform((o.seed or 1) + 3))
+    gen.generate(model, warm, mo.k, { device = o.device }, true)
+    gen.generate(model, warm, mo.k, { device = o.device }, false)
+  end
   local right, total, t_cache, t_plain, tokens = 0, 0, 0, 0, 0
   for s = 1, o.samples do
     local prompt = gen.prompt(mo, rand)
