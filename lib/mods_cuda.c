@@ -168,7 +168,8 @@ static void fval(strbuf *b, const unsigned char *ty, int k)
 }
 
 /* An exact int node's float twin f%d, after its v%d: from the float
- * positions fi_, fj_ and the twins of its operands; what comes from the
+ * positions fi_, fj_ (1-based, as i and j in Lua) and the twins of its
+ * operands; what comes from the
  * Ctx (or b, h) converted once (the compiler hoists it out of the tile's
  * loop). */
 static void emit_exact(strbuf *b, int k, const ft_mod_node *nodes, int from_ctx)
@@ -180,8 +181,8 @@ static void emit_exact(strbuf *b, int k, const ft_mod_node *nodes, int from_ctx)
         return;
     }
     switch (x->op) {
-    case FT_MOD_I: put(b, "fi_ + 1.f"); break;
-    case FT_MOD_J: put(b, "fj_ + 1.f"); break;
+    case FT_MOD_I: put(b, "fi_"); break; /* 1-based already */
+    case FT_MOD_J: put(b, "fj_"); break;
     case FT_MOD_CONST: put(b, "%d.f", (int)x->value); break;
     case FT_MOD_ADD: put(b, "f%d + f%d", x->a, x->b); break;
     case FT_MOD_SUB: put(b, "f%d - f%d", x->a, x->b); break;

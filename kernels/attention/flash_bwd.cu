@@ -224,7 +224,7 @@ __device__ __forceinline__ void user_mod_grads(const ScoreMod &m, const float *u
         if (gsc[i] == 0.f)
             continue;
         const int kj = key0 + g + 8 * (k % 2), qi = q0 + 8 * (k / 2) + 2 * t4 + e;
-        UM::grad(uc, qi, kj, (float)qi, (float)kj, um_in[i], gsc[i], gst);
+        UM::grad(uc, qi, kj, (float)(qi + 1), (float)(kj + 1), um_in[i], gsc[i], gst);
     }
 }
 

@@ -597,8 +597,8 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
  * &dx) takes the scaled score x (after the built-in variants) and gives
  * the new one and its derivative in x; keep(ctx, i, j, fi, fj) the mask.
  * Indices are 0-based here (i, j within the sequence), and come as floats
- * too (fi, fj: what the mod's arithmetic on positions takes, with no
- * conversion a score); has_score is
+ * too, 1-based as in Lua (fi = i + 1, fj = j + 1: what the mod's arithmetic
+ * on positions takes, with no conversion a score); has_score is
  * false for a mask alone (whose backward needs no derivative, so runs in
  * the plain instantiations). With has_grad, grad(b, h, i, j, x, g, st)
  * adds g times the score's derivatives in the values it read from float
@@ -648,12 +648,12 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
     for (int r = 0; r < 2; r++)
         rpos[r] = KEY_ROWS ? (float)(row0 + g + 8 * r) : m.pos(row0 + g + 8 * r);
     const float cbase = KEY_ROWS ? m.pos(col0 + 2 * t4) : (float)(col0 + 2 * t4);
-    /* and for UM, the plain indices as floats */
+    /* and for UM, the indices as floats, 1-based (Lua's i and j) */
     float urow[2];
 #pragma unroll
     for (int r = 0; r < 2; r++)
-        urow[r] = UM::on ? (float)(row0 + g + 8 * r) : 0.f;
-    const float ucol = UM::on ? (float)(col0 + 2 * t4) : 0.f;
+        urow[r] = UM::on ? (float)(row0 + g + 8 * r + 1) : 0.f;
+    const float ucol = UM::on ? (float)(col0 + 2 * t4 + 1) : 0.f;
     const typename UM::Ctx uc = UM::prepare(m.b, m.h);
     /* the fragment inside the mask's inner band: no mask to evaluate */
     const long long q0 = KEY_ROWS ? col0 : row0, q1 = q0 + (KEY_ROWS ? 2 * N : 16);

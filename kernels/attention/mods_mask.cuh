@@ -40,7 +40,7 @@ __global__ void ft_block_mask_kernel(int B, int H, int Nq, int Nk, int bq, int b
                     atomicAdd(row + cell, count);
                 cell++, next += bk, count = 0;
             }
-            if (UM::keep(uc, i, j, (float)i, (float)j)) {
+            if (UM::keep(uc, i, j, (float)(i + 1), (float)(j + 1))) {
                 count++;
                 left = max(left, i + shift - j);
                 right = max(right, j - i - shift);
