@@ -264,7 +264,7 @@ describe("attention over a KV cache", function()
       { Nq = 1, H = 32, Hk = 8, d = 128, splits = 0 }, { Nq = 1, H = 8, Hk = 8, d = 64, splits = 3 },
       { Nq = 4, H = 16, Hk = 2, d = 128, splits = 1 }, { Nq = 64, H = 8, Hk = 2, d = 128, splits = 0 },
       { Nq = 3, H = 4, Hk = 1, d = 256, splits = 5 }, { Nq = 1, H = 4, Hk = 4, d = 96, splits = 0 },
-      { Nq = 2, H = 8, Hk = 2, d = 64, splits = 40 },
+      { Nq = 2, H = 8, Hk = 2, d = 64, splits = 40 }, { Nq = 64, H = 8, Hk = 2, d = 128, splits = 4 },
     } do
       local B, cap, PS = 3, 700, 28
       local lens = { 0, 1, cap - case.Nq }
