@@ -430,16 +430,12 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
             st = sequence_keys(&c, v, table, b, n, &vb, &vt);
         if (st == FT_OK)
             st = ft_attention_forward(&ob, &lb, &qb, &kb, &vb, &one);
-        if (st == FT_OK && c.B == 1) { /* one sequence: its result is the call's, uncopied */
-            ft_tensor_free(o), ft_tensor_free(l);
-            o = ob, l = lb, ob = lb = NULL;
-        }
         ft_tensor od = entry_rows(o, b, 0, Nq), ld = *l;
         ld.shape[0] = 1;
         ld.data = ft_elem_ptr(l, b * l->stride[0]);
-        if (st == FT_OK && ob)
+        if (st == FT_OK)
             st = ft_copy(&od, ob);
-        if (st == FT_OK && lb)
+        if (st == FT_OK)
             st = ft_copy(&ld, lb);
         ft_tensor_free(kt);
         ft_tensor_free(vt);

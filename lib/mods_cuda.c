@@ -169,9 +169,8 @@ static void fval(strbuf *b, const unsigned char *ty, int k)
 
 /* An exact int node's float twin f%d, after its v%d: from the float
  * positions fi_, fj_ (1-based, as i and j in Lua) and the twins of its
- * operands; what comes from the
- * Ctx (or b, h) converted once (the compiler hoists it out of the tile's
- * loop). */
+ * operands; what comes from the Ctx (or b, h) converted once (the compiler
+ * hoists it out of the tile's loop). */
 static void emit_exact(strbuf *b, int k, const ft_mod_node *nodes, int from_ctx)
 {
     const ft_mod_node *x = &nodes[k];

@@ -528,8 +528,15 @@ template <typename T, int D, int WR> struct DecodeKernel {
     }
 };
 
+/* A CTA's rows: one 16-row fragment for up to 16 rows a kv head (WR = 1),
+ * else blocks of 4 x 16 (WR = 4); how many such blocks M rows take. */
+static int decode_row_blocks(int M)
+{
+    return M <= 16 ? 1 : (M + 63) / 64;
+}
+
 /* Calls fn(TypeOf<T>, IntC<D>, IntC<WR>) for the call's dtype, padded head
- * dim and row grouping (WR = 1: up to 16 rows a kv head, else 4 x 16). */
+ * dim and row grouping (WR as decode_row_blocks counts). */
 template <typename F> static ft_status decode_dispatch(int dtype, int d, int M, F fn)
 {
     auto rows = [&](auto type, auto dd) {
@@ -559,7 +566,7 @@ extern "C" int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, i
         return (int)(s > 0 ? s : 1);
     }
     const int B = (int)q->shape[0], G = (int)(q->shape[2] / Hk), d = (int)q->shape[3];
-    const int M = (int)q->shape[1] * G, row_blocks = M <= 16 ? 1 : (M + 63) / 64;
+    const int M = (int)q->shape[1] * G, row_blocks = decode_row_blocks(M);
     /* CTAs that run at once: SMs x CTAs an SM holds */
     int sms = 132, per_sm = 1;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q->device.index);
@@ -660,7 +667,7 @@ extern "C" ft_status ft_attention_decode_cuda(const ft_decode_cuda *a)
     p.chunk = (int)decode_chunk(a->max_len, a->splits);
     p.part_o = a->part_o, p.part_lse = a->part_lse;
     const int M = p.Nq * p.G;
-    const int64_t row_blocks = M <= 16 ? 1 : (M + 63) / 64;
+    const int64_t row_blocks = decode_row_blocks(M);
     if (p.splits > 1 && p.splits <= DEC_FUSED_MAX)
         FT_TRY(decode_tickets(q->device.index, (size_t)(p.B * p.Hk * row_blocks), &p.tickets, func));
     ft_status st = decode_dispatch(q->dtype, p.d, M, [&](auto type, auto dd, auto wr) {
