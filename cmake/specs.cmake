@@ -71,11 +71,16 @@ foreach(spec ${FT_SPECS})
 endforeach()
 
 # The GPU specs again with a variable that picks other kernels: spec
-# <name> runs as <name>_<suffix> with VAR=1.
+# <name> runs as <name>_<suffix> with VAR=1 (the specs named after var, or
+# the three attention specs).
 function(ft_spec_again suffix var)
   set(env ${FT_SPEC_ENV})
   list(APPEND env "${var}=1")
-  foreach(name cuda_attention_spec cuda_variants_spec cuda_mods_spec)
+  set(names ${ARGN})
+  if(NOT names)
+    set(names cuda_attention_spec cuda_variants_spec cuda_mods_spec)
+  endif()
+  foreach(name ${names})
     add_test(NAME ${name}_${suffix}
       COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
               --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/${name}.lua
@@ -88,9 +93,12 @@ endfunction()
 # with FT_NO_WGMMA=1 the mma.sync kernels (what other GPUs run) are checked
 # there too. The warp-specialised Hopper forward runs from a length on
 # (flash_tiles.cuh): FT_WS=1 takes it at the specs' shorter lengths too.
+# FT_WS_BWD=1 takes the warp-specialised dK/dV kernel (plain attention,
+# head dims 65 to 128), which is not the default yet.
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
+  ft_spec_again(wsbwd FT_WS_BWD cuda_attention_spec)
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

@@ -78,45 +78,59 @@ __device__ __forceinline__ void mask_acc(float *acc, int col0, F masked)
             acc[i] = 0.f;
 }
 
-/* The blocks of BM queries that a CTA of keys walks (dK/dV), for each
- * query head of its GQA group in turn: those from the first query that sees
- * the CTA's first key to the last query that sees its last key. Q, dO, LSE (log2 units) and D of block t
- * are copied into stage t % ST of `base`; two cursors step through the
- * blocks without divisions, one for the copies, one for the arithmetic. */
+/* The blocks of BM queries that a CTA of keys [j0, j1) walks (dK/dV), for
+ * each query head of its GQA group in turn: those from the first query
+ * that sees key j0 to the last query that sees key j1 - 1; total of them.
+ * (h, i0) is the block at hand, next() steps to the following one without
+ * a division. */
+template <int BM> struct QueryWalk {
+    int ib0, iend, total; /* blocks from query ib0 * BM to iend, per head */
+    int h, i0;
+    __device__ __forceinline__ QueryWalk(const FlashParams &p, int j0, int j1, int hk)
+    {
+        const int G = p.H / p.Hk;
+        ib0 = flash_query_begin(p, j0) / BM;
+        iend = flash_query_end(p, min(j1, p.Nk) - 1);
+        const int per_head = (iend + BM - 1) / BM - ib0;
+        total = per_head > 0 ? G * per_head : 0;
+        h = hk * G;
+        i0 = ib0 * BM;
+    }
+    __device__ __forceinline__ void next()
+    {
+        i0 += BM;
+        if (i0 >= iend) {
+            i0 = ib0 * BM;
+            h++;
+        }
+    }
+};
+
+/* The query blocks of a QueryWalk, copied with cp.async: Q, dO, LSE (log2
+ * units) and D of block t go into stage t % ST of `base`; one walk for the
+ * copies, one for the arithmetic. */
 template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
     static constexpr int Q_BYTES = BM * FT_TW(HD) * 2;
     static constexpr size_t BYTES = (size_t)ST * (2 * Q_BYTES + 2 * BM * sizeof(float));
     unsigned char *sQ, *sdO;
     float *sL, *sD;
-    int ib0, iend, total; /* blocks from query ib0 * BM to iend, per head */
-    int lh, li0; /* the next block to copy */
-    int ci0, cnext; /* the next block the arithmetic takes, and its head */
-    int ch;         /* the head of the block next_i0 returned last */
+    QueryWalk<BM> lw, cw; /* the next block to copy; the next the arithmetic takes */
+    int total;
+    int ch; /* the head of the block next_i0 returned last */
     __device__ __forceinline__ QueryStream(const FlashParams &p, unsigned char *base, int j0,
                                            int j1, int hk)
+        : lw(p, j0, j1, hk), cw(lw), total(lw.total), ch(lw.h)
     {
         sQ = base;
         sdO = sQ + ST * Q_BYTES;
         sL = reinterpret_cast<float *>(sdO + ST * Q_BYTES);
         sD = sL + ST * BM;
-        const int G = p.H / p.Hk;
-        /* the queries that see some key of [j0, j1) */
-        ib0 = flash_query_begin(p, j0) / BM;
-        iend = flash_query_end(p, min(j1, p.Nk) - 1);
-        const int per_head = (iend + BM - 1) / BM - ib0;
-        total = per_head > 0 ? G * per_head : 0;
-        lh = cnext = ch = hk * G;
-        li0 = ci0 = ib0 * BM;
     }
     /* copies the next block (block t) into its stage */
     __device__ __forceinline__ void load(const FlashParams &p, int b, int t)
     {
-        const int h = lh, i0 = li0, st = t % ST;
-        li0 += BM;
-        if (li0 >= iend) {
-            li0 = ib0 * BM;
-            lh++;
-        }
+        const int h = lw.h, i0 = lw.i0, st = t % ST;
+        lw.next();
         TileLoader<T, BM, HD, THREADS>(p.q, b, h, p.Nq, p.d).load(sQ + st * Q_BYTES, i0);
         TileLoader<T, BM, HD, THREADS>(p.dout, b, h, p.Nq, p.d).load(sdO + st * Q_BYTES, i0);
         const int tid = threadIdx.x;
@@ -128,16 +142,11 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
         }
     }
     /* the first query of the next block the arithmetic takes */
-    __device__ __forceinline__ int next_i0(const FlashParams &p)
+    __device__ __forceinline__ int next_i0(const FlashParams &)
     {
-        const int i0 = ci0;
-        ch = cnext;
-        if (ci0 + BM < iend) {
-            ci0 += BM;
-        } else {
-            ci0 = ib0 * BM;
-            cnext++;
-        }
+        const int i0 = cw.i0;
+        ch = cw.h;
+        cw.next();
         return i0;
     }
     __device__ __forceinline__ uint32_t q(int t) const { return smem_addr(sQ + (t % ST) * Q_BYTES); }
@@ -271,76 +280,42 @@ using Sm90WideDqSmem = Sm90DqSmem<256, 64, 64, 2>;
 static constexpr size_t SM90_WIDE_DQ_BYTES =
     Sm90WideDqSmem::bytes + 2 * WG_THREADS * 16 * sizeof(float);
 
-template <typename T, int D, int DK, int BM, int NWG, bool TURNS, bool EXT,
-          typename UM = NoUserMod>
-__global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
-{
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using L = Sm90DkdvSmem<T, D, BM, NWG, EXT>;
-    constexpr int BN = L::BN, THREADS = L::THREADS;
-    extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char *const sK = smem, *const sV = smem + L::V;
-
-    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
-    const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
-    const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
-    if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
-        flash_enter_seq(p, b);
-        if (j0 >= p.Nk)
-            return;
+/* A dK/dV warpgroup's 64 keys (each thread: keys g and g + 8 of its warp's
+ * 16, from wkey0) against one block of BM queries, as both dK/dV kernels
+ * run them. probs: P^T (rows keys, columns queries) from S^T, straight
+ * into the A fragments of dV += P^T dO; dscores: dS^T = P^T (dP^T - D)
+ * into the A fragments of dK += dS^T Q, taking P from pf (rounded to 16
+ * bits, as the naive path rounds it), which keeps S^T and dP^T from being
+ * live together. With EXT the modification's derivatives (times P) wait
+ * in gmod between the two (word k of this thread at k * THREADS), and
+ * under dropout dV takes the kept probabilities. */
+template <typename T, int BM, int THREADS, bool EXT, typename UM> struct DkdvRows {
+    const FlashParams &p;
+    const int b, wkey0, lane, t4;
+    const FullKeys full;
+    uint32_t *const gmod;
+    uint64_t kbits; /* dropout: the keep bits of the block's entries */
+    __device__ __forceinline__ DkdvRows(const FlashParams &p_, int b_, int wkey0_, uint32_t *gmod_)
+        : p(p_), b(b_), wkey0(wkey0_), lane(threadIdx.x % FT_WARP), t4(lane % 4),
+          full(flash_full_queries(p_, wkey0_, wkey0_ + 16)), gmod(gmod_), kbits(0)
+    {
     }
-    const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
-    const FullKeys full = flash_full_queries(p, wkey0, wkey0 + 16);
-    typename L::Stream qs(p, smem + L::STREAM, j0, j0 + BN, hk);
-    const int total = qs.total;
-    float dk[D / 2], dv[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; i++)
-        dk[i] = dv[i] = 0.f;
-    if (total == 0) { /* no query sees these keys: dK = dV = 0 */
-        store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, 1.f);
-        store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
-        return;
-    }
-    TileLoader<T, BN, D, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
-    TileLoader<T, BN, D, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
-    qs.load(p, b, 0);
-    cp_async_commit();
 
-    float s[BM / 2], dp[BM / 2];
-    uint32_t pf[BM / 16][4], df[BM / 16][4];
-    uint32_t *const gmod = reinterpret_cast<uint32_t *>(smem + L::MOD) + tid;
-    uint64_t kbits = 0; /* EXT, dropout: the keep bits of this block's entries */
-    const uint32_t k_addr = smem_addr(sK) + wg * 64 * 128, v_addr = smem_addr(sV) + wg * 64 * 128;
-    const float sl2 = p.scale_log2;
-
-    auto top = [&](int t) {
-        stages_ready();
-        if (t + 1 < total)
-            qs.load(p, b, t + 1);
-        cp_async_commit();
-    };
-    auto q_tile = [&](int t) { return qs.q(t); };
-    auto do_tile = [&](int t) { return qs.dout(t); };
-    /* P^T (rows keys, columns queries) from S^T, straight into the A
-     * fragments of dV += P^T dO; dS^T below takes P from them (rounded to
-     * 16 bits, as the naive path rounds it), which keeps S^T and dP^T from
-     * being live together. With EXT, the modification's derivatives go to
-     * gmod. */
-    auto probs = [&](int t) {
+    /* block (h, i0), its LSE in L */
+    __device__ __forceinline__ void probs(float *s, uint32_t (*pf)[4], int i0, int h,
+                                          const float *L)
+    {
         pin_all<BM / 2>(s);
-        const int i0 = qs.next_i0(p);
-        const float *L = qs.lse(t);
         const bool edge = full.masks(i0, i0 + BM);
         if (EXT)
-            mod_acc_with<BM / 2, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, qs.ch), s, wkey0, i0,
-                                       [&](int k, float d0, float d1) {
-                                           const __half2 g2 = __floats2half2_rn(d0, d1);
-                                           gmod[k * THREADS] = *reinterpret_cast<const uint32_t *>(&g2);
-                                       });
+            mod_acc_with<BM / 2, true, fast_tanh<T>(), UM>(
+                flash_score_mod(p, b, h), s, wkey0, i0, [&](int k, float d0, float d1) {
+                    const __half2 g2 = __floats2half2_rn(d0, d1);
+                    gmod[k * THREADS] = *reinterpret_cast<const uint32_t *>(&g2);
+                });
         else if (UM::on) /* a Lua-written mask alone: no derivative */
-            mod_acc<BM / 2, true, fast_tanh<T>(), UM, false>(flash_score_mod(p, b, qs.ch), s, wkey0, i0);
+            mod_acc<BM / 2, true, fast_tanh<T>(), UM, false>(flash_score_mod(p, b, h), s, wkey0, i0);
+        const float sl2 = p.scale_log2;
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
             const int col = n * 8 + t4 * 2;
@@ -360,11 +335,10 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
             const QueryRange q0 = flash_queries(p, key), q1 = flash_queries(p, key + 8);
             mask_acc<BM / 2>(s, i0, [&](int r, int qi) { return r ? q1.hides(qi) : q0.hides(qi); });
         }
-        /* EXT: gmod gets P g as dS^T takes it (16 bits, as pf), and under
-         * dropout dV takes the kept probabilities */
+        /* EXT: gmod gets P g as dS^T takes it (16 bits, as pf) */
         if (EXT)
             with_dropout(p, [&](auto drop) {
-                kbits = decltype(drop)::value ? keep_bits<BM / 2, true>(p, b, qs.ch, wkey0, i0) : 0;
+                kbits = decltype(drop)::value ? keep_bits<BM / 2, true>(p, b, h, wkey0, i0) : 0;
 #pragma unroll
                 for (int k = 0; k < BM / 4; k++) {
                     const uint32_t gw = gmod[k * THREADS];
@@ -377,11 +351,13 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
                 }
             });
         pack_frags<T, BM>(pf, s);
-    };
-    /* dS^T = P^T (dP^T - D) into the A fragments of dK += dS^T Q */
-    auto dscores = [&](int t) {
+    }
+
+    /* the block's D in Dq */
+    __device__ __forceinline__ void dscores(float *dp, const uint32_t (*pf)[4], uint32_t (*df)[4],
+                                            const float *Dq)
+    {
         pin_all<BM / 2>(dp);
-        const float *Dq = qs.D(t);
         auto body = [&](auto drop) {
 #pragma unroll
             for (int kk = 0; kk < BM / 16; kk++)
@@ -405,11 +381,24 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
             with_dropout(p, body);
         else
             body(Bool<false>());
-    };
+    }
+};
 
-    /* Block t: S^T_t with dK += dS^T_{t-1} Q_{t-1} (P^T_t computed meanwhile),
-     * then dP^T_t with dV += P^T_t dO_t (dS^T_t computed meanwhile). */
-    const Turns<TURNS> turns(wg);
+/* The dK/dV loop of a warpgroup over `total` query blocks: block t is
+ * S^T_t with dK += dS^T_{t-1} Q_{t-1} (P^T_t computed meanwhile), then
+ * dP^T_t with dV += P^T_t dO_t (dS^T_t computed meanwhile). top(t) makes
+ * block t's stage ready, q(t) and dout(t) give its tiles, probs(t) and
+ * dscores(t) run the block's DkdvRows steps, done(t) says that no product
+ * reads block t's stage any more. K and V: this warpgroup's 64 rows of
+ * BN-row tiles at k_addr and v_addr. */
+template <typename T, int D, int DK, int BM, int BN, bool TURNS, typename Top, typename TileQ,
+          typename TileDO, typename Probs, typename Dscores, typename Done>
+__device__ __forceinline__ void dkdv_loop(int total, const Turns<TURNS> &turns, float *s, float *dp,
+                                          uint32_t (*pf)[4], uint32_t (*df)[4], float *dk,
+                                          float *dv, uint32_t k_addr, uint32_t v_addr, Top top,
+                                          TileQ q_tile, TileDO do_tile, Probs probs, Dscores dscores,
+                                          Done done)
+{
     auto second_half = [&](int t) {
         wgmma_fence();
         turns.wait();
@@ -445,6 +434,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         probs(t);
         wgmma_wait<0>();
         pin_all<D / 2>(dk);
+        done(t - 1);
         second_half(t);
     }
     wgmma_fence();
@@ -454,10 +444,207 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     turns.pass(true);
     wgmma_wait<0>();
     pin_all<D / 2>(dk);
+    done(total - 1);
+}
+
+template <typename T, int D, int DK, int BM, int NWG, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
+__global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kernel(FlashParams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = Sm90DkdvSmem<T, D, BM, NWG, EXT>;
+    constexpr int BN = L::BN, THREADS = L::THREADS;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    unsigned char *const sK = smem, *const sV = smem + L::V;
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int wwarp = (tid / FT_WARP) % 4;
+    const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
+        flash_enter_seq(p, b);
+        if (j0 >= p.Nk)
+            return;
+    }
+    const int wkey0 = j0 + wg * 64 + wwarp * 16; /* this warp's first key */
+    typename L::Stream qs(p, smem + L::STREAM, j0, j0 + BN, hk);
+    const int total = qs.total;
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        dk[i] = dv[i] = 0.f;
+    if (total == 0) { /* no query sees these keys: dK = dV = 0 */
+        store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, 1.f);
+        store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
+        return;
+    }
+    TileLoader<T, BN, D, THREADS>(p.k, b, hk, p.Nk, p.d).load(sK, j0);
+    TileLoader<T, BN, D, THREADS>(p.v, b, hk, p.Nk, p.d).load(sV, j0);
+    qs.load(p, b, 0);
+    cp_async_commit();
+
+    float s[BM / 2], dp[BM / 2];
+    uint32_t pf[BM / 16][4], df[BM / 16][4];
+    DkdvRows<T, BM, THREADS, EXT, UM> rows(p, b, wkey0,
+                                           reinterpret_cast<uint32_t *>(smem + L::MOD) + tid);
+    dkdv_loop<T, D, DK, BM, BN>(
+        total, Turns<TURNS>(wg), s, dp, pf, df, dk, dv, smem_addr(sK) + wg * 64 * 128,
+        smem_addr(sV) + wg * 64 * 128,
+        [&](int t) {
+            stages_ready();
+            if (t + 1 < total)
+                qs.load(p, b, t + 1);
+            cp_async_commit();
+        },
+        [&](int t) { return qs.q(t); }, [&](int t) { return qs.dout(t); },
+        [&](int t) {
+            const int i0 = qs.next_i0(p);
+            rows.probs(s, pf, i0, qs.ch, qs.lse(t));
+        },
+        [&](int t) { rows.dscores(dp, pf, df, qs.D(t)); }, [](int) {});
     cp_async_wait<0>();
 
     store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, p.scale);
     store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
+#endif
+}
+
+/* The warp-specialised dK/dV kernel's tensor maps: q and dO with boxes of
+ * BM rows, k and v of BN (= 128). */
+struct BwdMaps {
+    FlashTmaMap q, k, v, dout;
+};
+
+/* Its shared memory: K, V [128 rows], ST stages of Q, then of dO [BM
+ * rows], then of LSE and of D [BM floats], (EXT) the modification's
+ * derivatives, then the barriers: K/V full, and full and empty for each
+ * stage. */
+template <int D, int BM, int ST, bool EXT> struct Sm90WsDkdvSmem {
+    static constexpr int BN = 128, TW = FT_TW(D), THREADS = 2 * WG_THREADS;
+    static constexpr int KV_BYTES = BN * TW * 2, Q_BYTES = BM * TW * 2;
+    static constexpr int V = KV_BYTES, Q = 2 * KV_BYTES, DO = Q + ST * Q_BYTES;
+    static constexpr int LSE = DO + ST * Q_BYTES, DD = LSE + ST * BM * 4, MOD = DD + ST * BM * 4;
+    static constexpr int BAR = MOD + (int)dkdv_mod_bytes<BM, THREADS, EXT>();
+    static constexpr int KV_FULL = 0, FULL = 8, EMPTY = FULL + 8 * ST;
+    static constexpr size_t bytes = 1024 + (size_t)BAR + EMPTY + 8 * ST;
+};
+
+/* dK/dV in the forward's warp-specialised structure: warpgroup 0 the
+ * producer, whose first warp copies K and V once and then, per query
+ * block, Q and dO through the copy engine and LSE and D by its lanes'
+ * cp.async into a ring of ST stages (each lane's copies arrive on the
+ * stage's full barrier as they land, lane 0 announces the copy engine's
+ * bytes); warpgroups 1 and 2 the
+ * consumers, 64 keys each, which run dkdv_loop on DkdvRows and hand a
+ * stage back (one arrival each on its empty barrier) once dK's product
+ * with its Q is done. No CTA-wide barrier after the start. Not for varlen
+ * (the boxes would run into the next sequence). */
+template <typename T, int D, int DK, int BM, int ST, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
+__global__ void __launch_bounds__(3 * WG_THREADS, 1)
+    flash_bwd_dkdv_ws_kernel(const FlashParams p, const __grid_constant__ BwdMaps maps)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = Sm90WsDkdvSmem<D, BM, ST, EXT>;
+    constexpr int BN = L::BN, Q_BYTES = L::Q_BYTES;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    const uint32_t sK = smem_addr(smem), sV = sK + L::V, sQ = sK + L::Q, sdO = sK + L::DO;
+    const uint32_t bar = sK + L::BAR;
+    float *const sL = reinterpret_cast<float *>(smem + L::LSE);
+    float *const sD = reinterpret_cast<float *>(smem + L::DD);
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    QueryWalk<BM> walk(p, j0, j0 + BN, hk);
+    const int total = walk.total;
+    const int wkey0 = j0 + (wg - 1) * 64 + (tid / FT_WARP) % 4 * 16; /* a consumer warp's */
+    if (total == 0) { /* no query sees these keys: dK = dV = 0 */
+        if (wg > 0) {
+            float zero[D / 2];
+#pragma unroll
+            for (int i = 0; i < D / 2; i++)
+                zero[i] = 0.f;
+            store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, zero, 1.f);
+            store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, zero, 1.f);
+        }
+        return;
+    }
+    const int chunks = (p.d + 63) / 64; /* copied; the tiles' other columns are never read */
+    if (tid == 0) {
+        mbar_init(bar + L::KV_FULL, 1);
+        for (int st = 0; st < ST; st++) {
+            mbar_init(bar + L::FULL + 8 * st, FT_WARP + 1); /* the producer's lanes, and lane 0's bytes */
+            mbar_init(bar + L::EMPTY + 8 * st, 2);      /* a thread of each consumer */
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) { /* the producer */
+        regs_dec<24>();
+        const int lane = tid;
+        if (tid >= FT_WARP)
+            return;
+        if (lane == 0) {
+            mbar_expect(bar + L::KV_FULL, 2 * chunks * BN * 128);
+            for (int c = 0; c < chunks; c++) {
+                tma_load_4d(sK + c * BN * 128, &maps.k, bar + L::KV_FULL, c * 64, hk, j0, b);
+                tma_load_4d(sV + c * BN * 128, &maps.v, bar + L::KV_FULL, c * 64, hk, j0, b);
+            }
+        }
+        for (int t = 0; t < total; t++, walk.next()) {
+            const int st = t % ST;
+            const uint32_t full = bar + L::FULL + 8 * st;
+            mbar_wait(bar + L::EMPTY + 8 * st, ((t / ST) & 1) ^ 1);
+            const int64_t o = flash_stat(p, b, walk.h) + walk.i0;
+            const int left = p.Nq - walk.i0; /* rows past it: zeros, as in QueryStream */
+#pragma unroll
+            for (int r = lane; r < BM; r += FT_WARP) {
+                cp_async_4(sL + st * BM + r, p.lse2 + o + (r < left ? r : 0), r < left);
+                cp_async_4(sD + st * BM + r, p.D + o + (r < left ? r : 0), r < left);
+            }
+            cp_async_mbar_arrive(full); /* once this lane's copies have landed */
+            if (lane == 0) {
+                mbar_expect(full, 2 * chunks * BM * 128);
+                for (int c = 0; c < chunks; c++) {
+                    tma_load_4d(sQ + st * Q_BYTES + c * BM * 128, &maps.q, full, c * 64, walk.h,
+                                walk.i0, b);
+                    tma_load_4d(sdO + st * Q_BYTES + c * BM * 128, &maps.dout, full, c * 64,
+                                walk.h, walk.i0, b);
+                }
+            }
+        }
+    } else { /* the consumers */
+        regs_inc<240>();
+        const int cwg = wg - 1;
+        float dk[D / 2], dv[D / 2], s[BM / 2], dp[BM / 2];
+        uint32_t pf[BM / 16][4], df[BM / 16][4];
+#pragma unroll
+        for (int i = 0; i < D / 2; i++)
+            dk[i] = dv[i] = 0.f;
+        DkdvRows<T, BM, L::THREADS, EXT, UM> rows(
+            p, b, wkey0, reinterpret_cast<uint32_t *>(smem + L::MOD) + tid - WG_THREADS);
+        const bool signal = tid % WG_THREADS == 0;
+        mbar_wait(bar + L::KV_FULL, 0);
+        dkdv_loop<T, D, DK, BM, BN>(
+            total, Turns<TURNS>(cwg), s, dp, pf, df, dk, dv, sK + cwg * 64 * 128,
+            sV + cwg * 64 * 128,
+            [&](int t) { mbar_wait(bar + L::FULL + 8 * (t % ST), (t / ST) & 1); },
+            [&](int t) { return sQ + (t % ST) * Q_BYTES; },
+            [&](int t) { return sdO + (t % ST) * Q_BYTES; },
+            [&](int t) {
+                rows.probs(s, pf, walk.i0, walk.h, sL + (t % ST) * BM);
+                walk.next();
+            },
+            [&](int t) { rows.dscores(dp, pf, df, sD + (t % ST) * BM); },
+            [&](int t) {
+                if (signal)
+                    mbar_arrive(bar + L::EMPTY + 8 * (t % ST));
+            });
+        store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, dk, p.scale);
+        store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, dv, 1.f);
+    }
 #endif
 }
 
@@ -858,12 +1045,45 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 /* ---- launch ---- */
 #ifndef __CUDACC_RTC__
 
+/* The warp-specialised dK/dV kernel for p, if it takes it: for now only
+ * with FT_WS_BWD set (ctest's *_wsbwd specs), head dims 65 to 128, plain
+ * attention (no variant, no mod, not varlen), and where the copy engine
+ * takes the tensors. *launched says whether it ran. */
+template <typename T, int D, int DK, int BM, bool TURNS, bool EXT>
+static ft_status launch_dkdv_ws(const FlashParams &p, FlashRtc *rtc, bool *launched)
+{
+    constexpr int ST = BWD_STAGES;
+    using L = Sm90WsDkdvSmem<D, BM, ST, EXT>;
+    *launched = false;
+    if constexpr (EXT || D != 128) {
+        return FT_OK;
+    } else {
+    if (rtc || p.cu_q || !env_set("FT_WS_BWD"))
+        return FT_OK;
+    BwdMaps maps;
+    memset(&maps, 0, sizeof maps);
+    if (!(flash_tma_map(&maps.q, p.q, p.B, p.Nq, p.H, p.d, BM, p.dtype) &&
+          flash_tma_map(&maps.dout, p.dout, p.B, p.Nq, p.H, p.d, BM, p.dtype) &&
+          flash_tma_map(&maps.k, p.k, p.B, p.Nk, p.Hk, p.d, L::BN, p.dtype) &&
+          flash_tma_map(&maps.v, p.v, p.B, p.Nk, p.Hk, p.d, L::BN, p.dtype)))
+        return FT_OK;
+    *launched = true;
+    return flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_ws_kernel<T, D, DK, BM, ST, TURNS, EXT>,
+                        [] { return rtc_name("flash_bwd_dkdv_ws_kernel", TypeOf<T>(), D, DK, BM, ST, TURNS, EXT); },
+                        dim3((p.Nk + L::BN - 1) / L::BN, p.Hk, p.B), 3 * WG_THREADS, L::bytes, p,
+                        "ft_attention_backward", maps);
+    }
+}
+
 template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool EXT>
 static ft_status launch_bwd_wgmma(const FlashParams &p, FlashRtc *rtc)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
     const char *func = "ft_attention_backward";
+    bool ws = false;
     if (p.Nk > 0)
+        FT_TRY((launch_dkdv_ws<T, D, DK, BM, TURNS, EXT>(p, rtc, &ws)));
+    if (p.Nk > 0 && !ws)
         FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, EXT>,
                             [] { return rtc_name("flash_bwd_dkdv_wgmma_kernel", TypeOf<T>(), D, DK, BM, NWG, TURNS, EXT); },
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,

@@ -17,12 +17,6 @@
 #include "flash_wgmma.cuh"
 
 #include <math.h>
-#ifndef __CUDACC_RTC__
-#include <cuda.h> /* CUtensorMap; the encoder comes through the runtime, no driver link */
-#include <cudaTypedefs.h>
-#include <stdlib.h>
-#include <string.h>
-#endif
 
 #define FLASH_FILE "sm90/flash_fwd_sm90.cu" /* rtc.cu compiles it again for a Lua-written mod */
 
@@ -442,46 +436,6 @@ static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
                         [] { return rtc_name("flash_fwd_wgmma_kernel", TypeOf<T>(), D, DK, BC, NWG, MINB, TURNS, EXT); },
                         dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), NWG * WG_THREADS, L::bytes, p,
                         "ft_attention_forward");
-}
-
-/* The tensor map of t ([B][rows][heads][d], 16-bit) with boxes of 64
- * columns x box_rows rows of one head, swizzled by 128 bytes; dims
- * innermost first: d, heads, rows, batch. False when the copy engine
- * cannot take it (the driver says no). */
-static bool flash_tma_map(FlashTmaMap *out, const FlashTensor &t, int B, int rows, int heads,
-                          int d, int box_rows, int dtype)
-{
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-        void *fn = nullptr;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                             cudaEnableDefault, &q) != cudaSuccess ||
-            q != cudaDriverEntryPointSuccess)
-            fn = nullptr;
-        return (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }();
-    static_assert(sizeof(FlashTmaMap) == sizeof(CUtensorMap), "FlashTmaMap is a CUtensorMap");
-    if (!encode)
-        return false;
-    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)heads, (cuuint64_t)rows, (cuuint64_t)B};
-    /* a dim of size 1 takes any stride: give it a valid one */
-    const int64_t hs = heads > 1 ? t.head_stride : d, rs = rows > 1 ? t.row_stride : d,
-                  bs = B > 1 ? t.batch_stride : d;
-    const cuuint64_t strides[3] = {(cuuint64_t)hs * 2, (cuuint64_t)rs * 2, (cuuint64_t)bs * 2};
-    const cuuint32_t box[4] = {64, 1, (cuuint32_t)box_rows, 1}, unit[4] = {1, 1, 1, 1};
-    if (hs <= 0 || rs <= 0 || bs <= 0)
-        return false;
-    return encode(reinterpret_cast<CUtensorMap *>(out),
-                  dtype == FT_F16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                  4, t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-static bool env_set(const char *name)
-{
-    const char *v = getenv(name);
-    return v && *v && strcmp(v, "0");
 }
 
 /* The warp-specialised kernel for p, if it takes it: not for varlen, not

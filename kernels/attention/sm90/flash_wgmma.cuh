@@ -13,6 +13,13 @@
 
 #include "../flash_mma.cuh"
 
+#ifndef __CUDACC_RTC__
+#include <cuda.h> /* CUtensorMap; the encoder comes through the runtime, no driver link */
+#include <cudaTypedefs.h>
+#include <stdlib.h>
+#include <string.h>
+#endif
+
 /* Descriptor of a tile at shared address `addr` (1024-aligned chunks),
  * in two halves: the low word holds the start address (and LBO), so an
  * offset inside the tile is one 32-bit add on it; the high word (SBO, the
@@ -318,6 +325,12 @@ __device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes)
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
+/* An arrival on bar once this thread's earlier cp.async copies have
+ * landed (counted in the barrier's expected arrivals). */
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 /* Waits until the phase of parity `parity` has completed. */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
 {
@@ -347,6 +360,48 @@ template <int N> __device__ __forceinline__ void regs_inc()
 {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
+
+#ifndef __CUDACC_RTC__
+/* The tensor map of t ([B][rows][heads][d], 16-bit) with boxes of 64
+ * columns x box_rows rows of one head, swizzled by 128 bytes; dims
+ * innermost first: d, heads, rows, batch. False when the copy engine
+ * cannot take it (the driver says no). */
+static inline bool flash_tma_map(FlashTmaMap *out, const FlashTensor &t, int B, int rows, int heads,
+                          int d, int box_rows, int dtype)
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void *fn = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                             cudaEnableDefault, &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess)
+            fn = nullptr;
+        return (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }();
+    static_assert(sizeof(FlashTmaMap) == sizeof(CUtensorMap), "FlashTmaMap is a CUtensorMap");
+    if (!encode)
+        return false;
+    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)heads, (cuuint64_t)rows, (cuuint64_t)B};
+    /* a dim of size 1 takes any stride: give it a valid one */
+    const int64_t hs = heads > 1 ? t.head_stride : d, rs = rows > 1 ? t.row_stride : d,
+                  bs = B > 1 ? t.batch_stride : d;
+    const cuuint64_t strides[3] = {(cuuint64_t)hs * 2, (cuuint64_t)rs * 2, (cuuint64_t)bs * 2};
+    const cuuint32_t box[4] = {64, 1, (cuuint32_t)box_rows, 1}, unit[4] = {1, 1, 1, 1};
+    if (hs <= 0 || rs <= 0 || bs <= 0)
+        return false;
+    return encode(reinterpret_cast<CUtensorMap *>(out),
+                  dtype == FT_F16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                  4, t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+static inline bool env_set(const char *name)
+{
+    const char *v = getenv(name);
+    return v && *v && strcmp(v, "0");
+}
+#endif
 
 /* Keeps the compiler from moving register reads or writes across wgmma's
  * asynchronous window (the asm statements name the registers). */
