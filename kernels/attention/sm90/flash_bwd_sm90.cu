@@ -1045,24 +1045,22 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 /* ---- launch ---- */
 #ifndef __CUDACC_RTC__
 
-/* The warp-specialised dK/dV kernel for p, if it takes it: for now only
- * with FT_WS_BWD set (ctest's *_wsbwd specs), head dims 65 to 128, plain
- * attention (no variant, no mod, not varlen), and where the copy engine
- * takes the tensors. *launched says whether it ran. */
+/* The warp-specialised dK/dV kernel for p, if it takes it: not for
+ * varlen, not with FT_NO_WS set (which keeps the wgmma kernel, for
+ * comparison: ctest's *_nows specs), and only where the copy engine takes
+ * the tensors. *launched says whether it ran. A dry rtc (compiling a
+ * mod's kernels) has no tensors: the kernel is named and compiled. */
 template <typename T, int D, int DK, int BM, bool TURNS, bool EXT>
 static ft_status launch_dkdv_ws(const FlashParams &p, FlashRtc *rtc, bool *launched)
 {
     constexpr int ST = BWD_STAGES;
     using L = Sm90WsDkdvSmem<D, BM, ST, EXT>;
     *launched = false;
-    if constexpr (EXT || D != 128) {
-        return FT_OK;
-    } else {
-    if (rtc || p.cu_q || !env_set("FT_WS_BWD"))
+    if (p.cu_q || env_set("FT_NO_WS"))
         return FT_OK;
     BwdMaps maps;
     memset(&maps, 0, sizeof maps);
-    if (!(flash_tma_map(&maps.q, p.q, p.B, p.Nq, p.H, p.d, BM, p.dtype) &&
+    if (p.q.data && !(flash_tma_map(&maps.q, p.q, p.B, p.Nq, p.H, p.d, BM, p.dtype) &&
           flash_tma_map(&maps.dout, p.dout, p.B, p.Nq, p.H, p.d, BM, p.dtype) &&
           flash_tma_map(&maps.k, p.k, p.B, p.Nk, p.Hk, p.d, L::BN, p.dtype) &&
           flash_tma_map(&maps.v, p.v, p.B, p.Nk, p.Hk, p.d, L::BN, p.dtype)))
@@ -1072,7 +1070,6 @@ static ft_status launch_dkdv_ws(const FlashParams &p, FlashRtc *rtc, bool *launc
                         [] { return rtc_name("flash_bwd_dkdv_ws_kernel", TypeOf<T>(), D, DK, BM, ST, TURNS, EXT); },
                         dim3((p.Nk + L::BN - 1) / L::BN, p.Hk, p.B), 3 * WG_THREADS, L::bytes, p,
                         "ft_attention_backward", maps);
-    }
 }
 
 template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool EXT>
