@@ -650,6 +650,59 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 
 /* ---- dQ ---- */
 
+/* The dQ loop of a warpgroup over key blocks kb0 .. nkb - 1: block j is S_j
+ * and dP_j (Q and dO of this warpgroup's rows at q_addr, do_addr in
+ * BR-row tiles) with dQ += dS_{j-1} K_{j-1}, then dS_j. top(j) makes block
+ * j's stage ready, k_tile(j) and v_tile(j) give its tiles, elementwise(j)
+ * turns S_j and dP_j into dS_j (in dp), done(j) says that no product reads
+ * block j's stage any more. */
+template <typename T, int D, int DK, int BR, int BC, bool TURNS, typename Top, typename TileK,
+          typename TileV, typename Elementwise, typename Done>
+__device__ __forceinline__ void dq_loop(int kb0, int nkb, const Turns<TURNS> &turns, float *s,
+                                        float *dp, uint32_t (*df)[4], float *dq, uint32_t q_addr,
+                                        uint32_t do_addr, Top top, TileK k_tile, TileV v_tile,
+                                        Elementwise elementwise, Done done)
+{
+    auto issue_scores = [&](int j) {
+        product_abt<T, BC, DK, BR, BC>(s, q_addr, k_tile(j));
+        product_abt<T, BC, DK, BR, BC>(dp, do_addr, v_tile(j));
+        wgmma_commit();
+    };
+    auto issue_grad = [&](int j) {
+        product_fb<T, BC, D>(dq, df, k_tile(j));
+        wgmma_commit();
+    };
+    top(kb0);
+    wgmma_fence();
+    turns.wait();
+    issue_scores(kb0);
+    turns.pass();
+    wgmma_wait<0>();
+    elementwise(kb0);
+    pack_frags<T, BC>(df, dp);
+    for (int j = kb0 + 1; j < nkb; j++) {
+        top(j);
+        wgmma_fence();
+        turns.wait();
+        issue_scores(j);
+        issue_grad(j - 1);
+        turns.pass();
+        wgmma_wait<1>(); /* block j's scores are done; j-1's dQ product may run */
+        elementwise(j);
+        wgmma_wait<0>();
+        pin_all<D / 2>(dq);
+        done(j - 1);
+        pack_frags<T, BC>(df, dp);
+    }
+    wgmma_fence();
+    turns.wait();
+    issue_grad(nkb - 1);
+    turns.pass(true);
+    wgmma_wait<0>();
+    pin_all<D / 2>(dq);
+    done(nkb - 1);
+}
+
 template <typename T, int D, int DK, int BC, int NWG, bool TURNS, bool EXT,
           typename UM = NoUserMod>
 __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(FlashParams p)
@@ -693,64 +746,140 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 
     float s[BC / 2], dp[BC / 2];
     uint32_t df[BC / 16][4];
-    const uint32_t q_addr = smem_addr(sQ) + wg * 64 * 128, do_addr = smem_addr(sdO) + wg * 64 * 128;
-
-    auto top = [&](int j) {
-        stages_ready();
-        if (j + 1 < nkb) {
-            kload.load(sK + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
-            vload.load(sV + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
-        }
-        cp_async_commit();
-    };
-    auto issue_scores = [&](int j) {
-        const int st = j % ST;
-        product_abt<T, BC, DK, BR, BC>(s, q_addr, smem_addr(sK + st * KV_BYTES));
-        product_abt<T, BC, DK, BR, BC>(dp, do_addr, smem_addr(sV + st * KV_BYTES));
-        wgmma_commit();
-    };
-    auto issue_grad = [&](int j) {
-        product_fb<T, BC, D>(dq, df, smem_addr(sK + (j % ST) * KV_BYTES));
-        wgmma_commit();
-    };
-    auto elementwise = [&](int j) {
-        pin_all<BC / 2>(s);
-        pin_all<BC / 2>(dp);
-        dq_dscores<T, BC / 2, EXT, UM>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full, j * BC,
-                                (j + 1) * BC);
-    };
-
-    const Turns<TURNS> turns(wg);
-    top(kb0);
-    wgmma_fence();
-    turns.wait();
-    issue_scores(kb0);
-    turns.pass();
-    wgmma_wait<0>();
-    elementwise(kb0);
-    pack_frags<T, BC>(df, dp);
-    for (int j = kb0 + 1; j < nkb; j++) {
-        top(j);
-        wgmma_fence();
-        turns.wait();
-        issue_scores(j);
-        issue_grad(j - 1);
-        turns.pass();
-        wgmma_wait<1>(); /* block j's scores are done; j-1's dQ product may run */
-        elementwise(j);
-        wgmma_wait<0>();
-        pin_all<D / 2>(dq);
-        pack_frags<T, BC>(df, dp);
-    }
-    wgmma_fence();
-    turns.wait();
-    issue_grad(nkb - 1);
-    turns.pass(true);
-    wgmma_wait<0>();
-    pin_all<D / 2>(dq);
+    dq_loop<T, D, DK, BR, BC>(
+        kb0, nkb, Turns<TURNS>(wg), s, dp, df, dq, smem_addr(sQ) + wg * 64 * 128,
+        smem_addr(sdO) + wg * 64 * 128,
+        [&](int j) {
+            stages_ready();
+            if (j + 1 < nkb) {
+                kload.load(sK + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
+                vload.load(sV + ((j + 1) % ST) * KV_BYTES, (j + 1) * BC);
+            }
+            cp_async_commit();
+        },
+        [&](int j) { return smem_addr(sK + (j % ST) * KV_BYTES); },
+        [&](int j) { return smem_addr(sV + (j % ST) * KV_BYTES); },
+        [&](int j) {
+            pin_all<BC / 2>(s);
+            pin_all<BC / 2>(dp);
+            dq_dscores<T, BC / 2, EXT, UM>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full,
+                                           j * BC, (j + 1) * BC);
+        },
+        [](int) {});
     cp_async_wait<0>();
 
     store_acc<T, D>(p.dq, b, h, wrow0, p.Nq, p.d, dq, p.scale);
+#endif
+}
+
+/* The warp-specialised dQ kernel's shared memory: Q, dO [128 rows], then
+ * ST stages of K, then of V [BC rows], then the barriers: Q/dO full, and
+ * full and empty for each stage. */
+template <int D, int BC, int ST> struct Sm90WsDqSmem {
+    static constexpr int BR = 128, TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
+    static constexpr int DO = Q_BYTES, K = 2 * Q_BYTES, V = K + ST * KV_BYTES;
+    static constexpr int BAR = V + ST * KV_BYTES;
+    static constexpr int Q_FULL = 0, FULL = 8, EMPTY = FULL + 8 * ST;
+    static constexpr size_t bytes = 1024 + (size_t)BAR + EMPTY + 8 * ST;
+};
+
+/* dQ in the warp-specialised structure: warpgroup 0's first thread copies
+ * Q and dO of the CTA's 128 rows once, then K_j and V_j through the copy
+ * engine into a ring of ST stages; warpgroups 1 and 2, 64 rows each, run
+ * dq_loop and hand a stage back (one arrival each) once dQ's product with
+ * its K is done. Not for varlen. */
+template <typename T, int D, int DK, int BC, int ST, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
+__global__ void __launch_bounds__(3 * WG_THREADS, 1)
+    flash_bwd_dq_ws_kernel(const FlashParams p, const __grid_constant__ BwdMaps maps)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = Sm90WsDqSmem<D, BC, ST>;
+    constexpr int BR = L::BR, KV_BYTES = L::KV_BYTES;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    const uint32_t sQ = smem_addr(smem), sdO = sQ + L::DO, sK = sQ + L::K, sV = sQ + L::V;
+    const uint32_t bar = sQ + L::BAR;
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const QueryBlock qblk = query_block<BR, BC>(p);
+    const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
+    const int wrow0 = i0 + (wg - 1) * 64 + (tid / FT_WARP) % 4 * 16; /* a consumer warp's */
+    if (nkb == kb0) { /* no row sees a key: dQ = 0 */
+        if (wg > 0) {
+            float zero[D / 2];
+#pragma unroll
+            for (int i = 0; i < D / 2; i++)
+                zero[i] = 0.f;
+            store_acc<T, D>(p.dq, b, h, wrow0, p.Nq, p.d, zero, 1.f);
+        }
+        return;
+    }
+    const int chunks = (p.d + 63) / 64; /* copied; the tiles' other columns are never read */
+    if (tid == 0) {
+        mbar_init(bar + L::Q_FULL, 1);
+        for (int st = 0; st < ST; st++) {
+            mbar_init(bar + L::FULL + 8 * st, 1);
+            mbar_init(bar + L::EMPTY + 8 * st, 2); /* a thread of each consumer */
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) { /* the producer */
+        regs_dec<24>();
+        if (tid == 0) {
+            const int hk = h / (p.H / p.Hk);
+            mbar_expect(bar + L::Q_FULL, 2 * chunks * BR * 128);
+            for (int c = 0; c < chunks; c++) {
+                tma_load_4d(sQ + c * BR * 128, &maps.q, bar + L::Q_FULL, c * 64, h, i0, b);
+                tma_load_4d(sdO + c * BR * 128, &maps.dout, bar + L::Q_FULL, c * 64, h, i0, b);
+            }
+            for (int j = kb0; j < nkb; j++) {
+                const int n = j - kb0, st = n % ST;
+                const uint32_t full = bar + L::FULL + 8 * st;
+                mbar_wait(bar + L::EMPTY + 8 * st, ((n / ST) & 1) ^ 1);
+                mbar_expect(full, 2 * chunks * BC * 128);
+                for (int c = 0; c < chunks; c++) {
+                    tma_load_4d(sK + st * KV_BYTES + c * BC * 128, &maps.k, full, c * 64, hk,
+                                j * BC, b);
+                    tma_load_4d(sV + st * KV_BYTES + c * BC * 128, &maps.v, full, c * 64, hk,
+                                j * BC, b);
+                }
+            }
+        }
+    } else { /* the consumers */
+        regs_inc<240>();
+        const int cwg = wg - 1;
+        const FullKeys full = flash_full_keys(p, wrow0, wrow0 + 16);
+        float dq[D / 2], s[BC / 2], dp[BC / 2];
+        uint32_t df[BC / 16][4];
+#pragma unroll
+        for (int i = 0; i < D / 2; i++)
+            dq[i] = 0.f;
+        float lse[2], Dr[2]; /* rows g, g + 8 */
+        row_stats(p, b, h, wrow0, lse, Dr);
+        const ScoreMod smod = flash_score_mod(p, b, h);
+        const bool signal = tid % WG_THREADS == 0;
+        auto stage = [&](int j) { return (j - kb0) % ST; };
+        mbar_wait(bar + L::Q_FULL, 0);
+        dq_loop<T, D, DK, BR, BC>(
+            kb0, nkb, Turns<TURNS>(cwg), s, dp, df, dq, sQ + cwg * 64 * 128, sdO + cwg * 64 * 128,
+            [&](int j) { mbar_wait(bar + L::FULL + 8 * stage(j), ((j - kb0) / ST) & 1); },
+            [&](int j) { return sK + stage(j) * KV_BYTES; },
+            [&](int j) { return sV + stage(j) * KV_BYTES; },
+            [&](int j) {
+                pin_all<BC / 2>(s);
+                pin_all<BC / 2>(dp);
+                dq_dscores<T, BC / 2, EXT, UM>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full,
+                                               j * BC, (j + 1) * BC);
+            },
+            [&](int j) {
+                if (signal)
+                    mbar_arrive(bar + L::EMPTY + 8 * stage(j));
+            });
+        store_acc<T, D>(p.dq, b, h, wrow0, p.Nq, p.d, dq, p.scale);
+    }
 #endif
 }
 
@@ -1045,46 +1174,50 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 /* ---- launch ---- */
 #ifndef __CUDACC_RTC__
 
-/* The warp-specialised dK/dV kernel for p, if it takes it: not for
- * varlen, not with FT_NO_WS set (which keeps the wgmma kernel, for
- * comparison: ctest's *_nows specs), and only where the copy engine takes
- * the tensors. *launched says whether it ran. A dry rtc (compiling a
- * mod's kernels) has no tensors: the kernel is named and compiled. */
-template <typename T, int D, int DK, int BM, bool TURNS, bool EXT>
-static ft_status launch_dkdv_ws(const FlashParams &p, FlashRtc *rtc, bool *launched)
+/* Whether the warp-specialised kernels take p: not for varlen, not with
+ * FT_NO_WS set (which keeps the wgmma kernels, for comparison: ctest's
+ * *_nows specs), and only where the copy engine takes the tensors (maps
+ * with boxes of q_rows rows of q and dO, kv_rows of k and v). A dry rtc
+ * (compiling a mod's kernels) has no tensors: the kernels are named and
+ * compiled. */
+static bool bwd_ws_maps(const FlashParams &p, int q_rows, int kv_rows, BwdMaps *maps)
 {
-    constexpr int ST = BWD_STAGES;
-    using L = Sm90WsDkdvSmem<D, BM, ST, EXT>;
-    *launched = false;
+    memset(maps, 0, sizeof *maps);
     if (p.cu_q || env_set("FT_NO_WS"))
-        return FT_OK;
-    BwdMaps maps;
-    memset(&maps, 0, sizeof maps);
-    if (p.q.data && !(flash_tma_map(&maps.q, p.q, p.B, p.Nq, p.H, p.d, BM, p.dtype) &&
-          flash_tma_map(&maps.dout, p.dout, p.B, p.Nq, p.H, p.d, BM, p.dtype) &&
-          flash_tma_map(&maps.k, p.k, p.B, p.Nk, p.Hk, p.d, L::BN, p.dtype) &&
-          flash_tma_map(&maps.v, p.v, p.B, p.Nk, p.Hk, p.d, L::BN, p.dtype)))
-        return FT_OK;
-    *launched = true;
-    return flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_ws_kernel<T, D, DK, BM, ST, TURNS, EXT>,
-                        [] { return rtc_name("flash_bwd_dkdv_ws_kernel", TypeOf<T>(), D, DK, BM, ST, TURNS, EXT); },
-                        dim3((p.Nk + L::BN - 1) / L::BN, p.Hk, p.B), 3 * WG_THREADS, L::bytes, p,
-                        "ft_attention_backward", maps);
+        return false;
+    return !p.q.data || (flash_tma_map(&maps->q, p.q, p.B, p.Nq, p.H, p.d, q_rows, p.dtype) &&
+                         flash_tma_map(&maps->dout, p.dout, p.B, p.Nq, p.H, p.d, q_rows, p.dtype) &&
+                         flash_tma_map(&maps->k, p.k, p.B, p.Nk, p.Hk, p.d, kv_rows, p.dtype) &&
+                         flash_tma_map(&maps->v, p.v, p.B, p.Nk, p.Hk, p.d, kv_rows, p.dtype));
 }
 
+/* dK/dV, then dQ: the warp-specialised kernels where bwd_ws_maps says so,
+ * the wgmma kernels otherwise. */
 template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool EXT>
 static ft_status launch_bwd_wgmma(const FlashParams &p, FlashRtc *rtc)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
     const char *func = "ft_attention_backward";
-    bool ws = false;
-    if (p.Nk > 0)
-        FT_TRY((launch_dkdv_ws<T, D, DK, BM, TURNS, EXT>(p, rtc, &ws)));
-    if (p.Nk > 0 && !ws)
+    BwdMaps maps;
+    if (p.Nk > 0 && bwd_ws_maps(p, BM, BN, &maps)) {
+        using L = Sm90WsDkdvSmem<D, BM, ST, EXT>;
+        FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_ws_kernel<T, D, DK, BM, ST, TURNS, EXT>,
+                            [] { return rtc_name("flash_bwd_dkdv_ws_kernel", TypeOf<T>(), D, DK, BM, ST, TURNS, EXT); },
+                            dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), 3 * WG_THREADS, L::bytes, p,
+                            func, maps));
+    } else if (p.Nk > 0) {
         FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, EXT>,
                             [] { return rtc_name("flash_bwd_dkdv_wgmma_kernel", TypeOf<T>(), D, DK, BM, NWG, TURNS, EXT); },
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
                             Sm90DkdvSmem<T, D, BM, NWG, EXT>::bytes, p, func));
+    }
+    if (bwd_ws_maps(p, BR, BC, &maps)) {
+        using L = Sm90WsDqSmem<D, BC, ST>;
+        return flash_launch(rtc, FLASH_FILE, flash_bwd_dq_ws_kernel<T, D, DK, BC, ST, TURNS, EXT>,
+                            [] { return rtc_name("flash_bwd_dq_ws_kernel", TypeOf<T>(), D, DK, BC, ST, TURNS, EXT); },
+                            dim3((p.Nq + BR - 1) / BR, p.H, p.B), 3 * WG_THREADS, L::bytes, p, func,
+                            maps);
+    }
     return flash_launch(rtc, FLASH_FILE, flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS, EXT>,
                         [] { return rtc_name("flash_bwd_dq_wgmma_kernel", TypeOf<T>(), D, DK, BC, NWG, TURNS, EXT); },
                         dim3((p.Nq + BR - 1) / BR, p.H, p.B), NWG * WG_THREADS,
