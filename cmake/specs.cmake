@@ -93,12 +93,12 @@ endfunction()
 # with FT_NO_WGMMA=1 the mma.sync kernels (what other GPUs run) are checked
 # there too. The warp-specialised Hopper forward runs from a length on
 # (flash_tiles.cuh): FT_WS=1 takes it at the specs' shorter lengths too.
-# FT_NO_WS=1 keeps the wgmma kernels the warp-specialised ones replace
-# (the forward's from a length on, the backward's dK/dV but for varlen).
+# FT_WS_BWD=1 takes the warp-specialised backward kernels (head dims up to
+# 128, but for varlen), which are not the default yet.
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
-  ft_spec_again(nows FT_NO_WS cuda_attention_spec cuda_variants_spec)
+  ft_spec_again(wsbwd FT_WS_BWD cuda_attention_spec cuda_variants_spec cuda_mods_spec)
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

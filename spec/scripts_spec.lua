@@ -261,11 +261,14 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       out, status = lua("scripts/mods_demo.lua", "cpu", { env = env })
       assert.are.equal(0, status, out)
       for _, want in ipairs { "equals plain attention with a zero table: 0",
-                              "document 2 equals it alone, causal: 0",
                               "softcap 30: equals the built-in: 0",
                               "a Lua if on a traced value: gives" } do
         assert.is_truthy(out:find(want, 1, true), out)
       end
+      -- the document alone is a shorter call: its products may round
+      -- differently (the BLAS kernels a shape takes), within f32's rounding
+      local doc_diff = tonumber(out:match("document 2 against it alone, causal, max |difference|: (%S+)"))
+      assert.is_truthy(doc_diff and doc_diff <= 1e-5, out)
 
       local input = os.tmpname()
       local f = assert(io.open(input, "w"))

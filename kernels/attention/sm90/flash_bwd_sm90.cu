@@ -509,6 +509,36 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
 #endif
 }
 
+/* The warp-specialised backward kernels' pieces: a consumer warp's rows
+ * of a gradient no query (key) reaches, as zeros; and the barriers of a
+ * ring of ST stages (a full barrier expecting full_count arrivals and an
+ * empty one expecting empty_count each, 8 bytes apart), with `once` (the
+ * tiles copied once) expecting one, made visible to the copy engine
+ * (thread 0, before a CTA barrier). */
+template <typename T, int D>
+__device__ __forceinline__ void store_zero_rows(const FlashTensor &t, int b, int head, int row0,
+                                                int n, int d)
+{
+    float zero[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++)
+        zero[i] = 0.f;
+    store_acc<T, D>(t, b, head, row0, n, d, zero, 1.f);
+}
+template <int ST> struct RingBars { /* their offsets after a layout's BAR */
+    static constexpr int ONCE = 0, FULL = 8, EMPTY = FULL + 8 * ST, BYTES = EMPTY + 8 * ST;
+};
+__device__ __forceinline__ void ring_init(uint32_t once, uint32_t full, uint32_t empty, int st,
+                                          int full_count, int empty_count)
+{
+    mbar_init(once, 1);
+    for (int i = 0; i < st; i++) {
+        mbar_init(full + 8 * i, full_count);
+        mbar_init(empty + 8 * i, empty_count);
+    }
+    mbar_init_fence();
+}
+
 /* The warp-specialised dK/dV kernel's tensor maps: q and dO with boxes of
  * BM rows, k and v of BN (= 128). */
 struct BwdMaps {
@@ -519,26 +549,25 @@ struct BwdMaps {
  * rows], then of LSE and of D [BM floats], (EXT) the modification's
  * derivatives, then the barriers: K/V full, and full and empty for each
  * stage. */
-template <int D, int BM, int ST, bool EXT> struct Sm90WsDkdvSmem {
+template <int D, int BM, int ST, bool EXT> struct Sm90WsDkdvSmem : RingBars<ST> {
     static constexpr int BN = 128, TW = FT_TW(D), THREADS = 2 * WG_THREADS;
     static constexpr int KV_BYTES = BN * TW * 2, Q_BYTES = BM * TW * 2;
     static constexpr int V = KV_BYTES, Q = 2 * KV_BYTES, DO = Q + ST * Q_BYTES;
     static constexpr int LSE = DO + ST * Q_BYTES, DD = LSE + ST * BM * 4, MOD = DD + ST * BM * 4;
     static constexpr int BAR = MOD + (int)dkdv_mod_bytes<BM, THREADS, EXT>();
-    static constexpr int KV_FULL = 0, FULL = 8, EMPTY = FULL + 8 * ST;
-    static constexpr size_t bytes = 1024 + (size_t)BAR + EMPTY + 8 * ST;
+    static constexpr size_t bytes = 1024 + (size_t)BAR + RingBars<ST>::BYTES;
 };
 
 /* dK/dV in the forward's warp-specialised structure: warpgroup 0 the
  * producer, whose first warp copies K and V once and then, per query
  * block, Q and dO through the copy engine and LSE and D by its lanes'
- * cp.async into a ring of ST stages (each lane's copies arrive on the
- * stage's full barrier as they land, lane 0 announces the copy engine's
- * bytes); warpgroups 1 and 2 the
- * consumers, 64 keys each, which run dkdv_loop on DkdvRows and hand a
- * stage back (one arrival each on its empty barrier) once dK's product
- * with its Q is done. No CTA-wide barrier after the start. Not for varlen
- * (the boxes would run into the next sequence). */
+ * cp.async into a ring of ST stages (lane 0 announces the copy engine's
+ * bytes on the stage's full barrier, and each lane arrives on it once its
+ * own copies have landed); warpgroups 1 and 2 the consumers, 64 keys
+ * each, which run dkdv_loop on DkdvRows and hand a stage back (one
+ * arrival a warp on its empty barrier) once dK's product with its Q is
+ * done. No CTA-wide barrier after the start. Not for varlen (the boxes
+ * would run into the next sequence). */
 template <typename T, int D, int DK, int BM, int ST, bool TURNS, bool EXT,
           typename UM = NoUserMod>
 __global__ void __launch_bounds__(3 * WG_THREADS, 1)
@@ -561,24 +590,14 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const int wkey0 = j0 + (wg - 1) * 64 + (tid / FT_WARP) % 4 * 16; /* a consumer warp's */
     if (total == 0) { /* no query sees these keys: dK = dV = 0 */
         if (wg > 0) {
-            float zero[D / 2];
-#pragma unroll
-            for (int i = 0; i < D / 2; i++)
-                zero[i] = 0.f;
-            store_acc<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d, zero, 1.f);
-            store_acc<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d, zero, 1.f);
+            store_zero_rows<T, D>(p.dk, b, hk, wkey0, p.Nk, p.d);
+            store_zero_rows<T, D>(p.dv, b, hk, wkey0, p.Nk, p.d);
         }
         return;
     }
     const int chunks = (p.d + 63) / 64; /* copied; the tiles' other columns are never read */
-    if (tid == 0) {
-        mbar_init(bar + L::KV_FULL, 1);
-        for (int st = 0; st < ST; st++) {
-            mbar_init(bar + L::FULL + 8 * st, FT_WARP + 1); /* the producer's lanes, and lane 0's bytes */
-            mbar_init(bar + L::EMPTY + 8 * st, 2);      /* a thread of each consumer */
-        }
-        mbar_init_fence();
-    }
+    if (tid == 0) /* full: the producer's lanes; empty: each consumer warp */
+        ring_init(bar + L::ONCE, bar + L::FULL, bar + L::EMPTY, ST, FT_WARP, 8);
     __syncthreads();
 
     if (wg == 0) { /* the producer */
@@ -587,26 +606,18 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
         if (tid >= FT_WARP)
             return;
         if (lane == 0) {
-            mbar_expect(bar + L::KV_FULL, 2 * chunks * BN * 128);
+            mbar_expect(bar + L::ONCE, 2 * chunks * BN * 128);
             for (int c = 0; c < chunks; c++) {
-                tma_load_4d(sK + c * BN * 128, &maps.k, bar + L::KV_FULL, c * 64, hk, j0, b);
-                tma_load_4d(sV + c * BN * 128, &maps.v, bar + L::KV_FULL, c * 64, hk, j0, b);
+                tma_load_4d(sK + c * BN * 128, &maps.k, bar + L::ONCE, c * 64, hk, j0, b);
+                tma_load_4d(sV + c * BN * 128, &maps.v, bar + L::ONCE, c * 64, hk, j0, b);
             }
         }
         for (int t = 0; t < total; t++, walk.next()) {
             const int st = t % ST;
             const uint32_t full = bar + L::FULL + 8 * st;
             mbar_wait(bar + L::EMPTY + 8 * st, ((t / ST) & 1) ^ 1);
-            const int64_t o = flash_stat(p, b, walk.h) + walk.i0;
-            const int left = p.Nq - walk.i0; /* rows past it: zeros, as in QueryStream */
-#pragma unroll
-            for (int r = lane; r < BM; r += FT_WARP) {
-                cp_async_4(sL + st * BM + r, p.lse2 + o + (r < left ? r : 0), r < left);
-                cp_async_4(sD + st * BM + r, p.D + o + (r < left ? r : 0), r < left);
-            }
-            cp_async_mbar_arrive(full); /* once this lane's copies have landed */
             if (lane == 0) {
-                mbar_expect(full, 2 * chunks * BM * 128);
+                mbar_expect_tx(full, 2 * chunks * BM * 128);
                 for (int c = 0; c < chunks; c++) {
                     tma_load_4d(sQ + st * Q_BYTES + c * BM * 128, &maps.q, full, c * 64, walk.h,
                                 walk.i0, b);
@@ -614,6 +625,16 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
                                 walk.h, walk.i0, b);
                 }
             }
+            const int64_t o = flash_stat(p, b, walk.h) + walk.i0;
+            const int left = p.Nq - walk.i0; /* rows past it: zeros, as in QueryStream */
+#pragma unroll
+            for (int r = lane; r < BM; r += FT_WARP) {
+                cp_async_4(sL + st * BM + r, p.lse2 + o + (r < left ? r : 0), r < left);
+                cp_async_4(sD + st * BM + r, p.D + o + (r < left ? r : 0), r < left);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            mbar_arrive(full); /* after this lane's copies have landed (a release) */
         }
     } else { /* the consumers */
         regs_inc<240>();
@@ -625,8 +646,10 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             dk[i] = dv[i] = 0.f;
         DkdvRows<T, BM, L::THREADS, EXT, UM> rows(
             p, b, wkey0, reinterpret_cast<uint32_t *>(smem + L::MOD) + tid - WG_THREADS);
-        const bool signal = tid % WG_THREADS == 0;
-        mbar_wait(bar + L::KV_FULL, 0);
+        /* each warp's lane 0, once the warp's own reads of the stage (LSE
+         * and D by loads, Q and dO by its products) are done */
+        const bool signal = tid % FT_WARP == 0;
+        mbar_wait(bar + L::ONCE, 0);
         dkdv_loop<T, D, DK, BM, BN>(
             total, Turns<TURNS>(cwg), s, dp, pf, df, dk, dv, sK + cwg * 64 * 128,
             sV + cwg * 64 * 128,
@@ -775,12 +798,11 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
 /* The warp-specialised dQ kernel's shared memory: Q, dO [128 rows], then
  * ST stages of K, then of V [BC rows], then the barriers: Q/dO full, and
  * full and empty for each stage. */
-template <int D, int BC, int ST> struct Sm90WsDqSmem {
+template <int D, int BC, int ST> struct Sm90WsDqSmem : RingBars<ST> {
     static constexpr int BR = 128, TW = FT_TW(D), Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
     static constexpr int DO = Q_BYTES, K = 2 * Q_BYTES, V = K + ST * KV_BYTES;
     static constexpr int BAR = V + ST * KV_BYTES;
-    static constexpr int Q_FULL = 0, FULL = 8, EMPTY = FULL + 8 * ST;
-    static constexpr size_t bytes = 1024 + (size_t)BAR + EMPTY + 8 * ST;
+    static constexpr size_t bytes = 1024 + (size_t)BAR + RingBars<ST>::BYTES;
 };
 
 /* dQ in the warp-specialised structure: warpgroup 0's first thread copies
@@ -806,34 +828,23 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int wrow0 = i0 + (wg - 1) * 64 + (tid / FT_WARP) % 4 * 16; /* a consumer warp's */
     if (nkb == kb0) { /* no row sees a key: dQ = 0 */
-        if (wg > 0) {
-            float zero[D / 2];
-#pragma unroll
-            for (int i = 0; i < D / 2; i++)
-                zero[i] = 0.f;
-            store_acc<T, D>(p.dq, b, h, wrow0, p.Nq, p.d, zero, 1.f);
-        }
+        if (wg > 0)
+            store_zero_rows<T, D>(p.dq, b, h, wrow0, p.Nq, p.d);
         return;
     }
     const int chunks = (p.d + 63) / 64; /* copied; the tiles' other columns are never read */
-    if (tid == 0) {
-        mbar_init(bar + L::Q_FULL, 1);
-        for (int st = 0; st < ST; st++) {
-            mbar_init(bar + L::FULL + 8 * st, 1);
-            mbar_init(bar + L::EMPTY + 8 * st, 2); /* a thread of each consumer */
-        }
-        mbar_init_fence();
-    }
+    if (tid == 0) /* full: the producer; empty: a thread of each consumer */
+        ring_init(bar + L::ONCE, bar + L::FULL, bar + L::EMPTY, ST, 1, 2);
     __syncthreads();
 
     if (wg == 0) { /* the producer */
         regs_dec<24>();
         if (tid == 0) {
             const int hk = h / (p.H / p.Hk);
-            mbar_expect(bar + L::Q_FULL, 2 * chunks * BR * 128);
+            mbar_expect(bar + L::ONCE, 2 * chunks * BR * 128);
             for (int c = 0; c < chunks; c++) {
-                tma_load_4d(sQ + c * BR * 128, &maps.q, bar + L::Q_FULL, c * 64, h, i0, b);
-                tma_load_4d(sdO + c * BR * 128, &maps.dout, bar + L::Q_FULL, c * 64, h, i0, b);
+                tma_load_4d(sQ + c * BR * 128, &maps.q, bar + L::ONCE, c * 64, h, i0, b);
+                tma_load_4d(sdO + c * BR * 128, &maps.dout, bar + L::ONCE, c * 64, h, i0, b);
             }
             for (int j = kb0; j < nkb; j++) {
                 const int n = j - kb0, st = n % ST;
@@ -862,7 +873,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
         const ScoreMod smod = flash_score_mod(p, b, h);
         const bool signal = tid % WG_THREADS == 0;
         auto stage = [&](int j) { return (j - kb0) % ST; };
-        mbar_wait(bar + L::Q_FULL, 0);
+        mbar_wait(bar + L::ONCE, 0);
         dq_loop<T, D, DK, BR, BC>(
             kb0, nkb, Turns<TURNS>(cwg), s, dp, df, dq, sQ + cwg * 64 * 128, sdO + cwg * 64 * 128,
             [&](int j) { mbar_wait(bar + L::FULL + 8 * stage(j), ((j - kb0) / ST) & 1); },
@@ -1174,16 +1185,17 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 /* ---- launch ---- */
 #ifndef __CUDACC_RTC__
 
-/* Whether the warp-specialised kernels take p: not for varlen, not with
- * FT_NO_WS set (which keeps the wgmma kernels, for comparison: ctest's
- * *_nows specs), and only where the copy engine takes the tensors (maps
- * with boxes of q_rows rows of q and dO, kv_rows of k and v). A dry rtc
+/* Whether the warp-specialised kernels take p: for now only with
+ * FT_WS_BWD set (ctest's *_wsbwd specs; not the default until they have
+ * passed compute-sanitizer's racecheck), not with FT_NO_WS set, not for
+ * varlen, and only where the copy engine takes the tensors (maps with
+ * boxes of q_rows rows of q and dO, kv_rows of k and v). A dry rtc
  * (compiling a mod's kernels) has no tensors: the kernels are named and
  * compiled. */
 static bool bwd_ws_maps(const FlashParams &p, int q_rows, int kv_rows, BwdMaps *maps)
 {
     memset(maps, 0, sizeof *maps);
-    if (p.cu_q || env_set("FT_NO_WS"))
+    if (p.cu_q || env_set("FT_NO_WS") || !env_set("FT_WS_BWD"))
         return false;
     return !p.q.data || (flash_tma_map(&maps->q, p.q, p.B, p.Nq, p.H, p.d, q_rows, p.dtype) &&
                          flash_tma_map(&maps->dout, p.dout, p.B, p.Nq, p.H, p.d, q_rows, p.dtype) &&

@@ -325,11 +325,11 @@ __device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes)
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
-/* An arrival on bar once this thread's earlier cp.async copies have
- * landed (counted in the barrier's expected arrivals). */
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar)
+/* Announces `bytes` of copies to come, without an arrival. */
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes)
 {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
 }
 /* Waits until the phase of parity `parity` has completed. */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
