@@ -1,7 +1,8 @@
 -- Small attention calls on the GPU covering every kernel family, for
 -- compute-sanitizer (scripts/gpu-check runs it under memcheck, racecheck,
--- synccheck and initcheck, and once more with FT_NO_WGMMA=1 for the
--- mma.sync kernels): flash forward and backward for f16, bf16 (head dims 32
+-- synccheck and initcheck, again with FT_NO_WGMMA=1 for the mma.sync
+-- kernels and with FT_WS_BWD=1 for the warp-specialised Hopper backward):
+-- flash forward and backward for f16, bf16 (head dims 32
 -- to 256, causal or not, GQA, odd lengths, Nq != Nk) and f32; the flash
 -- kernels' variants (windows with sinks on the plain kernels; softcap and
 -- ALiBi, and varlen in one launch with empty and length-1 sequences, on the
