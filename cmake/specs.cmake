@@ -94,11 +94,13 @@ endfunction()
 # there too. The warp-specialised Hopper forward runs from a length on
 # (flash_tiles.cuh): FT_WS=1 takes it at the specs' shorter lengths too.
 # FT_WS_BWD=1 takes the warp-specialised backward kernels (head dims up to
-# 128, but for varlen), which are not the default yet.
+# 128, but for varlen), FT_PERSIST=1 the persistent warp-specialised
+# forward (head dims 65 to 128): neither is the default yet.
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
   ft_spec_again(wsbwd FT_WS_BWD cuda_attention_spec cuda_variants_spec cuda_mods_spec)
+  ft_spec_again(persist FT_PERSIST cuda_attention_spec cuda_variants_spec)
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

@@ -426,6 +426,147 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 #endif
 }
 
+/* The persistent form of the warp-specialised forward (FT_PERSIST=1, head
+ * dims 65 to 128, at any length; being measured, not the default): a grid
+ * of at most one CTA an SM, each
+ * taking the tiles (query block, head, batch entry) blockIdx.x, + gridDim.x,
+ * ..., the query blocks of one head next to each other (longest first
+ * under the causal mask, as in the other kernels). The K/V ring and its
+ * phases run on across a CTA's tiles, and Q has an empty barrier too
+ * (the consumers hand it back once their last S product of a tile is
+ * done), so the producer copies the next tile's Q and first K/V blocks
+ * while the consumers finish this tile's last P V and store O and LSE. */
+template <int D, int BC, int STAGES> struct Sm90WsPersistSmem : Sm90WsFwdSmem<D, BC, STAGES> {
+    using Base = Sm90WsFwdSmem<D, BC, STAGES>;
+    static constexpr int Q_EMPTY = Base::V_EMPTY + 8 * STAGES;
+    static constexpr size_t bytes = Base::bytes + 8;
+};
+
+template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT,
+          typename UM = NoUserMod>
+__global__ void __launch_bounds__(3 * WG_THREADS, 1)
+    flash_fwd_ws_persistent_kernel(const FlashParams p, const __grid_constant__ FwdMaps maps)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = Sm90WsPersistSmem<D, BC, STAGES>;
+    using Rows = FwdRows<T, D, DK, BC, EXT, UM>;
+    constexpr int BR = L::BR, KV_BYTES = L::KV_BYTES, DO = Rows::DO;
+    constexpr bool ONES = Rows::ONES;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    const uint32_t sQ = smem_addr(smem), sK = sQ + L::K, sV = sQ + L::V, bar = sQ + L::BAR;
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int nqb = (p.Nq + BR - 1) / BR, ntiles = nqb * p.H * p.B;
+    /* tile t: query block t % nqb of head (t / nqb) % H of batch entry t / (nqb H) */
+    auto tile_at = [&](int t, int *h, int *b) {
+        *h = t / nqb % p.H;
+        *b = t / nqb / p.H;
+        return query_block<BR, BC>(p, t % nqb);
+    };
+    const int chunks = (p.d + 63) / 64;
+    if (tid == 0) {
+        mbar_init(bar + L::Q_FULL, 1);
+        mbar_init(bar + L::Q_EMPTY, 2); /* a thread of each consumer */
+        for (int st = 0; st < STAGES; st++) {
+            mbar_init(bar + L::K_FULL + 8 * st, 1);
+            mbar_init(bar + L::V_FULL + 8 * st, 1);
+            mbar_init(bar + L::K_EMPTY + 8 * st, 2);
+            mbar_init(bar + L::V_EMPTY + 8 * st, 2);
+        }
+        mbar_init_fence();
+    }
+    /* columns of V past the chunks copied: zeros, and the ones column */
+    for (int idx = tid; idx < STAGES * BC * FT_TW(D) / 8; idx += 3 * WG_THREADS) {
+        const int st = idx / (BC * FT_TW(D) / 8), r = idx / (FT_TW(D) / 8) % BC,
+                  c = idx % (FT_TW(D) / 8) * 8;
+        if (c >= chunks * 64) {
+            const uint32_t one = MmaType<T>::pack(1.f, 1.f), w = ONES && c == DK ? one : 0u;
+            *reinterpret_cast<uint4 *>(smem + L::V + st * KV_BYTES + swz_offset<BC>(r, c)) =
+                make_uint4(w, w, w, w);
+        }
+    }
+    fence_proxy_async();
+    __syncthreads();
+
+    if (wg == 0) { /* the producer */
+        regs_dec<24>();
+        if (tid == 0) {
+            int n = 0, k = 0; /* K/V blocks and tiles with keys so far */
+            for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+                int h, b;
+                const QueryBlock q = tile_at(t, &h, &b);
+                if (q.nkb == q.kb0)
+                    continue;
+                const int hk = h / (p.H / p.Hk);
+                mbar_wait(bar + L::Q_EMPTY, (k & 1) ^ 1);
+                mbar_expect(bar + L::Q_FULL, chunks * BR * 128);
+                for (int c = 0; c < chunks; c++)
+                    tma_load_4d(sQ + c * BR * 128, &maps.q, bar + L::Q_FULL, c * 64, h, q.i0, b);
+                for (int j = q.kb0; j < q.nkb; j++, n++) {
+                    const int st = n % STAGES, ph = (n / STAGES) & 1;
+                    mbar_wait(bar + L::K_EMPTY + 8 * st, ph ^ 1);
+                    mbar_expect(bar + L::K_FULL + 8 * st, chunks * BC * 128);
+                    for (int c = 0; c < chunks; c++)
+                        tma_load_4d(sK + st * KV_BYTES + c * BC * 128, &maps.k,
+                                    bar + L::K_FULL + 8 * st, c * 64, hk, j * BC, b);
+                    mbar_wait(bar + L::V_EMPTY + 8 * st, ph ^ 1);
+                    mbar_expect(bar + L::V_FULL + 8 * st, chunks * BC * 128);
+                    for (int c = 0; c < chunks; c++)
+                        tma_load_4d(sV + st * KV_BYTES + c * BC * 128, &maps.v,
+                                    bar + L::V_FULL + 8 * st, c * 64, hk, j * BC, b);
+                }
+                k++;
+            }
+        }
+    } else { /* the consumers */
+        regs_inc<240>();
+        const int cwg = wg - 1, wwarp = (tid / FT_WARP) % 4;
+        const bool signal = tid % WG_THREADS == 0;
+        float o[DO / 2], s[BC / 2];
+        uint32_t pa[BC / 16][4];
+        int n = 0, k = 0;
+        for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+            int h, b;
+            const QueryBlock q = tile_at(t, &h, &b);
+            const float sink2 = flash_sink_log2(p, h);
+            if (q.nkb == q.kb0) {
+                fwd_store_empty(p, b, h, q.i0, q.nq, sink2, tid - WG_THREADS, 2 * WG_THREADS);
+                continue;
+            }
+            Rows rows(p, b, h, q.i0 + cwg * 64 + wwarp * 16, sink2, o);
+            const uint32_t q_addr = sQ + cwg * 64 * 128;
+            const int kb0 = q.kb0, n0 = n;
+            auto stage = [&](int j) { return (n0 + j - kb0) % STAGES; };
+            auto phase = [&](int j) { return ((n0 + j - kb0) / STAGES) & 1; };
+            auto issue_s = [&](int j) {
+                mbar_wait(bar + L::K_FULL + 8 * stage(j), phase(j));
+                product_abt<T, BC, DK, BR, BC>(s, q_addr, sK + stage(j) * KV_BYTES);
+                wgmma_commit();
+            };
+            auto issue_pv = [&](int j) {
+                mbar_wait(bar + L::V_FULL + 8 * stage(j), phase(j));
+                product_fb<T, BC, DO>(o, pa, sV + stage(j) * KV_BYTES);
+                wgmma_commit();
+            };
+            auto release = [&](int empty, int j) {
+                if (signal)
+                    mbar_arrive(bar + empty + 8 * stage(j));
+            };
+            mbar_wait(bar + L::Q_FULL, k & 1);
+            fwd_loop(kb0, q.nkb, Turns<TURNS>(cwg), rows, s, o, pa, [](int) {}, issue_s, issue_pv,
+                     [&](int j) { release(L::K_EMPTY, j); },
+                     [&](int j) { release(L::V_EMPTY, j); });
+            if (signal) /* every S product of the tile is done: Q is free */
+                mbar_arrive(bar + L::Q_EMPTY);
+            rows.finish(o);
+            n += q.nkb - kb0;
+            k++;
+        }
+    }
+#endif
+}
+
 #ifndef __CUDACC_RTC__
 template <typename T, int D, int DK, int BC, int NWG, int MINB, bool TURNS, bool EXT>
 static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
@@ -449,7 +590,8 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
 {
     using L = Sm90WsFwdSmem<D, BC, STAGES>;
     *launched = false;
-    if (p.cu_q || env_set("FT_NO_WS") || (p.Nk < min_keys && !env_set("FT_WS") && p.q.data))
+    if (p.cu_q || env_set("FT_NO_WS") ||
+        (p.Nk < min_keys && !env_set("FT_WS") && !(D == 128 && env_set("FT_PERSIST")) && p.q.data))
         return FT_OK;
     FwdMaps maps;
     memset(&maps, 0, sizeof maps);
@@ -458,6 +600,20 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
                       flash_tma_map(&maps.v, p.v, p.B, p.Nk, p.Hk, p.d, BC, p.dtype)))
         return FT_OK;
     *launched = true;
+    if constexpr (D == 128) /* head dims 65 to 128 for now */
+    if (env_set("FT_PERSIST")) {
+        using LP = Sm90WsPersistSmem<D, BC, STAGES>;
+        const int64_t tiles = (int64_t)((p.Nq + L::BR - 1) / L::BR) * p.H * p.B;
+        int dev = 0, sms = 132;
+        if (p.q.data && (cudaGetDevice(&dev) != cudaSuccess ||
+                         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess))
+            sms = 132;
+        if (tiles > 0 && tiles < 2147483647LL)
+            return flash_launch(rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
+                                [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
+                                dim3((unsigned)(tiles < sms ? tiles : sms)), 3 * WG_THREADS, LP::bytes, p,
+                                "ft_attention_forward", maps);
+    }
     return flash_launch(rtc, FLASH_FILE, flash_fwd_ws_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
                         [] { return rtc_name("flash_fwd_ws_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
                         dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), 3 * WG_THREADS, L::bytes, p,

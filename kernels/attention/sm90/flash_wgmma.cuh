@@ -281,14 +281,16 @@ template <bool ON> struct Turns {
 /* The query block of a CTA that walks the keys (the forward, dQ): BR rows
  * from i0 (under the causal mask the longest rows first, so that the short
  * ones fill the tail), nq of them inside the sequence, and the blocks of BC
- * keys that any of them sees: kb0 .. nkb - 1 (none when nkb == kb0). */
+ * keys that any of them sees: kb0 .. nkb - 1 (none when nkb == kb0). x:
+ * the block's place in the grid's x (a persistent kernel passes its tile's). */
 struct QueryBlock {
     int i0, nq, kb0, nkb;
 };
-template <int BR, int BC> __device__ __forceinline__ QueryBlock query_block(const FlashParams &p)
+template <int BR, int BC>
+__device__ __forceinline__ QueryBlock query_block(const FlashParams &p, int x = (int)blockIdx.x)
 {
     const int nblocks = (p.Nq + BR - 1) / BR;
-    const int qb = p.causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int qb = p.causal ? nblocks - 1 - x : x;
     QueryBlock q;
     q.i0 = qb * BR;
     q.nq = min(BR, p.Nq - q.i0);
