@@ -683,6 +683,87 @@ static ft_attn_shape seq_shape(const ft_attn_shape *s, int64_t b)
     return one;
 }
 
+/* A descale factor: 0 (not given: 1) or finite and positive. */
+static ft_status check_descale(const char *func, double x, const char *name, double *out)
+{
+    if (!(x >= 0) || !isfinite(x))
+        return ft_fail(FT_ERR_ARGUMENT, func, 4, "%s %g: must be a finite positive number",
+                       name, x);
+    *out = x == 0 ? 1 : x;
+    return FT_OK;
+}
+
+/* fp8_e4m3 q, k, v: converted (f32 on the CPU, bf16 on CUDA; v times
+ * descale_v), run as attention of that dtype with scale times descale_q
+ * descale_k, the output made bf16. */
+static ft_status fp8_forward(const char *func, ft_tensor **out, ft_tensor **lse,
+                             const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
+                             const ft_attn_params *p)
+{
+    const ft_tensor *in[3] = {q, k, v};
+    static const char *const names[3] = {"q", "k", "v"};
+    for (int i = 0; i < 3; i++) {
+        FT_TRY(ft_check_tensor(func, 1 + i, in[i]));
+        if (in[i]->dtype != FT_FP8_E4M3)
+            return ft_fail(FT_ERR_ARGUMENT, func, 1 + i,
+                           "%s is %s but q is fp8_e4m3 (one dtype for all inputs)", names[i],
+                           ft_dtype_name(in[i]->dtype));
+        if (in[i]->ndim < 1)
+            return ft_fail(FT_ERR_ARGUMENT, func, 1 + i, "%s must be 4-d (or 3-d with cu_seqlens)",
+                           names[i]);
+    }
+    if (!p)
+        return ft_fail(FT_ERR_ARGUMENT, func, 4, "params expected (ft_attn_params_init)");
+    if (p->cache_seqlens || p->k_new || p->v_new || p->block_table)
+        return ft_fail(FT_ERR_ARGUMENT, func, 4,
+                       "a KV cache call does not take fp8_e4m3 tensors (f16, bf16, f32 or f64)");
+    if (p->impl == FT_ATTN_CUDNN)
+        return ft_fail(FT_ERR_ARGUMENT, func, 4,
+                       "impl cudnn does not take fp8_e4m3 inputs (flash, naive or tiled do)");
+    double dq = 1, dk = 1, dv = 1;
+    FT_TRY(check_descale(func, p->descale_q, "descale_q", &dq));
+    FT_TRY(check_descale(func, p->descale_k, "descale_k", &dk));
+    FT_TRY(check_descale(func, p->descale_v, "descale_v", &dv));
+    const int cpu = q->device.type == FT_CPU;
+    const ft_dtype work = cpu ? FT_F32 : FT_BF16;
+    ft_tensor *qc = NULL, *kc = NULL, *vf = NULL, *vs = NULL, *vc = NULL, *o = NULL, *l = NULL;
+    ft_status st = ft_to(&qc, q, work, q->device);
+    if (st == FT_OK)
+        st = ft_to(&kc, k, work, k->device);
+    if (st == FT_OK)
+        st = ft_to(&vf, v, FT_F32, v->device);
+    if (st == FT_OK)
+        st = ft_binary_scalar(&vs, FT_MUL, vf, dv, 0);
+    if (st == FT_OK && !cpu)
+        st = ft_to(&vc, vs, FT_BF16, v->device);
+    if (st == FT_OK) {
+        ft_attn_params p2 = *p;
+        const double d = (double)q->shape[q->ndim - 1];
+        p2.scale = (p->scale != 0 ? p->scale : 1 / sqrt(d > 0 ? d : 1)) * dq * dk;
+        p2.descale_q = p2.descale_k = p2.descale_v = 0;
+        st = ft_attention_forward(&o, &l, qc, kc, cpu ? vs : vc, &p2);
+    }
+    if (st == FT_OK && cpu) {
+        ft_tensor *ob = NULL;
+        st = ft_to(&ob, o, FT_BF16, o->device);
+        ft_tensor_free(o);
+        o = ob;
+    }
+    ft_tensor_free(qc);
+    ft_tensor_free(kc);
+    ft_tensor_free(vf);
+    ft_tensor_free(vs);
+    ft_tensor_free(vc);
+    if (st != FT_OK) {
+        ft_tensor_free(o);
+        ft_tensor_free(l);
+        return st;
+    }
+    *out = o;
+    *lse = l;
+    return FT_OK;
+}
+
 ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
                                const ft_tensor *q, const ft_tensor *k,
                                const ft_tensor *v, const ft_attn_params *p)
@@ -692,6 +773,13 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
         return ft_fail(FT_ERR_ARGUMENT, func, 0, "result pointer is NULL");
     *out = NULL;
     *lse = NULL;
+    FT_TRY(ft_check_tensor(func, 1, q));
+    if (q->dtype == FT_FP8_E4M3)
+        return fp8_forward(func, out, lse, q, k, v, p);
+    if (p && (p->descale_q != 0 || p->descale_k != 0 || p->descale_v != 0))
+        return ft_fail(FT_ERR_ARGUMENT, func, 4,
+                       "descale_q, descale_k and descale_v are for fp8_e4m3 inputs (q is %s)",
+                       ft_dtype_name(q->dtype));
     if (p && (p->cache_seqlens || p->k_new || p->v_new || p->block_table)) {
         if (!p->cache_seqlens)
             return ft_fail(FT_ERR_ARGUMENT, func, 4,
@@ -861,6 +949,11 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
         return ft_fail(FT_ERR_UNSUPPORTED, func, 7,
                        "a KV cache call (cache_seqlens, k_new, v_new, block_table) is "
                        "decoding and has no backward; differentiate the full-sequence call");
+    if ((q && ft_check_tensor(func, 2, q) == FT_OK && q->dtype == FT_FP8_E4M3) ||
+        (p && (p->descale_q != 0 || p->descale_k != 0 || p->descale_v != 0)))
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 2,
+                       "fp8_e4m3 attention (descale_q, descale_k, descale_v) is forward only, "
+                       "as FlashAttention-3's: no backward");
     /* the mods' gradients' slots: empty until the end */
     const int ngrad = p && p->mods && p->mod_grads ? ft_attn_mods_tensors(p->mods) : 0;
     for (int t = 0; t < ngrad; t++)

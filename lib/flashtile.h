@@ -486,6 +486,13 @@ typedef struct ft_attn_params {
     const ft_tensor *block_table;
     int block_table_base; /* the number of the pool's first page (0; Lua: 1) */
     int64_t num_splits;   /* CUDA decoding: key splits (0: chosen from the shape) */
+    /* fp8_e4m3 inputs (forward only; FlashAttention-3's interface): the
+     * per-tensor factors that take q, k and v to the values they stand
+     * for (0: 1). The scores are scale * (descale_q q) . (descale_k k),
+     * the output sums descale_v v; out is bf16, lse f32. The CPU computes
+     * in f32; CUDA runs the bf16 kernels on q and k as they are (e4m3 is
+     * exact in bf16) and on descale_v v rounded to bf16. */
+    double descale_q, descale_k, descale_v;
 } ft_attn_params;
 
 FT_API void ft_attn_params_init(ft_attn_params *p);

@@ -1901,7 +1901,8 @@ static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
         {"offset", OPT_INT},         {"max_seqlen_q", OPT_INT},    {"max_seqlen_k", OPT_INT},
         {"mods", OPT_MODS},          {"block_mask", OPT_BLOCK_MASK}, {"mod_grads", OPT_BOOL},
         {"cache_seqlens", OPT_TENSOR}, {"k_new", OPT_TENSOR},      {"v_new", OPT_TENSOR},
-        {"block_table", OPT_TENSOR}, {"num_splits", OPT_INT}};
+        {"block_table", OPT_TENSOR}, {"num_splits", OPT_INT},      {"descale_q", OPT_NUMBER},
+        {"descale_k", OPT_NUMBER},   {"descale_v", OPT_NUMBER}};
     enum { N = sizeof spec / sizeof spec[0] };
     opt_value v[N];
     read_options(L, idx, spec, N, v);
@@ -1946,6 +1947,13 @@ static int check_attn_options(lua_State *L, int idx, ft_attn_params *p)
     if (v[25].present && (v[25].integer < 0 || v[25].integer > 4096))
         luaL_argerror(L, idx, "option 'num_splits' must be 0 (automatic) to 4096");
     p->num_splits = v[25].integer;
+    for (int i = 26; i <= 28; i++) /* 0 is "not given" in C: refuse it here */
+        if (v[i].present && !(v[i].number > 0 && v[i].number < HUGE_VAL))
+            luaL_argerror(L, idx, lua_pushfstring(L, "option '%s' must be a finite positive number",
+                                                  spec[i].name));
+    p->descale_q = v[26].number;
+    p->descale_k = v[27].number;
+    p->descale_v = v[28].number;
     return !v[20].present || v[20].boolean;
 }
 

@@ -417,18 +417,19 @@ describe("fp8_e4m3", function()
         "index_add")
     end)
 
-    it("attention, and mods that read an fp8 tensor", function()
+    it("attention with fp8 beside other dtypes, KV caches, and mods that read an fp8 tensor", function()
       local q = ft.ones(1, 4, 2, 8, { dtype = FP8 })
-      h.assert_error(function() return ft.attention(q, q, q) end, "'attention'", "q must be", "got fp8_e4m3")
       local f = ft.ones(1, 4, 2, 8)
       h.assert_error(function() return ft.attention(f, q, q) end, "'attention'", "fp8_e4m3")
+      h.assert_error(function() return ft.attention(q, f, q) end, "'attention'",
+        "k is f32 but q is fp8_e4m3")
       -- a KV-cache call writes nothing into its fp8 caches before refusing
       local kc, vc = ft.zeros(1, 4, 2, 8, { dtype = FP8 }), ft.zeros(1, 4, 2, 8, { dtype = FP8 })
       local new = ft.ones(1, 1, 2, 8, { dtype = FP8 })
       h.assert_error(function()
         return ft.attention(q:narrow(2, 1, 1), kc, vc,
           { cache_seqlens = ft.tensor({ 1 }, { dtype = "i32" }), k_new = new, v_new = new })
-      end, "'attention'", "q must be", "got fp8_e4m3")
+      end, "'attention'", "KV cache call does not take fp8_e4m3")
       assert.are.equal(0, kc:to("f32"):abs():sum() + vc:to("f32"):abs():sum())
       local tbl = ft.zeros(2, { dtype = FP8 })
       local mods = ft.attention_mods { score = function(s, b, hh, i, j) return s + tbl[hh] end }
@@ -438,6 +439,90 @@ describe("fp8_e4m3", function()
     it("leaves the fp8 tensor as it was", function()
       pcall(function() return a + a end)
       assert.are.same({ { 1, 1, 1 }, { 1, 1, 1 } }, a:totable())
+    end)
+  end)
+
+  describe("attention (forward, FlashAttention-3's fp8 interface)", function()
+    -- q, k, v quantised from f32 draws; the reference is f64 attention of
+    -- the values they stand for (each times its descale factor)
+    local function inputs(B, Nq, Nk, H, Hk, d, seed, device)
+      local o = { device = device }
+      local function draw(shape, s, mul)
+        return ft.randn(shape, { seed = seed + s }):mul(mul):to(FP8):to(device or "cpu")
+      end
+      return draw({ B, Nq, H, d }, 1, 3), draw({ B, Nk, Hk, d }, 2, 2), draw({ B, Nk, Hk, d }, 3, 4), o
+    end
+    local function reference(q8, k8, v8, dq, dk, dv, opts)
+      local ro = h.merge(opts, { impl = "naive", descale_q = nil, descale_k = nil, descale_v = nil })
+      return ft.attention(q8:to("f64", "cpu"):mul(dq), k8:to("f64", "cpu"):mul(dk),
+                          v8:to("f64", "cpu"):mul(dv), ro)
+    end
+    -- the output is bf16: at most twice the error of the reference
+    -- rounded to bf16, plus what V's rounding to bf16 (CUDA) adds
+    local function check(o, l, ref_o, ref_l, vmax)
+      assert.are.equal("bf16", o.dtype)
+      assert.are.equal("f32", l.dtype)
+      local rounding = ft.max_abs_diff(ref_o:to("bf16"):to("f64"), ref_o)
+      local err = ft.max_abs_diff(o:to("f64", "cpu"), ref_o)
+      assert.is_true(err <= 2 * rounding + vmax * 2 ^ -9 + 1e-6,
+        ("out: error %g, bf16 rounding of the reference %g"):format(err, rounding))
+      local lerr = ft.max_abs_diff(l:to("f64", "cpu"), ref_l)
+      assert.is_true(lerr <= 1e-4, ("lse: error %g"):format(lerr))
+    end
+
+    it("matches f64 attention of the descaled values on the CPU (tiled and naive, causal, GQA, Nq ~= Nk, variants)", function()
+      for _, c in ipairs {
+        { B = 2, Nq = 70, Nk = 70, H = 4, Hk = 2, d = 32, opts = { causal = true } },
+        { B = 1, Nq = 33, Nk = 129, H = 2, Hk = 1, d = 64, opts = {} },
+        { B = 1, Nq = 40, Nk = 90, H = 2, Hk = 2, d = 16, opts = { causal = true, window_left = 20, softcap = 15 } },
+      } do
+        local q8, k8, v8 = inputs(c.B, c.Nq, c.Nk, c.H, c.Hk, c.d, 10 * c.d)
+        for _, impl in ipairs { "tiled", "naive" } do
+          for _, ds in ipairs { { 1, 1, 1 }, { 0.5, 0.125, 3 } } do
+            local opts = h.merge(c.opts, { impl = impl, descale_q = ds[1], descale_k = ds[2], descale_v = ds[3] })
+            local o, l = ft.attention(q8, k8, v8, opts)
+            local ro, rl = reference(q8, k8, v8, ds[1], ds[2], ds[3], c.opts)
+            check(o, l, ro, rl, 0)
+          end
+        end
+      end
+    end)
+
+    it("names what is wrong: descale factors, dtypes, impl cudnn, and the backward", function()
+      local q8, k8, v8 = inputs(1, 8, 8, 2, 2, 8, 1)
+      local f = ft.randn({ 1, 8, 2, 8 })
+      for _, bad in ipairs { 0, -1, math.huge, 0 / 0 } do
+        h.assert_error(function() return ft.attention(q8, k8, v8, { descale_v = bad }) end,
+          "'attention'", "option 'descale_v' must be a finite positive number")
+      end
+      h.assert_error(function() return ft.attention(q8, k8, v8, { descale_q = "2" }) end, "descale_q")
+      h.assert_error(function() return ft.attention(f, f, f, { descale_k = 2 }) end,
+        "'attention'", "descale_q, descale_k and descale_v are for fp8_e4m3 inputs (q is f32)")
+      h.assert_error(function() return ft.attention(q8, k8, v8:to("bf16")) end,
+        "'attention'", "v is bf16 but q is fp8_e4m3")
+      h.assert_error(function() return ft.attention(q8, k8, v8, { impl = "cudnn" }) end,
+        "'attention'", "impl cudnn does not take fp8_e4m3")
+      local o, l = ft.attention(q8, k8, v8)
+      h.assert_error(function() return ft.attention_backward(o, q8, k8, v8, o, l) end,
+        "'attention_backward'", "fp8_e4m3 attention", "forward only")
+    end)
+
+    gpu_it("on CUDA matches the same f64 reference (the flash and naive paths) #gpu", function()
+      for _, c in ipairs {
+        { B = 2, Nq = 300, Nk = 300, H = 4, Hk = 2, d = 128, opts = { causal = true } },
+        { B = 1, Nq = 65, Nk = 200, H = 2, Hk = 1, d = 64, opts = {} },
+      } do
+        local q8, k8, v8 = inputs(c.B, c.Nq, c.Nk, c.H, c.Hk, c.d, c.d, "cuda")
+        local ds = { 0.5, 0.25, 2 }
+        local ro, rl = reference(q8, k8, v8, ds[1], ds[2], ds[3], c.opts)
+        local vmax = v8:to("f32"):abs():max() * ds[3]
+        for _, impl in ipairs { "flash", "naive" } do
+          local o, l = ft.attention(q8, k8, v8, h.merge(c.opts,
+            { impl = impl, descale_q = ds[1], descale_k = ds[2], descale_v = ds[3] }))
+          assert.are.equal("cuda", o.device:sub(1, 4))
+          check(o, l, ro, rl, vmax)
+        end
+      end
     end)
   end)
 
