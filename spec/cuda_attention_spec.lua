@@ -65,6 +65,11 @@ describe("attention on CUDA #gpu", function()
         end
       end
     end)
+    gpu_it("more query tiles than twice the SMs: a persistent grid's CTAs each walk several (FT_PERSIST)", function()
+      -- 5 query blocks of 128 x 32 heads x 3 = 480 tiles at d = 128
+      check_against_naive("bf16", 3, 520, 600, 32, 8, 128, true)
+      check_against_naive("bf16", 3, 600, 520, 32, 8, 128, false)
+    end)
     local windows = {
       { window_left = 20, window_right = 5 },
       { causal = true, window_left = 30 },

@@ -662,6 +662,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             },
             [&](int t) { rows.dscores(dp, pf, df, sD + (t % ST) * BM); },
             [&](int t) {
+                __syncwarp(); /* the warp's loads of the stage before lane 0's release */
                 if (signal)
                     mbar_arrive(bar + L::EMPTY + 8 * (t % ST));
             });

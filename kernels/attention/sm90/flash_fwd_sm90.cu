@@ -555,10 +555,15 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             };
             mbar_wait(bar + L::Q_FULL, k & 1);
             fwd_loop(kb0, q.nkb, Turns<TURNS>(cwg), rows, s, o, pa, [](int) {}, issue_s, issue_pv,
-                     [&](int j) { release(L::K_EMPTY, j); },
+                     [&](int j) {
+                         release(L::K_EMPTY, j);
+                         if (j == q.nkb - 1 && signal) /* the tile's last S: Q is free */
+                             mbar_arrive(bar + L::Q_EMPTY);
+                     },
                      [&](int j) { release(L::V_EMPTY, j); });
-            if (signal) /* every S product of the tile is done: Q is free */
-                mbar_arrive(bar + L::Q_EMPTY);
+            /* fwd_loop hands back every V stage but the last block's (the
+             * kernel above ends there); the ring runs on here */
+            release(L::V_EMPTY, q.nkb - 1);
             rows.finish(o);
             n += q.nkb - kb0;
             k++;
