@@ -708,9 +708,6 @@ static ft_status fp8_forward(const char *func, ft_tensor **out, ft_tensor **lse,
             return ft_fail(FT_ERR_ARGUMENT, func, 1 + i,
                            "%s is %s but q is fp8_e4m3 (one dtype for all inputs)", names[i],
                            ft_dtype_name(in[i]->dtype));
-        if (in[i]->ndim < 1)
-            return ft_fail(FT_ERR_ARGUMENT, func, 1 + i, "%s must be 4-d (or 3-d with cu_seqlens)",
-                           names[i]);
     }
     if (!p)
         return ft_fail(FT_ERR_ARGUMENT, func, 4, "params expected (ft_attn_params_init)");
@@ -738,7 +735,7 @@ static ft_status fp8_forward(const char *func, ft_tensor **out, ft_tensor **lse,
         st = ft_to(&vc, vs, FT_BF16, v->device);
     if (st == FT_OK) {
         ft_attn_params p2 = *p;
-        const double d = (double)q->shape[q->ndim - 1];
+        const double d = q->ndim > 0 ? (double)q->shape[q->ndim - 1] : 1; /* else refused below */
         p2.scale = (p->scale != 0 ? p->scale : 1 / sqrt(d > 0 ? d : 1)) * dq * dk;
         p2.descale_q = p2.descale_k = p2.descale_v = 0;
         st = ft_attention_forward(&o, &l, qc, kc, cpu ? vs : vc, &p2);

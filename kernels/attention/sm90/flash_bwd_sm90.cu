@@ -142,7 +142,7 @@ template <typename T, int BM, int HD, int THREADS, int ST> struct QueryStream {
         }
     }
     /* the first query of the next block the arithmetic takes */
-    __device__ __forceinline__ int next_i0(const FlashParams &)
+    __device__ __forceinline__ int next_i0()
     {
         const int i0 = cw.i0;
         ch = cw.h;
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
         },
         [&](int t) { return qs.q(t); }, [&](int t) { return qs.dout(t); },
         [&](int t) {
-            const int i0 = qs.next_i0(p);
+            const int i0 = qs.next_i0();
             rows.probs(s, pf, i0, qs.ch, qs.lse(t));
         },
         [&](int t) { rows.dscores(dp, pf, df, qs.D(t)); }, [](int) {});
@@ -702,6 +702,8 @@ __device__ __forceinline__ void dq_loop(int kb0, int nkb, const Turns<TURNS> &tu
     issue_scores(kb0);
     turns.pass();
     wgmma_wait<0>();
+    pin_all<BC / 2>(s);
+    pin_all<BC / 2>(dp);
     elementwise(kb0);
     pack_frags<T, BC>(df, dp);
     for (int j = kb0 + 1; j < nkb; j++) {
@@ -712,6 +714,8 @@ __device__ __forceinline__ void dq_loop(int kb0, int nkb, const Turns<TURNS> &tu
         issue_grad(j - 1);
         turns.pass();
         wgmma_wait<1>(); /* block j's scores are done; j-1's dQ product may run */
+        pin_all<BC / 2>(s);
+        pin_all<BC / 2>(dp);
         elementwise(j);
         wgmma_wait<0>();
         pin_all<D / 2>(dq);
@@ -784,8 +788,6 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
         [&](int j) { return smem_addr(sK + (j % ST) * KV_BYTES); },
         [&](int j) { return smem_addr(sV + (j % ST) * KV_BYTES); },
         [&](int j) {
-            pin_all<BC / 2>(s);
-            pin_all<BC / 2>(dp);
             dq_dscores<T, BC / 2, EXT, UM>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full,
                                            j * BC, (j + 1) * BC);
         },
@@ -881,8 +883,6 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             [&](int j) { return sK + stage(j) * KV_BYTES; },
             [&](int j) { return sV + stage(j) * KV_BYTES; },
             [&](int j) {
-                pin_all<BC / 2>(s);
-                pin_all<BC / 2>(dp);
                 dq_dscores<T, BC / 2, EXT, UM>(p, smod, b, h, dp, s, lse, Dr, wrow0, j * BC, full,
                                                j * BC, (j + 1) * BC);
             },
@@ -1024,7 +1024,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
             s[i] = wg ? theirs[i] : mine[i];
             dp[i] = wg ? mine[i] : theirs[i];
         }
-        const int i0 = qs.next_i0(p);
+        const int i0 = qs.next_i0();
         const float *L = qs.lse(t), *Dq = qs.D(t);
         const bool edge = full.masks(i0, i0 + BM);
         float dmod[EXT ? 16 : 1]; /* the modification's derivatives */
@@ -1186,33 +1186,38 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
 /* ---- launch ---- */
 #ifndef __CUDACC_RTC__
 
-/* Whether the warp-specialised kernels take p: for now only with
+/* Whether the warp-specialised kernels may take p: for now only with
  * FT_WS_BWD set (ctest's *_wsbwd specs; not the default until they have
  * passed compute-sanitizer's racecheck), not with FT_NO_WS set, not for
- * varlen, and only where the copy engine takes the tensors (maps with
- * boxes of q_rows rows of q and dO, kv_rows of k and v). A dry rtc
+ * varlen. */
+static bool bwd_ws_wanted(const FlashParams &p)
+{
+    return !p.cu_q && !env_set("FT_NO_WS") && env_set("FT_WS_BWD");
+}
+
+/* Their tensor maps, boxes of q_rows rows of q and dO, kv_rows of k and
+ * v; false where the copy engine does not take a tensor. A dry rtc
  * (compiling a mod's kernels) has no tensors: the kernels are named and
  * compiled. */
 static bool bwd_ws_maps(const FlashParams &p, int q_rows, int kv_rows, BwdMaps *maps)
 {
     memset(maps, 0, sizeof *maps);
-    if (p.cu_q || env_set("FT_NO_WS") || !env_set("FT_WS_BWD"))
-        return false;
     return !p.q.data || (flash_tma_map(&maps->q, p.q, p.B, p.Nq, p.H, p.d, q_rows, p.dtype) &&
                          flash_tma_map(&maps->dout, p.dout, p.B, p.Nq, p.H, p.d, q_rows, p.dtype) &&
                          flash_tma_map(&maps->k, p.k, p.B, p.Nk, p.Hk, p.d, kv_rows, p.dtype) &&
                          flash_tma_map(&maps->v, p.v, p.B, p.Nk, p.Hk, p.d, kv_rows, p.dtype));
 }
 
-/* dK/dV, then dQ: the warp-specialised kernels where bwd_ws_maps says so,
- * the wgmma kernels otherwise. */
+/* dK/dV, then dQ: the warp-specialised kernels where bwd_ws_wanted and
+ * bwd_ws_maps say so, the wgmma kernels otherwise. */
 template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool EXT>
 static ft_status launch_bwd_wgmma(const FlashParams &p, FlashRtc *rtc)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
     const char *func = "ft_attention_backward";
+    const bool ws = bwd_ws_wanted(p);
     BwdMaps maps;
-    if (p.Nk > 0 && bwd_ws_maps(p, BM, BN, &maps)) {
+    if (p.Nk > 0 && ws && bwd_ws_maps(p, BM, BN, &maps)) {
         using L = Sm90WsDkdvSmem<D, BM, ST, EXT>;
         FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_ws_kernel<T, D, DK, BM, ST, TURNS, EXT>,
                             [] { return rtc_name("flash_bwd_dkdv_ws_kernel", TypeOf<T>(), D, DK, BM, ST, TURNS, EXT); },
@@ -1224,7 +1229,7 @@ static ft_status launch_bwd_wgmma(const FlashParams &p, FlashRtc *rtc)
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
                             Sm90DkdvSmem<T, D, BM, NWG, EXT>::bytes, p, func));
     }
-    if (bwd_ws_maps(p, BR, BC, &maps)) {
+    if (ws && bwd_ws_maps(p, BR, BC, &maps)) {
         using L = Sm90WsDqSmem<D, BC, ST>;
         return flash_launch(rtc, FLASH_FILE, flash_bwd_dq_ws_kernel<T, D, DK, BC, ST, TURNS, EXT>,
                             [] { return rtc_name("flash_bwd_dq_ws_kernel", TypeOf<T>(), D, DK, BC, ST, TURNS, EXT); },

@@ -609,9 +609,10 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
     if (env_set("FT_PERSIST")) {
         using LP = Sm90WsPersistSmem<D, BC, STAGES>;
         const int64_t tiles = (int64_t)((p.Nq + L::BR - 1) / L::BR) * p.H * p.B;
-        int dev = 0, sms = 132;
-        if (p.q.data && (cudaGetDevice(&dev) != cudaSuccess ||
-                         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess))
+        int dev = 0, sms = 0; /* the SMs (a dry rtc launches nothing: any count) */
+        if (p.q.data && cudaGetDevice(&dev) == cudaSuccess)
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+        if (sms <= 0)
             sms = 132;
         if (tiles > 0 && tiles < 2147483647LL)
             return flash_launch(rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
