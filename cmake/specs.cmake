@@ -91,15 +91,15 @@ endfunction()
 
 # On a Hopper GPU the flash kernels of kernels/attention/sm90/ take f16/bf16;
 # with FT_NO_WGMMA=1 the mma.sync kernels (what other GPUs run) are checked
-# there too. The warp-specialised Hopper forward runs from a length on
-# (flash_tiles.cuh): FT_WS=1 takes it at the specs' shorter lengths too.
-# FT_WS_BWD=1 takes the warp-specialised backward kernels (head dims up to
-# 128, but for varlen), FT_PERSIST=1 the persistent warp-specialised
-# forward (head dims 65 to 128): neither is the default yet.
+# there too. Which Hopper kernel runs depends on the length
+# (flash_tiles.cuh): FT_WS=1 takes the warp-specialised forward at every
+# length, FT_PERSIST=1 its persistent form (head dims 65 to 128) at every
+# length, FT_NO_WS=1 the wgmma forward and backward kernels instead of the
+# warp-specialised ones.
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
-  ft_spec_again(wsbwd FT_WS_BWD cuda_attention_spec cuda_variants_spec cuda_mods_spec)
+  ft_spec_again(nows FT_NO_WS)
   ft_spec_again(persist FT_PERSIST cuda_attention_spec cuda_variants_spec)
 endif()
 

@@ -1,7 +1,8 @@
 -- Small attention calls on the GPU covering every kernel family, for
 -- compute-sanitizer (scripts/gpu-check runs it under memcheck, racecheck,
 -- synccheck and initcheck, again with FT_NO_WGMMA=1 for the mma.sync
--- kernels and with FT_WS_BWD=1 for the warp-specialised Hopper backward):
+-- kernels, FT_NO_WS=1 for the Hopper kernels that are not warp-specialised
+-- and FT_WS=1 for the warp-specialised forward that is not persistent):
 -- flash forward and backward for f16, bf16 (head dims 32
 -- to 256, causal or not, GQA, odd lengths, Nq != Nk) and f32; the flash
 -- kernels' variants (windows with sinks on the plain kernels; softcap and

@@ -426,12 +426,12 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 #endif
 }
 
-/* The persistent form of the warp-specialised forward (FT_PERSIST=1, head
- * dims 65 to 128, at any length; being measured, not the default): a grid
- * of at most one CTA an SM, each
- * taking the tiles (query block, head, batch entry) blockIdx.x, + gridDim.x,
- * ..., the query blocks of one head next to each other (longest first
- * under the causal mask, as in the other kernels). The K/V ring and its
+/* The persistent form of the warp-specialised forward (head dims 65 to
+ * 128, up to the tile row's persist_max_keys keys, or at any length with
+ * FT_PERSIST=1): a grid of at most one CTA an SM, each taking tiles (query
+ * block, head, batch entry) in rounds of the grid's size, the query blocks
+ * of one head next to each other (they share its K/V copies in L2),
+ * longest first under the causal mask, snaking (tile_of). The K/V ring and its
  * phases run on across a CTA's tiles, and Q has an empty barrier too
  * (the consumers hand it back once their last S product of a tile is
  * done), so the producer copies the next tile's Q and first K/V blocks
@@ -458,7 +458,18 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int nqb = (p.Nq + BR - 1) / BR, ntiles = nqb * p.H * p.B;
-    /* tile t: query block t % nqb of head (t / nqb) % H of batch entry t / (nqb H) */
+    /* tile t: query block t % nqb (longest first under the causal mask) of
+     * head t / nqb % H of batch entry t / (nqb H); round r of the walk
+     * gives tile r G + c to CTA c, or r G + G - 1 - c when r is odd, so
+     * that under the causal mask the CTAs that took the longest tiles of a
+     * round take the shortest of the next (a static schedule within 3% of
+     * the mean work a CTA up to 32 query blocks a head, where a stride of G
+     * left 0.75 of it at 8) */
+    auto tile_of = [&](int r) {
+        return r * (int)gridDim.x +
+               ((r & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+    };
+    const int rounds = (ntiles + (int)gridDim.x - 1) / (int)gridDim.x;
     auto tile_at = [&](int t, int *h, int *b) {
         *h = t / nqb % p.H;
         *b = t / nqb / p.H;
@@ -493,7 +504,10 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
         regs_dec<24>();
         if (tid == 0) {
             int n = 0, k = 0; /* K/V blocks and tiles with keys so far */
-            for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+            for (int r = 0; r < rounds; r++) {
+                const int t = tile_of(r);
+                if (t >= ntiles)
+                    continue;
                 int h, b;
                 const QueryBlock q = tile_at(t, &h, &b);
                 if (q.nkb == q.kb0)
@@ -526,7 +540,10 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
         float o[DO / 2], s[BC / 2];
         uint32_t pa[BC / 16][4];
         int n = 0, k = 0;
-        for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        for (int r = 0; r < rounds; r++) {
+            const int t = tile_of(r);
+            if (t >= ntiles)
+                continue;
             int h, b;
             const QueryBlock q = tile_at(t, &h, &b);
             const float sink2 = flash_sink_log2(p, h);
@@ -587,16 +604,21 @@ static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
 /* The warp-specialised kernel for p, if it takes it: not for varlen, not
  * with FT_NO_WS set (which keeps the wgmma kernel, for comparison), from
  * the row's min_keys on (at any length with FT_WS set, which the specs
- * use), and only where the copy engine takes the tensors. *launched says
- * whether it ran. A dry rtc (compiling a mod's kernels) has no tensors:
- * the kernel is named and compiled. */
+ * use), and only where the copy engine takes the tensors; its persistent
+ * form up to persist_max_keys keys (at any length with FT_PERSIST set,
+ * never with FT_WS or FT_NO_PERSIST set). *launched says whether it ran.
+ * A dry rtc (compiling a mod's kernels) has no tensors: the kernels are
+ * named and compiled. */
 template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT>
-static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys, bool *launched)
+static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys,
+                               int persist_max_keys, bool *launched)
 {
     using L = Sm90WsFwdSmem<D, BC, STAGES>;
     *launched = false;
+    const bool persist = D == 128 && !env_set("FT_NO_PERSIST") &&
+                         (env_set("FT_PERSIST") || (p.Nk <= persist_max_keys && !env_set("FT_WS")));
     if (p.cu_q || env_set("FT_NO_WS") ||
-        (p.Nk < min_keys && !env_set("FT_WS") && !(D == 128 && env_set("FT_PERSIST")) && p.q.data))
+        (p.Nk < min_keys && !env_set("FT_WS") && !persist && p.q.data))
         return FT_OK;
     FwdMaps maps;
     memset(&maps, 0, sizeof maps);
@@ -606,7 +628,7 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
         return FT_OK;
     *launched = true;
     if constexpr (D == 128) /* head dims 65 to 128 for now */
-    if (env_set("FT_PERSIST")) {
+    if (persist || !p.q.data) {
         using LP = Sm90WsPersistSmem<D, BC, STAGES>;
         const int64_t tiles = (int64_t)((p.Nq + L::BR - 1) / L::BR) * p.H * p.B;
         int dev = 0, sms = 0; /* the SMs (a dry rtc launches nothing: any count) */
@@ -614,11 +636,15 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         if (sms <= 0)
             sms = 132;
-        if (tiles > 0 && tiles < 2147483647LL)
-            return flash_launch(rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
-                                [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
-                                dim3((unsigned)(tiles < sms ? tiles : sms)), 3 * WG_THREADS, LP::bytes, p,
-                                "ft_attention_forward", maps);
+        if (!p.q.data || (tiles > 0 && tiles < 2147483647LL)) {
+            const ft_status st = flash_launch(
+                rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
+                [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
+                dim3((unsigned)(tiles < sms ? tiles : sms)), 3 * WG_THREADS, LP::bytes, p,
+                "ft_attention_forward", maps);
+            if (p.q.data || st != FT_OK)
+                return st; /* a dry rtc compiles the other one too */
+        }
     }
     return flash_launch(rtc, FLASH_FILE, flash_fwd_ws_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
                         [] { return rtc_name("flash_fwd_ws_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
@@ -641,7 +667,7 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
             shorter = c.min_keys || c.min_keys_causal;
             if constexpr (c.BC > 0)
                 return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.turns, EXT>(
-                    p, rtc, p.causal ? c.min_keys_causal : c.min_keys, &done);
+                    p, rtc, p.causal ? c.min_keys_causal : c.min_keys, c.persist_max_keys, &done);
             return FT_OK;
         }));
         if (done && (p.q.data || !shorter))
