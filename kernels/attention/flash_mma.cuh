@@ -100,19 +100,29 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t *r, const void *p)
                  : "r"(smem_addr(p)));
 }
 
-/* 16 bytes global -> shared, zero-filled when !valid. */
+/* 16 bytes global -> shared, zero-filled when !valid. The copies and the
+ * waits carry a "memory" clobber, so that the compiler keeps this
+ * thread's own loads and stores of the destination on their side of them
+ * (the CTA barriers after the waits are compiler barriers too). */
 __device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool valid)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-                 "l"(src), "r"(valid ? 16 : 0));
+                 "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+__device__ __forceinline__ void cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all()
+{
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
 /* wait until at most N of this thread's cp.async groups are pending */
 template <int N> __device__ __forceinline__ void cp_async_wait()
 {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 /* Copies rows row0 .. row0+ROWS-1 of head `head` of t (batch b) into a

@@ -22,7 +22,8 @@
 __device__ __forceinline__ void cp_async_4(void *dst, const void *src, bool valid)
 {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 4 : 0));
+                 "r"(valid ? 4 : 0)
+                 : "memory");
 }
 
 /* Stores this warp's rows (row0 + g, + 8) of a 64 x D accumulator into
