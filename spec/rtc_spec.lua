@@ -50,10 +50,11 @@ describe("mods as CUDA source, compiled with NVRTC (no GPU needed)", function()
     }
   end
 
-  -- On sm_90a at d = 64 and 128 the forward has two kernels: the
-  -- warp-specialised one, and the wgmma one that shorter calls take.
+  -- On sm_90a the forward has two kernels at d = 64 (the warp-specialised
+  -- one, and the wgmma one that shorter calls take) and three at d = 128
+  -- (the persistent form of the first, too).
   cuda_it("every operation compiles into the forward kernels: Hopper's (sm_90a) and mma.sync (sm_80), bf16 and f16", function()
-    local targets = { { "bf16", 64, "sm_90a", 2 }, { "f16", 64, "sm_80", 1 }, { "f16", 128, "sm_90a", 2 } }
+    local targets = { { "bf16", 64, "sm_90a", 2 }, { "f16", 64, "sm_80", 1 }, { "f16", 128, "sm_90a", 3 } }
     for n, case in ipairs(three_mods()) do
       local t = targets[n]
       assert.are.equal(t[4], ft.cuda.compile_mods(case[2], { dtype = t[1], head_dim = t[2], arch = t[3],
@@ -61,10 +62,12 @@ describe("mods as CUDA source, compiled with NVRTC (no GPU needed)", function()
     end
   end)
 
+  -- The Hopper backward: the warp-specialised dK/dV and dQ kernels, and the
+  -- wgmma ones (varlen calls take those).
   cuda_it("a mask alone and a score alone compile, forward and backward (the mask's backward in the plain kernels), then come from the disk cache", function()
     local mask = ft.attention_mods { mask = function(b, hh, i, j) return ft.all(j:le(i), j:ge(i - 37)) end }
     local score = ft.attention_mods { score = function(s) return (s / 30):tanh() * 30 end }
-    assert.are.equal(4, ft.cuda.compile_mods(mask, { dtype = "bf16", head_dim = 64, arch = "sm_90a", cache = false }))
+    assert.are.equal(6, ft.cuda.compile_mods(mask, { dtype = "bf16", head_dim = 64, arch = "sm_90a", cache = false }))
     assert.are.equal(3, ft.cuda.compile_mods(score, { dtype = "f16", head_dim = 64, arch = "sm_80", cache = false }))
     assert.are.equal(0, ft.cuda.compile_mods(score, { dtype = "f16", head_dim = 64, arch = "sm_80" }))
   end)
@@ -73,8 +76,10 @@ describe("mods as CUDA source, compiled with NVRTC (no GPU needed)", function()
     -- a constant of this run keeps the kernels out of any earlier cache
     local c = 1 + math.random(1, 1000000) / 1e7
     local bias = ft.attention_mods { score = function(s, b, hh, i, j) return s * c + rel[hh][(i - j) % 64 + 1] end }
+    -- (the gradients' pair is the mma.sync one; without them, on sm_90a two
+    -- pairs: the warp-specialised kernels and the wgmma ones)
     assert.are.equal(2, ft.cuda.compile_mods(bias, { dtype = "bf16", head_dim = 64, arch = "sm_90a", pass = "bwd" }))
-    assert.are.equal(2, ft.cuda.compile_mods(bias, { dtype = "bf16", head_dim = 64, arch = "sm_90a", pass = "bwd",
+    assert.are.equal(4, ft.cuda.compile_mods(bias, { dtype = "bf16", head_dim = 64, arch = "sm_90a", pass = "bwd",
                                                      grads = false }))
     assert.are.equal(0, ft.cuda.compile_mods(bias, { dtype = "bf16", head_dim = 64, arch = "sm_90a", pass = "bwd",
                                                      grads = true }))

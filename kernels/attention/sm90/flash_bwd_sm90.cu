@@ -1207,21 +1207,24 @@ static bool bwd_ws_maps(const FlashParams &p, int q_rows, int kv_rows, BwdMaps *
 }
 
 /* dK/dV, then dQ: the warp-specialised kernels where bwd_ws_wanted and
- * bwd_ws_maps say so, the wgmma kernels otherwise. */
+ * bwd_ws_maps say so, the wgmma kernels otherwise. A dry rtc (compiling a
+ * mod's kernels) compiles both kinds: varlen calls take the wgmma ones. */
 template <typename T, int D, int DK, int BM, int BC, bool TURNS, bool EXT>
 static ft_status launch_bwd_wgmma(const FlashParams &p, FlashRtc *rtc)
 {
     constexpr int NWG = 2, BN = 64 * NWG, BR = 64 * NWG, ST = BWD_STAGES;
     const char *func = "ft_attention_backward";
-    const bool ws = bwd_ws_wanted(p);
+    const bool ws = bwd_ws_wanted(p), dry = !p.q.data;
     BwdMaps maps;
-    if (p.Nk > 0 && ws && bwd_ws_maps(p, BM, BN, &maps)) {
+    const bool ws_kv = p.Nk > 0 && ws && bwd_ws_maps(p, BM, BN, &maps);
+    if (ws_kv) {
         using L = Sm90WsDkdvSmem<D, BM, ST, EXT>;
         FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_ws_kernel<T, D, DK, BM, ST, TURNS, EXT>,
                             [] { return rtc_name("flash_bwd_dkdv_ws_kernel", TypeOf<T>(), D, DK, BM, ST, TURNS, EXT); },
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), 3 * WG_THREADS, L::bytes, p,
                             func, maps));
-    } else if (p.Nk > 0) {
+    }
+    if (p.Nk > 0 && (!ws_kv || dry)) {
         FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dkdv_wgmma_kernel<T, D, DK, BM, NWG, TURNS, EXT>,
                             [] { return rtc_name("flash_bwd_dkdv_wgmma_kernel", TypeOf<T>(), D, DK, BM, NWG, TURNS, EXT); },
                             dim3((p.Nk + BN - 1) / BN, p.Hk, p.B), NWG * WG_THREADS,
@@ -1229,10 +1232,12 @@ static ft_status launch_bwd_wgmma(const FlashParams &p, FlashRtc *rtc)
     }
     if (ws && bwd_ws_maps(p, BR, BC, &maps)) {
         using L = Sm90WsDqSmem<D, BC, ST>;
-        return flash_launch(rtc, FLASH_FILE, flash_bwd_dq_ws_kernel<T, D, DK, BC, ST, TURNS, EXT>,
+        FT_TRY(flash_launch(rtc, FLASH_FILE, flash_bwd_dq_ws_kernel<T, D, DK, BC, ST, TURNS, EXT>,
                             [] { return rtc_name("flash_bwd_dq_ws_kernel", TypeOf<T>(), D, DK, BC, ST, TURNS, EXT); },
                             dim3((p.Nq + BR - 1) / BR, p.H, p.B), 3 * WG_THREADS, L::bytes, p, func,
-                            maps);
+                            maps));
+        if (!dry)
+            return FT_OK;
     }
     return flash_launch(rtc, FLASH_FILE, flash_bwd_dq_wgmma_kernel<T, D, DK, BC, NWG, TURNS, EXT>,
                         [] { return rtc_name("flash_bwd_dq_wgmma_kernel", TypeOf<T>(), D, DK, BC, NWG, TURNS, EXT); },
