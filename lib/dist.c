@@ -9,10 +9,12 @@
  *     takes one tensor per local rank, issued as one NCCL group.
  *   - One process per GPU (ft_dist_init_rank): rank 0 writes NCCL's unique
  *     id into a file (written beside it, then renamed: the others never read
- *     half an id), the others wait for it; every rank then joins with a
- *     non-blocking NCCL init and polls it. A rank that does not come within
- *     the timeout makes every rank that did fail with an error saying whom it
- *     waited for, instead of hanging (scripts/ftrun starts such ranks).
+ *     half an id), the others wait for it; then every rank joins through
+ *     marker files beside it (join_files), and only once all have joined
+ *     through a non-blocking NCCL init, polled. A rank that does not come
+ *     within the timeout makes every rank that did fail with an error saying
+ *     whom it waited for, instead of hanging, and without an NCCL init to
+ *     abandon (scripts/ftrun starts such ranks).
  *
  * Streams. Every local rank has a communication stream of its own
  * (non-blocking, so the legacy default stream, where flashtile's kernels
@@ -279,6 +281,104 @@ static ft_status read_id(const char *func, const char *path, ncclUniqueId *id, i
     }
 }
 
+/* The marker files of the join beside the id file: <id_file>.joined.<r>
+ * (rank r has read the id) and <id_file>.go (rank 0 has seen every rank's
+ * marker), each holding the id it is about, so that the files of an
+ * earlier run count for nothing. */
+static ft_status marker_path(const char *func, char *buf, size_t n, const char *id_file,
+                             int rank)
+{
+    const int w = rank > 0 ? snprintf(buf, n, "%s.joined.%d", id_file, rank)
+                           : snprintf(buf, n, "%s.go", id_file);
+    if (w < 0 || (size_t)w >= n)
+        return ft_fail(FT_ERR_ARGUMENT, func, 4, "id_file path is too long");
+    return FT_OK;
+}
+
+/* Whether the file at path holds exactly id. */
+static int holds_id(const char *path, const ncclUniqueId *id)
+{
+    ncclUniqueId got;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return 0;
+    const size_t r = fread(&got, 1, sizeof got, f);
+    const int extra = fgetc(f) != EOF;
+    fclose(f);
+    return r == sizeof got && !extra && memcmp(&got, id, sizeof got) == 0;
+}
+
+/* Every rank's join, through files, before NCCL's: rank 0 waits for the
+ * other ranks' markers, then writes the go marker; the others write theirs
+ * and wait for it (joining again if the id file changes under them: they
+ * had read an earlier run's). A rank that does not come within the
+ * timeout makes every rank that did fail with an error, before any of
+ * them starts NCCL's init (abandoning an init in progress after a
+ * timeout, ncclCommAbort, took the whole process down with it on an H200,
+ * rank 0 alone). */
+static ft_status join_files(const char *func, const char *id_file, ncclUniqueId *id, int rank,
+                            int world, double deadline, double timeout_s)
+{
+    char path[4096], go[4096];
+    FT_TRY(marker_path(func, go, sizeof go, id_file, 0));
+    if (rank > 0) {
+        FT_TRY(marker_path(func, path, sizeof path, id_file, rank));
+        FT_TRY(write_id(func, path, id));
+        while (!holds_id(go, id)) {
+            ncclUniqueId now;
+            FILE *f = fopen(id_file, "rb");
+            if (f) {
+                const size_t r = fread(&now, 1, sizeof now, f);
+                fclose(f);
+                if (r == sizeof now && memcmp(&now, id, sizeof now) != 0) {
+                    *id = now;
+                    FT_TRY(write_id(func, path, id));
+                    continue;
+                }
+            }
+            if (now_s() > deadline) {
+                remove(path);
+                return ft_fail(FT_ERR_DEVICE, func, 0,
+                               "rank %d of %d: rank 0 did not see all %d ranks join within %.0f s "
+                               "(a rank failed or was not started)", rank, world, world, timeout_s);
+            }
+            sleep_ms(10);
+        }
+        remove(path);
+        return FT_OK;
+    }
+    for (;;) {
+        char missing[160] = "";
+        size_t used = 0;
+        int nmissing = 0;
+        for (int r = 1; r < world; r++) {
+            FT_TRY(marker_path(func, path, sizeof path, id_file, r));
+            if (holds_id(path, id))
+                continue;
+            if (nmissing < 8) {
+                const int w = snprintf(missing + used, sizeof missing - used, "%s%d",
+                                       nmissing ? ", " : "", r);
+                if (w > 0 && used + (size_t)w < sizeof missing)
+                    used += (size_t)w;
+            }
+            nmissing++;
+        }
+        if (nmissing == 0)
+            break;
+        if (now_s() > deadline)
+            return ft_fail(FT_ERR_DEVICE, func, 0,
+                           "rank 0 of %d: the other ranks did not all join within %.0f s (no word "
+                           "from rank%s %s%s; a rank failed or was not started)",
+                           world, timeout_s, nmissing > 1 ? "s" : "", missing,
+                           nmissing > 8 ? ", ..." : "");
+        sleep_ms(10);
+    }
+    for (int r = 1; r < world; r++)
+        if (marker_path(func, path, sizeof path, id_file, r) == FT_OK)
+            remove(path);
+    return write_id(func, go, id);
+}
+
 ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, const char *id_file,
                             double timeout_s)
 {
@@ -299,12 +399,18 @@ ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, cons
     multicast_off();
     FT_TRY(ft_cuda_use_device(device, func));
     ncclUniqueId id;
+    char go[4096];
+    FT_TRY(marker_path(func, go, sizeof go, id_file, 0));
     if (rank == 0) {
+        remove(go); /* an earlier run's */
         NCCL_TRY(func, NULL, N.GetUniqueId(&id));
         FT_TRY(write_id(func, id_file, &id));
     } else {
         FT_TRY(read_id(func, id_file, &id, rank, deadline, timeout_s));
     }
+    if (world > 1)
+        FT_TRY(join_files(func, id_file, &id, rank, world, deadline, timeout_s));
+    const double init_deadline = now_s() + timeout_s; /* every rank has come */
     ft_comm *c = calloc(1, sizeof *c);
     if (!c)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
@@ -328,10 +434,10 @@ ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, cons
                 break;
             else if (state != ncclInProgress)
                 st = nccl_fail(state, c->comm[0], func, "ncclCommInitRankConfig");
-            else if (now_s() > deadline)
+            else if (now_s() > init_deadline)
                 st = ft_fail(FT_ERR_DEVICE, func, 0,
-                             "rank %d of %d: the other ranks did not all join within %.0f s "
-                             "(a rank failed or was not started)", rank, world, timeout_s);
+                             "rank %d of %d: NCCL's init did not finish within %.0f s of every "
+                             "rank's joining (a rank failed after joining)", rank, world, timeout_s);
             else
                 sleep_ms(1);
         }
@@ -340,6 +446,8 @@ ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, cons
         N.CommAbort(c->comm[0]);
         c->comm[0] = NULL;
     }
+    if (st == FT_OK && rank == 0 && world > 1)
+        remove(go); /* every rank is past it: NCCL's init has seen them all */
     if (st == FT_OK)
         st = local_setup(c, 0, func);
     if (st != FT_OK) {
