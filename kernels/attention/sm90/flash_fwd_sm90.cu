@@ -427,8 +427,8 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 }
 
 /* The persistent form of the warp-specialised forward (head dims 65 to
- * 128, up to the tile row's persist_max_keys keys, or at any length with
- * FT_PERSIST=1): a grid of at most one CTA an SM, each taking tiles (query
+ * 128 up to the tile row's persist_max_keys keys; head dims 33 to 128 at
+ * any length with FT_PERSIST=1, d <= 64 not measured yet): a grid of at most one CTA an SM, each taking tiles (query
  * block, head, batch entry) in rounds of the grid's size, the query blocks
  * of one head next to each other (they share its K/V copies in L2),
  * longest first under the causal mask, snaking (tile_of). The K/V ring and its
@@ -606,17 +606,18 @@ static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
  * the row's min_keys on (at any length with FT_WS set, which the specs
  * use), and only where the copy engine takes the tensors; its persistent
  * form up to persist_max_keys keys (at any length with FT_PERSIST set,
- * never with FT_WS or FT_NO_PERSIST set). *launched says whether it ran.
- * A dry rtc (compiling a mod's kernels) has no tensors: the kernels are
- * named and compiled. */
+ * d 64 included, never with FT_WS or FT_NO_PERSIST set). *launched says
+ * whether it ran. A dry rtc (compiling a mod's kernels) has no tensors:
+ * the kernels the defaults may take are named and compiled. */
 template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT>
 static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys,
                                int persist_max_keys, bool *launched)
 {
     using L = Sm90WsFwdSmem<D, BC, STAGES>;
     *launched = false;
-    const bool persist = D == 128 && !env_set("FT_NO_PERSIST") &&
-                         (env_set("FT_PERSIST") || (p.Nk <= persist_max_keys && !env_set("FT_WS")));
+    const bool persist = (D == 64 || D == 128) && !env_set("FT_NO_PERSIST") &&
+                         (env_set("FT_PERSIST") ||
+                          (persist_max_keys > 0 && p.Nk <= persist_max_keys && !env_set("FT_WS")));
     if (p.cu_q || env_set("FT_NO_WS") ||
         (p.Nk < min_keys && !env_set("FT_WS") && !persist && p.q.data))
         return FT_OK;
@@ -627,8 +628,8 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
                       flash_tma_map(&maps.v, p.v, p.B, p.Nk, p.Hk, p.d, BC, p.dtype)))
         return FT_OK;
     *launched = true;
-    if constexpr (D == 128) /* head dims 65 to 128 for now */
-    if (persist || !p.q.data) {
+    if constexpr (D == 64 || D == 128) /* head dims 33 to 128 for now */
+    if (persist || (!p.q.data && persist_max_keys > 0)) {
         using LP = Sm90WsPersistSmem<D, BC, STAGES>;
         const int64_t tiles = (int64_t)((p.Nq + L::BR - 1) / L::BR) * p.H * p.B;
         int dev = 0, sms = 0; /* the SMs (a dry rtc launches nothing: any count) */
