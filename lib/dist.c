@@ -240,7 +240,7 @@ ft_status ft_dist_init_devices(ft_comm **out, int n, const int *devices)
 }
 
 /* Rank 0: a fresh id into path (through path.<pid>, renamed). */
-static ft_status write_id(const char *func, const char *path, const ncclUniqueId *id)
+static ft_status write_bytes(const char *func, const char *path, const void *bytes, size_t n)
 {
     char tmp[4096];
     if (snprintf(tmp, sizeof tmp, "%s.%ld", path, (long)getpid()) >= (int)sizeof tmp)
@@ -248,8 +248,8 @@ static ft_status write_id(const char *func, const char *path, const ncclUniqueId
     FILE *f = fopen(tmp, "wb");
     if (!f)
         return ft_fail(FT_ERR_IO, func, 4, "cannot write %s: %s", tmp, strerror(errno));
-    const size_t w = fwrite(id, 1, sizeof *id, f);
-    if (fclose(f) != 0 || w != sizeof *id) {
+    const size_t w = fwrite(bytes, 1, n, f);
+    if (fclose(f) != 0 || w != n) {
         remove(tmp);
         return ft_fail(FT_ERR_IO, func, 4, "cannot write %s", tmp);
     }
@@ -259,6 +259,11 @@ static ft_status write_id(const char *func, const char *path, const ncclUniqueId
         return ft_fail(FT_ERR_IO, func, 4, "cannot rename %s to %s: %s", tmp, path, strerror(e));
     }
     return FT_OK;
+}
+
+static ft_status write_id(const char *func, const char *path, const ncclUniqueId *id)
+{
+    return write_bytes(func, path, id, sizeof *id);
 }
 
 /* The other ranks: wait until the id is there (or the deadline). */
@@ -282,9 +287,15 @@ static ft_status read_id(const char *func, const char *path, ncclUniqueId *id, i
 }
 
 /* The marker files of the join beside the id file: <id_file>.joined.<r>
- * (rank r has read the id) and <id_file>.go (rank 0 has seen every rank's
- * marker), each holding the id it is about, so that the files of an
- * earlier run count for nothing. */
+ * (rank r has read the id: the id and a number of this rank's own) and
+ * <id_file>.go (rank 0 has seen every rank's marker: the id and the
+ * ranks' numbers), so that the files of an earlier run count for nothing,
+ * a go file that rank 0 left behind included. */
+typedef struct {
+    ncclUniqueId id;
+    uint64_t nonce;
+} JoinMark;
+
 static ft_status marker_path(const char *func, char *buf, size_t n, const char *id_file,
                              int rank)
 {
@@ -295,66 +306,92 @@ static ft_status marker_path(const char *func, char *buf, size_t n, const char *
     return FT_OK;
 }
 
-/* Whether the file at path holds exactly id. */
-static int holds_id(const char *path, const ncclUniqueId *id)
+/* Reads exactly n bytes from path (0: absent, shorter or longer). */
+static int read_exact(const char *path, void *buf, size_t n)
 {
-    ncclUniqueId got;
     FILE *f = fopen(path, "rb");
     if (!f)
         return 0;
-    const size_t r = fread(&got, 1, sizeof got, f);
+    const size_t r = fread(buf, 1, n, f);
     const int extra = fgetc(f) != EOF;
     fclose(f);
-    return r == sizeof got && !extra && memcmp(&got, id, sizeof got) == 0;
+    return r == n && !extra;
+}
+
+static uint64_t join_nonce(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    uint64_t x = ((uint64_t)getpid() << 32) ^ (uint64_t)t.tv_sec * 1000000007u ^ (uint64_t)t.tv_nsec;
+    x ^= x >> 33, x *= 0xff51afd7ed558ccdULL, x ^= x >> 33; /* mixed */
+    return x ? x : 1;
 }
 
 /* Every rank's join, through files, before NCCL's: rank 0 waits for the
- * other ranks' markers, then writes the go marker; the others write theirs
- * and wait for it (joining again if the id file changes under them: they
- * had read an earlier run's). A rank that does not come within the
- * timeout makes every rank that did fail with an error, before any of
- * them starts NCCL's init (abandoning an init in progress after a
- * timeout, ncclCommAbort, took the whole process down with it on an H200,
- * rank 0 alone). */
+ * other ranks' markers, then writes the go marker with their numbers; the
+ * others write theirs and wait for a go marker that holds their id and
+ * number (joining again if the id file changes under them: they had read
+ * an earlier run's). A rank that does not come within the timeout makes
+ * every rank that did fail with an error, before any of them starts
+ * NCCL's init (abandoning an init in progress after a timeout,
+ * ncclCommAbort, took the whole process down with it on an H200, rank 0
+ * alone). */
 static ft_status join_files(const char *func, const char *id_file, ncclUniqueId *id, int rank,
                             int world, double deadline, double timeout_s)
 {
     char path[4096], go[4096];
     FT_TRY(marker_path(func, go, sizeof go, id_file, 0));
+    const size_t go_bytes = sizeof *id + (size_t)(world - 1) * sizeof(uint64_t);
+    unsigned char *buf = malloc(go_bytes);
+    if (!buf)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    ft_status st = FT_OK;
     if (rank > 0) {
-        FT_TRY(marker_path(func, path, sizeof path, id_file, rank));
-        FT_TRY(write_id(func, path, id));
-        while (!holds_id(go, id)) {
+        JoinMark me;
+        me.id = *id, me.nonce = join_nonce();
+        st = marker_path(func, path, sizeof path, id_file, rank);
+        if (st == FT_OK)
+            st = write_bytes(func, path, &me, sizeof me);
+        while (st == FT_OK) {
+            uint64_t got;
+            if (read_exact(go, buf, go_bytes) && memcmp(buf, id, sizeof *id) == 0 &&
+                (memcpy(&got, buf + sizeof *id + (size_t)(rank - 1) * sizeof got, sizeof got),
+                 got == me.nonce))
+                break;
             ncclUniqueId now;
-            FILE *f = fopen(id_file, "rb");
-            if (f) {
-                const size_t r = fread(&now, 1, sizeof now, f);
-                fclose(f);
-                if (r == sizeof now && memcmp(&now, id, sizeof now) != 0) {
-                    *id = now;
-                    FT_TRY(write_id(func, path, id));
-                    continue;
-                }
+            if (read_exact(id_file, &now, sizeof now) && memcmp(&now, id, sizeof now) != 0) {
+                *id = me.id = now; /* a new run's id: join it */
+                st = write_bytes(func, path, &me, sizeof me);
+                continue;
             }
             if (now_s() > deadline) {
                 remove(path);
-                return ft_fail(FT_ERR_DEVICE, func, 0,
-                               "rank %d of %d: rank 0 did not see all %d ranks join within %.0f s "
-                               "(a rank failed or was not started)", rank, world, world, timeout_s);
+                st = ft_fail(FT_ERR_DEVICE, func, 0,
+                             "rank %d of %d: rank 0 did not see all %d ranks join within %.0f s "
+                             "(a rank failed or was not started)", rank, world, world, timeout_s);
+                break;
             }
             sleep_ms(10);
         }
-        remove(path);
-        return FT_OK;
+        if (st == FT_OK)
+            remove(path);
+        free(buf);
+        return st;
     }
+    memcpy(buf, id, sizeof *id);
     for (;;) {
         char missing[160] = "";
         size_t used = 0;
         int nmissing = 0;
-        for (int r = 1; r < world; r++) {
-            FT_TRY(marker_path(func, path, sizeof path, id_file, r));
-            if (holds_id(path, id))
+        for (int r = 1; r < world && st == FT_OK; r++) {
+            JoinMark m;
+            st = marker_path(func, path, sizeof path, id_file, r);
+            if (st == FT_OK && read_exact(path, &m, sizeof m) &&
+                memcmp(&m.id, id, sizeof *id) == 0) {
+                memcpy(buf + sizeof *id + (size_t)(r - 1) * sizeof m.nonce, &m.nonce,
+                       sizeof m.nonce);
                 continue;
+            }
             if (nmissing < 8) {
                 const int w = snprintf(missing + used, sizeof missing - used, "%s%d",
                                        nmissing ? ", " : "", r);
@@ -363,20 +400,26 @@ static ft_status join_files(const char *func, const char *id_file, ncclUniqueId 
             }
             nmissing++;
         }
-        if (nmissing == 0)
+        if (st != FT_OK || nmissing == 0)
             break;
-        if (now_s() > deadline)
-            return ft_fail(FT_ERR_DEVICE, func, 0,
-                           "rank 0 of %d: the other ranks did not all join within %.0f s (no word "
-                           "from rank%s %s%s; a rank failed or was not started)",
-                           world, timeout_s, nmissing > 1 ? "s" : "", missing,
-                           nmissing > 8 ? ", ..." : "");
+        if (now_s() > deadline) {
+            st = ft_fail(FT_ERR_DEVICE, func, 0,
+                         "rank 0 of %d: the other ranks did not all join within %.0f s (no word "
+                         "from rank%s %s%s; a rank failed or was not started)",
+                         world, timeout_s, nmissing > 1 ? "s" : "", missing,
+                         nmissing > 8 ? ", ..." : "");
+            break;
+        }
         sleep_ms(10);
     }
-    for (int r = 1; r < world; r++)
-        if (marker_path(func, path, sizeof path, id_file, r) == FT_OK)
-            remove(path);
-    return write_id(func, go, id);
+    if (st == FT_OK) {
+        for (int r = 1; r < world; r++)
+            if (marker_path(func, path, sizeof path, id_file, r) == FT_OK)
+                remove(path);
+        st = write_bytes(func, go, buf, go_bytes);
+    }
+    free(buf);
+    return st;
 }
 
 ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, const char *id_file,
@@ -446,8 +489,8 @@ ft_status ft_dist_init_rank(ft_comm **out, int rank, int world, int device, cons
         N.CommAbort(c->comm[0]);
         c->comm[0] = NULL;
     }
-    if (st == FT_OK && rank == 0 && world > 1)
-        remove(go); /* every rank is past it: NCCL's init has seen them all */
+    if (rank == 0 && world > 1)
+        remove(go); /* every rank is past it (NCCL's init has seen them all), or failed */
     if (st == FT_OK)
         st = local_setup(c, 0, func);
     if (st != FT_OK) {

@@ -606,7 +606,8 @@ static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
  * the row's min_keys on (at any length with FT_WS set, which the specs
  * use), and only where the copy engine takes the tensors; its persistent
  * form up to persist_max_keys keys (at any length with FT_PERSIST set,
- * d 64 included, never with FT_WS or FT_NO_PERSIST set). *launched says
+ * d 64 included; never with FT_NO_PERSIST set, nor by length with FT_WS
+ * set). *launched says
  * whether it ran. A dry rtc (compiling a mod's kernels) has no tensors:
  * the kernels the defaults may take are named and compiled. */
 template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT>
