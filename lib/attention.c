@@ -362,6 +362,12 @@ static ft_status check_cudnn(const char *func, int aq, int ap, const ft_tensor *
     return FT_OK;
 }
 
+/* The softmax scale: the one given, else 1 / sqrt(d). */
+static double attn_scale(double given, int64_t d)
+{
+    return given != 0 ? given : 1.0 / sqrt((double)d);
+}
+
 /* Checks q, k, v (inputs at positions aq, aq+1, aq+2) and the options
  * (position ap), and fills s. A varlen call leaves host arrays in s that
  * shape_free releases, also after a failure. */
@@ -449,7 +455,7 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
                        "impl = 'naive' or 'auto' (or the cpu)");
     if (!isfinite(p->scale))
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "scale must be finite, got %g", p->scale);
-    s->scale = p->scale != 0 ? p->scale : 1.0 / sqrt((double)s->d);
+    s->scale = attn_scale(p->scale, s->d);
     s->causal = p->causal != 0;
     if (p->block_q < 0 || p->block_q > MAX_BLOCK || p->block_k < 0 || p->block_k > MAX_BLOCK)
         return ft_fail(FT_ERR_ARGUMENT, func, ap,
@@ -683,6 +689,12 @@ static ft_attn_shape seq_shape(const ft_attn_shape *s, int64_t b)
     return one;
 }
 
+/* Whether p gives any fp8 descale factor. */
+static int descaled(const ft_attn_params *p)
+{
+    return p && (p->descale_q != 0 || p->descale_k != 0 || p->descale_v != 0);
+}
+
 /* A descale factor: 0 (not given: 1) or finite and positive. */
 static ft_status check_descale(const char *func, double x, const char *name, double *out)
 {
@@ -735,8 +747,8 @@ static ft_status fp8_forward(const char *func, ft_tensor **out, ft_tensor **lse,
         st = ft_to(&vc, vs, FT_BF16, v->device);
     if (st == FT_OK) {
         ft_attn_params p2 = *p;
-        const double d = q->ndim > 0 ? (double)q->shape[q->ndim - 1] : 1; /* else refused below */
-        p2.scale = (p->scale != 0 ? p->scale : 1 / sqrt(d > 0 ? d : 1)) * dq * dk;
+        const int64_t d = q->ndim > 0 ? q->shape[q->ndim - 1] : 1; /* else refused below */
+        p2.scale = attn_scale(p->scale, d > 0 ? d : 1) * dq * dk;
         p2.descale_q = p2.descale_k = p2.descale_v = 0;
         st = ft_attention_forward(&o, &l, qc, kc, cpu ? vs : vc, &p2);
     }
@@ -773,7 +785,7 @@ ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
     FT_TRY(ft_check_tensor(func, 1, q));
     if (q->dtype == FT_FP8_E4M3)
         return fp8_forward(func, out, lse, q, k, v, p);
-    if (p && (p->descale_q != 0 || p->descale_k != 0 || p->descale_v != 0))
+    if (descaled(p))
         return ft_fail(FT_ERR_ARGUMENT, func, 4,
                        "descale_q, descale_k and descale_v are for fp8_e4m3 inputs (q is %s)",
                        ft_dtype_name(q->dtype));
@@ -946,8 +958,7 @@ ft_status ft_attention_backward(ft_tensor **dq, ft_tensor **dk, ft_tensor **dv,
         return ft_fail(FT_ERR_UNSUPPORTED, func, 7,
                        "a KV cache call (cache_seqlens, k_new, v_new, block_table) is "
                        "decoding and has no backward; differentiate the full-sequence call");
-    if ((q && ft_check_tensor(func, 2, q) == FT_OK && q->dtype == FT_FP8_E4M3) ||
-        (p && (p->descale_q != 0 || p->descale_k != 0 || p->descale_v != 0)))
+    if ((q && ft_check_tensor(func, 2, q) == FT_OK && q->dtype == FT_FP8_E4M3) || descaled(p))
         return ft_fail(FT_ERR_UNSUPPORTED, func, 2,
                        "fp8_e4m3 attention (descale_q, descale_k, descale_v) is forward only, "
                        "as FlashAttention-3's: no backward");

@@ -266,18 +266,25 @@ static ft_status write_id(const char *func, const char *path, const ncclUniqueId
     return write_bytes(func, path, id, sizeof *id);
 }
 
+/* Reads exactly n bytes from path (0: absent, shorter or longer). */
+static int read_exact(const char *path, void *buf, size_t n)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return 0;
+    const size_t r = fread(buf, 1, n, f);
+    const int extra = fgetc(f) != EOF;
+    fclose(f);
+    return r == n && !extra;
+}
+
 /* The other ranks: wait until the id is there (or the deadline). */
 static ft_status read_id(const char *func, const char *path, ncclUniqueId *id, int rank,
                          double deadline, double timeout_s)
 {
     for (;;) {
-        FILE *f = fopen(path, "rb");
-        if (f) {
-            const size_t r = fread(id, 1, sizeof *id, f);
-            fclose(f);
-            if (r == sizeof *id)
-                return FT_OK;
-        }
+        if (read_exact(path, id, sizeof *id))
+            return FT_OK;
         if (now_s() > deadline)
             return ft_fail(FT_ERR_DEVICE, func, 0,
                            "rank %d: no id from rank 0 in %s after %.0f s (did rank 0 start? "
@@ -304,18 +311,6 @@ static ft_status marker_path(const char *func, char *buf, size_t n, const char *
     if (w < 0 || (size_t)w >= n)
         return ft_fail(FT_ERR_ARGUMENT, func, 4, "id_file path is too long");
     return FT_OK;
-}
-
-/* Reads exactly n bytes from path (0: absent, shorter or longer). */
-static int read_exact(const char *path, void *buf, size_t n)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return 0;
-    const size_t r = fread(buf, 1, n, f);
-    const int extra = fgetc(f) != EOF;
-    fclose(f);
-    return r == n && !extra;
 }
 
 static uint64_t join_nonce(void)

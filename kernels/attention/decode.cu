@@ -568,8 +568,8 @@ extern "C" int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, i
     const int B = (int)q->shape[0], G = (int)(q->shape[2] / Hk), d = (int)q->shape[3];
     const int M = (int)q->shape[1] * G, row_blocks = decode_row_blocks(M);
     /* CTAs that run at once: SMs x CTAs an SM holds */
-    int sms = 132, per_sm = 1;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q->device.index);
+    const int sms = flash_sm_count(q->device.index);
+    int per_sm = 1;
     decode_dispatch(q->dtype, d, M, [&](auto type, auto dd, auto wr) {
         using K = DecodeKernel<typename decltype(type)::type, decltype(dd)::value, decltype(wr)::value>;
         per_sm = K::per_sm("ft_attention_forward");

@@ -272,6 +272,10 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc);
 /* flash_bwd_sm90.cu: dK, dV, dQ once p.D holds rowsum(dO * O); Nq > 0. */
 ft_status flash_bwd_sm90(const FlashParams &p, FlashRtc *rtc);
 bool flash_sm90_usable(int device);
+/* The device's SM count, asked once a device (132, an H100/H200's, when
+ * the driver does not say): what persistent grids and split counts size
+ * themselves by. */
+int flash_sm_count(int device);
 
 /* A call with a modification written in Lua (rtc.cu) runs the same
  * kernels instantiated with its FtUserMod, compiled at run time: a

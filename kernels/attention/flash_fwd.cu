@@ -363,6 +363,22 @@ bool flash_sm90_usable(int device)
 #endif
 }
 
+int flash_sm_count(int device)
+{
+    enum { MAX_DEVICES = 64 };
+    static int known[MAX_DEVICES]; /* 0: not asked yet */
+    if (device < 0 || device >= MAX_DEVICES)
+        return 132;
+    if (!known[device]) {
+        int sms = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+            sms <= 0)
+            sms = 132;
+        known[device] = sms;
+    }
+    return known[device];
+}
+
 template <typename T, int D, int BC, int MT, bool EXT>
 static ft_status launch_fwd_mma(const FlashParams &p, FlashRtc *rtc)
 {

@@ -428,11 +428,11 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 
 /* The persistent form of the warp-specialised forward (head dims 65 to
  * 128 up to the tile row's persist_max_keys keys; head dims 33 to 128 at
- * any length with FT_PERSIST=1, d <= 64 not measured yet): a grid of at most one CTA an SM, each taking tiles (query
- * block, head, batch entry) in rounds of the grid's size, the query blocks
- * of one head next to each other (they share its K/V copies in L2),
- * longest first under the causal mask, snaking (tile_of). The K/V ring and its
- * phases run on across a CTA's tiles, and Q has an empty barrier too
+ * any length with FT_PERSIST=1, d <= 64 not measured yet): a grid of at
+ * most one CTA an SM, each taking tiles (query block, head, batch entry)
+ * in rounds of the grid's size, the query blocks of one head next to each
+ * other (they share its K/V copies in L2), longest first under the causal
+ * mask, snaking (tile_of). The K/V ring and its phases run on across a CTA's tiles, and Q has an empty barrier too
  * (the consumers hand it back once their last S product of a tile is
  * done), so the producer copies the next tile's Q and first K/V blocks
  * while the consumers finish this tile's last P V and store O and LSE. */
@@ -616,11 +616,11 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
 {
     using L = Sm90WsFwdSmem<D, BC, STAGES>;
     *launched = false;
+    const bool any_length = env_set("FT_WS");
     const bool persist = (D == 64 || D == 128) && !env_set("FT_NO_PERSIST") &&
                          (env_set("FT_PERSIST") ||
-                          (persist_max_keys > 0 && p.Nk <= persist_max_keys && !env_set("FT_WS")));
-    if (p.cu_q || env_set("FT_NO_WS") ||
-        (p.Nk < min_keys && !env_set("FT_WS") && !persist && p.q.data))
+                          (persist_max_keys > 0 && p.Nk <= persist_max_keys && !any_length));
+    if (p.cu_q || env_set("FT_NO_WS") || (p.Nk < min_keys && !any_length && !persist && p.q.data))
         return FT_OK;
     FwdMaps maps;
     memset(&maps, 0, sizeof maps);
@@ -633,11 +633,8 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
     if (persist || (!p.q.data && persist_max_keys > 0)) {
         using LP = Sm90WsPersistSmem<D, BC, STAGES>;
         const int64_t tiles = (int64_t)((p.Nq + L::BR - 1) / L::BR) * p.H * p.B;
-        int dev = 0, sms = 0; /* the SMs (a dry rtc launches nothing: any count) */
-        if (p.q.data && cudaGetDevice(&dev) == cudaSuccess)
-            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-        if (sms <= 0)
-            sms = 132;
+        int dev = 0; /* a dry rtc launches nothing: any count */
+        const int sms = p.q.data && cudaGetDevice(&dev) == cudaSuccess ? flash_sm_count(dev) : 132;
         if (!p.q.data || (tiles > 0 && tiles < 2147483647LL)) {
             const ft_status st = flash_launch(
                 rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
