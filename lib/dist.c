@@ -53,7 +53,12 @@
  * process that never uses flashtile.dist does not load it (nor its
  * threads and its gigabyte of kernels), and a machine without it still
  * loads flashtile. The library CMake found is tried first, then the
- * loader's libnccl.so.2. */
+ * loader's libnccl.so.2. First flashtile's own library and what it
+ * loaded (the C++ runtime among them) join the global scope: under a
+ * host that opened flashtile local (the Lua module under lua), NCCL's
+ * first call (ncclGetUniqueId) jumped to address 0 on an H200 machine,
+ * killing the process, NCCL itself opened global or not; with flashtile
+ * global, or linked into the executable, it runs. */
 static struct {
     const char *(*GetErrorString)(ncclResult_t);
     const char *(*GetLastError)(ncclComm_t);
@@ -86,6 +91,9 @@ static void nccl_open(void)
 #endif
         "libnccl.so.2", "libnccl.so"};
     void *lib = NULL;
+    Dl_info self;
+    if (dladdr((void *)nccl_open, &self) && self.dli_fname)
+        dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_GLOBAL); /* held for good */
     for (size_t i = 0; !lib && i < sizeof names / sizeof names[0]; i++)
         lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
