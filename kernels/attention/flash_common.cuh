@@ -652,6 +652,14 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
     for (int r = 0; r < 2; r++)
         rpos[r] = KEY_ROWS ? (float)(row0 + g + 8 * r) : m.pos(row0 + g + 8 * r);
     const float cbase = KEY_ROWS ? m.pos(col0 + 2 * t4) : (float)(col0 + 2 * t4);
+    /* ALiBi's distance from the rows' offsets to the first column: the
+     * distance to column K is then |off - K| with K a constant, one
+     * subtraction a score fewer than forming each column's position
+     * (exact: integers below 2^24, so the same bits) */
+    float off[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        off[r] = rpos[r] - cbase;
     /* and for UM, the indices as floats, 1-based (Lua's i and j) */
     float urow[2];
 #pragma unroll
@@ -671,9 +679,7 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int i = 2 * k + e;
-                const float rp = rpos[(i / 2) % 2], cp = cbase + (float)(8 * (i / 4) + e);
-                acc[i] = KEY_ROWS ? m.apply(kind, acc[i], cp, rp, &d[e])
-                                  : m.apply(kind, acc[i], rp, cp, &d[e]);
+                acc[i] = m.apply(kind, acc[i], off[(i / 2) % 2], (float)(8 * (i / 4) + e), &d[e]);
                 if (UM::on) { /* then the Lua-written one, on the scaled score */
                     const int r = row0 + g + 8 * ((i / 2) % 2), c = col0 + 8 * (i / 4) + 2 * t4 + e;
                     const int qi = KEY_ROWS ? c : r, kj = KEY_ROWS ? r : c;
