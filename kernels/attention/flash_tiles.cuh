@@ -79,10 +79,11 @@ static constexpr Sm90FwdTile SM90_FWD_TILES[] = {
  * (min_keys_causal under the causal mask): below, its longer start and end
  * (one CTA an SM, barriers, the first product with nothing to overlap)
  * weigh more than its faster loop and the wgmma kernel above is faster.
- * BC = 0: the wgmma kernel at any length. Up to persist_max_keys keys its
- * persistent form (flash_fwd_ws_persistent_kernel, D = 128 only) takes
- * the call: one CTA an SM walking the tiles, the next tile's copies under
- * this one's end. Measured on the H200, bf16 and f16 (kernels/README.md). */
+ * BC = 0: the wgmma kernel at any length. Where a block of rows sees up
+ * to persist_max_keys keys (a call that long, or a window bounded on both
+ * sides) its persistent form (flash_fwd_ws_persistent_kernel, D = 128
+ * only) takes the call: one CTA an SM walking the tiles, the next tile's
+ * copies under this one's end. Measured on the H200, bf16 and f16 (kernels/README.md). */
 struct Sm90WsFwdTile {
     int max_d, D, DK, BC, STAGES;
     bool turns;
