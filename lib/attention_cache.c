@@ -138,8 +138,7 @@ static ft_status sequence_keys(const cache_call *c, const ft_tensor *cache,
  * comparison. */
 static int decode_off(void)
 {
-    const char *off = getenv("FT_NO_DECODE");
-    return off && *off && strcmp(off, "0");
+    return ft_switch("FT_NO_DECODE") == 1;
 }
 
 /* Whether attention_decode_cpu.c takes the call: the cpu, f32 or f64,

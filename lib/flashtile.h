@@ -507,6 +507,16 @@ FT_API ft_status ft_attn_impl_parse(const char *name, ft_attn_impl *out);
 FT_API void ft_set_num_threads(int n);
 FT_API int ft_get_num_threads(void);
 
+/* Kernel switches, for comparing kernels (lib/switches.c): FT_NO_WGMMA,
+ * FT_NO_WS, FT_WS, FT_PERSIST, FT_NO_PERSIST, FT_NO_DECODE. ft_switch: 1
+ * on, 0 off, -1 for a name that is not a switch. ft_set_switch: on 1
+ * (on), 0 (off) or -1 (as the environment variable of that name says,
+ * which is also where each starts), process-wide, for the calls made
+ * after it. ft_switch_name(i): the names from i = 0, NULL past the last. */
+FT_API int ft_switch(const char *name);
+FT_API ft_status ft_set_switch(const char *name, int on);
+FT_API const char *ft_switch_name(int i);
+
 /* Forward: new tensors *out and *lse. Inputs: q=1, k=2, v=3, p=4. */
 FT_API ft_status ft_attention_forward(ft_tensor **out, ft_tensor **lse,
                                       const ft_tensor *q, const ft_tensor *k,

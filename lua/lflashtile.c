@@ -2202,6 +2202,40 @@ static int l_get_num_threads(lua_State *L)
     return 1;
 }
 
+/* ft.switch(name): whether the kernel switch is on (lib/switches.c);
+ * ft.set_switch(name, on): on true, false, or nil (as the environment
+ * variable of that name says). ft.switch_names(): their names. */
+static int l_switch(lua_State *L)
+{
+    const char *name = luaL_checkstring(L, 1);
+    const int on = ft_switch(name);
+    if (on < 0) {
+        CALL(L, 0, ft_set_switch(name, -1)); /* names the switches */
+    }
+    lua_pushboolean(L, on == 1);
+    return 1;
+}
+
+static int l_set_switch(lua_State *L)
+{
+    const char *name = luaL_checkstring(L, 1);
+    if (!lua_isnoneornil(L, 2))
+        luaL_checktype(L, 2, LUA_TBOOLEAN);
+    const int on = lua_isnoneornil(L, 2) ? -1 : lua_toboolean(L, 2);
+    CALL(L, 0, ft_set_switch(name, on));
+    return 0;
+}
+
+static int l_switch_names(lua_State *L)
+{
+    lua_newtable(L);
+    for (int i = 0; ft_switch_name(i); i++) {
+        lua_pushstring(L, ft_switch_name(i));
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
 /* mask = ft.attention_dropout_mask(B, H, Nq, Nk, {dropout_p =, seed =,
  * offset =, device =}) */
 static int l_attention_dropout_mask(lua_State *L)
@@ -2582,6 +2616,9 @@ static const luaL_Reg module_functions[] = {
     {"attention_mods_graph", l_attention_mods_graph},
     {"set_num_threads", l_set_num_threads},
     {"get_num_threads", l_get_num_threads},
+    {"switch", l_switch},
+    {"set_switch", l_set_switch},
+    {"switch_names", l_switch_names},
     {"attention_mods_eval", l_attention_mods_eval},
     {"attention_block_mask", l_attention_block_mask},
     {"attention_mods_compile", l_attention_mods_compile},

@@ -28,7 +28,12 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
   --impl LIST        flash, naive, cudnn (cuDNN's fused attention, in a
                      build with cuDNN) on cuda; tiled, naive on cpu
                      (default flash | tiled,naive); rows are also put
-                     against the last one of the list, in this run
+                     against the last one of the list, in this run;
+                     IMPL+SWITCH takes IMPL with a kernel switch on
+                     (ft.set_switch; several: flash+FT_WS+FT_PERSIST),
+                     e.g. --impl flash+FT_NO_PERSIST,flash compares the
+                     kernels in one process; the implementations of a
+                     configuration are timed one after the other
   --dtype LIST       f16, bf16, f32 (default f16,bf16 | f32)
   --hdim LIST        head dims (default 64,128 | 64)
   --seqlen LIST      sequence lengths (default 1024,4096,16384 | 256,1024)
@@ -183,9 +188,20 @@ local function bool(x)
   if x == "true" then return true elseif x == "false" then return false end
 end
 
-local impls = list("impl", on_gpu and "an implementation on cuda (flash, naive, cudnn; tiled needs --device cpu)"
-  or "an implementation on the cpu (tiled, naive; flash and cudnn need a CUDA GPU)",
-  on_gpu and one_of("flash", "naive", "cudnn") or one_of("tiled", "naive"))
+--- An implementation and the kernel switches it runs with: "flash" or
+-- "flash+FT_NO_PERSIST" (the switch's name is checked once flashtile is
+-- loaded).
+local function split_impl(x)
+  local base, rest = x:match("^([^+]+)(.*)$")
+  local switches = {}
+  for name in (rest or ""):gmatch("%+([^+]*)") do switches[#switches + 1] = name end
+  return base, switches
+end
+local base_impl_of = on_gpu and one_of("flash", "naive", "cudnn") or one_of("tiled", "naive")
+local impls = list("impl", on_gpu and "an implementation on cuda (flash, naive, cudnn, each with +SWITCH "
+  .. "or not; tiled needs --device cpu)"
+  or "an implementation on the cpu (tiled, naive, each with +SWITCH or not; flash and cudnn need a CUDA GPU)",
+  function(x) if base_impl_of(split_impl(x) or "") then return x end end)
 local dtypes = list("dtype", "a dtype (f16, bf16, f32)", one_of("f16", "bf16", "f32"))
 local hdims = list("hdim", "a positive integer", positive_int)
 local seqlens = list("seqlen", "a positive integer", positive_int)
@@ -253,6 +269,18 @@ if on_gpu then
   end
 end
 local timing = { warmup = warmup, reps = reps, device = on_gpu and device or nil }
+do
+  local known = {}
+  for _, name in ipairs(ft.switch_names()) do known[name] = true end
+  for _, impl in ipairs(impls) do
+    for _, name in ipairs(select(2, split_impl(impl))) do
+      if not known[name] then
+        die(2, "--impl: '%s' in '%s' is not a kernel switch (%s)", name, impl,
+          table.concat(ft.switch_names(), ", "))
+      end
+    end
+  end
+end
 
 -- every file now, not after the run (a file that is not there yet is not
 -- left behind)
@@ -687,6 +715,18 @@ local function measure(impl, dtype, d, N, causal, pass, var)
   return row
 end
 
+--- measure with impl's kernel switches on, and off again after (an error
+-- included); the row names impl as given.
+local function measure_switched(impl, ...)
+  local base, switches = split_impl(impl)
+  for _, name in ipairs(switches) do ft.set_switch(name, true) end
+  local ok_m, row = pcall(measure, base, ...)
+  for _, name in ipairs(switches) do ft.set_switch(name, nil) end
+  if not ok_m then error(row, 0) end
+  row.impl = impl
+  return row
+end
+
 -- ---- run everything -------------------------------------------------------------
 
 --- TFLOP/s with the given decimals, or 4 significant digits below 1 (a CPU's).
@@ -703,31 +743,34 @@ io.stderr:write(("flashtile bench on %s (%s): %d configurations\n"):format(devic
 -- it the first row read up to 20% low on the H200).
 if on_gpu then
   io.stderr:write("warming up\n")
-  pcall(measure, impls[1], dtypes[1], hdims[1], seqlens[1], causals[1], passes[1], variants[1])
+  pcall(measure_switched, impls[1], dtypes[1], hdims[1], seqlens[1], causals[1], passes[1], variants[1])
 end
+-- the implementations of one configuration one after the other, so that
+-- their ratio is taken at the same moment of the run
 for _, var in ipairs(variants) do
-for _, impl in ipairs(impls) do
   for _, dtype in ipairs(dtypes) do
     for _, d in ipairs(hdims) do
       for _, causal in ipairs(causals) do
         for _, pass in ipairs(passes) do
           for _, N in ipairs(seqlens) do
-            local ok_row, row = pcall(measure, impl, dtype, d, N, causal, pass, var)
-            if not ok_row then
-              local B, H = shape_of(d, N, var)
-              row = { impl = impl, dtype = dtype, d = d, N = N, causal = causal, pass = pass,
-                      B = B, H = H, variant = var.label, error = tostring(row) }
+            for _, impl in ipairs(impls) do
+              local ok_row, row = pcall(measure_switched, impl, dtype, d, N, causal, pass, var)
+              if not ok_row then
+                local B, H = shape_of(d, N, var)
+                row = { impl = impl, dtype = dtype, d = d, N = N, causal = causal, pass = pass,
+                        B = B, H = H, variant = var.label, error = tostring(row) }
+              end
+              rows[#rows + 1] = row
+              io.stderr:write(("[%d/%d] %s %s %s d=%d N=%d causal=%s %s: %s\n"):format(#rows, total,
+                var.label, impl, dtype, d, N, tostring(causal), pass,
+                row.error and ("FAILED " .. row.error)
+                  or ("%.3f ms, %s TFLOP/s"):format(row.ms, fmt_tflops(row.tflops, 1))))
             end
-            rows[#rows + 1] = row
-            io.stderr:write(("[%d/%d] %s %s %s d=%d N=%d causal=%s %s: %s\n"):format(#rows, total,
-              var.label, impl, dtype, d, N, tostring(causal), pass,
-              row.error and ("FAILED " .. row.error) or ("%.3f ms, %s TFLOP/s"):format(row.ms, fmt_tflops(row.tflops, 1))))
           end
         end
       end
     end
   end
-end
 end
 
 -- ---- table, CSV, plot -----------------------------------------------------------

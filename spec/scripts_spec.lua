@@ -118,6 +118,8 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
         { "--device tpu", "--device must be cuda, cuda:N or cpu, got 'tpu'" },
         { "--device cpu --impl flash", "--impl: 'flash' is not an implementation on the cpu" },
         { "--impl tiled", "--impl: 'tiled' is not an implementation on cuda" },
+        { "--device cpu --impl +FT_WS", "--impl: '+FT_WS' is not an implementation on the cpu" },
+        { "--device cpu --impl tiled+FT_BOGUS", "--impl: 'FT_BOGUS' in 'tiled+FT_BOGUS' is not a kernel switch" },
       }
       for _, case in ipairs(cases) do
         local out, status, seconds = lua("scripts/bench.lua", case[1])
@@ -156,6 +158,27 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       end
       assert.is_truthy(read_all(svg):find("^<svg"))
       rmdir(clone)
+      rmdir(work)
+    end)
+
+    it("takes an implementation with kernel switches on (IMPL+SWITCH), next to the same configuration without", function()
+      local work = tmpdir()
+      local csv = work .. "/r.csv"
+      local out, status = lua(ROOT .. "/scripts/bench.lua",
+        "--device cpu --dtype f32 --hdim 16 --seqlen 32,64 --causal true --pass fwd --impl tiled+FT_NO_DECODE,tiled"
+        .. " --tokens 64 --width 32 --warmup 0 --reps 1 --csv " .. quote(csv) .. " --plot " .. quote(work .. "/r.svg"),
+        { dir = work })
+      assert.are.equal(0, status, out)
+      assert.is_nil(out:find("FAILED", 1, true), out)
+      local rows = lines_of(read_all(csv))
+      assert.are.equal(1 + 4, #rows)
+      for i = 2, #rows, 2 do -- one configuration's two rows one after the other
+        assert.is_truthy(rows[i]:find("^none,tiled%+FT_NO_DECODE,f32,"), rows[i])
+        assert.is_truthy(rows[i + 1]:find("^none,tiled,f32,"), rows[i + 1])
+        assert.are.equal(rows[i]:match("^[^,]*,[^,]*,([^,]*,[^,]*,[^,]*,[^,]*,[^,]*,[^,]*,[^,]*)"),
+          rows[i + 1]:match("^[^,]*,[^,]*,([^,]*,[^,]*,[^,]*,[^,]*,[^,]*,[^,]*,[^,]*)"))
+        assert.is_truthy(rows[i]:find(",[%d.]+,tiled$"), rows[i])
+      end
       rmdir(work)
     end)
 

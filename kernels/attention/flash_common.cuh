@@ -266,8 +266,8 @@ bool flash_rows_aligned(const ft_tensor *const *ts, int n);
 
 /* flash_fwd_sm90.cu (built for 90a): the wgmma forward, head dims up to
  * 256, f16/bf16, rows aligned. flash_sm90_usable: it was built and the device
- * is of compute capability 9.0 (and FT_NO_WGMMA is not set in the
- * environment, which keeps the mma.sync kernels for comparison). */
+ * is of compute capability 9.0 (and the switch FT_NO_WGMMA, which keeps
+ * the mma.sync kernels for comparison, is off: lib/switches.c). */
 ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc);
 /* flash_bwd_sm90.cu: dK, dV, dQ once p.D holds rowsum(dO * O); Nq > 0. */
 ft_status flash_bwd_sm90(const FlashParams &p, FlashRtc *rtc);

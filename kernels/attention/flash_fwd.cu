@@ -353,10 +353,9 @@ bool flash_sm90_usable(int device)
         int major = 0, minor = 0;
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-        const char *off = getenv("FT_NO_WGMMA");
-        known[device] = major == 9 && minor == 0 && !(off && *off && strcmp(off, "0")) ? 1 : 2;
+        known[device] = major == 9 && minor == 0 ? 1 : 2;
     }
-    return known[device] == 1;
+    return known[device] == 1 && ft_switch("FT_NO_WGMMA") != 1;
 #else
     (void)device;
     return false;

@@ -1190,7 +1190,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
  * not for varlen. */
 static bool bwd_ws_wanted(const FlashParams &p)
 {
-    return !p.cu_q && !env_set("FT_NO_WS");
+    return !p.cu_q && !switch_on("FT_NO_WS");
 }
 
 /* Their tensor maps, boxes of q_rows rows of q and dO, kv_rows of k and

@@ -615,7 +615,7 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
 {
     using L = Sm90WsFwdSmem<D, BC, STAGES>;
     *launched = false;
-    const bool any_length = env_set("FT_WS");
+    const bool any_length = switch_on("FT_WS");
     /* the keys a block of rows sees: a window bounded on both sides (a
      * causal one included) gives every tile the same few key blocks at any
      * length, and the persistent kernel's overlap of one tile's end with
@@ -624,10 +624,10 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
     int64_t keys = p.Nk;
     if (p.mod.left >= 0 && p.mod.right >= 0 && p.mod.left + p.mod.right + L::BR < keys)
         keys = p.mod.left + p.mod.right + L::BR;
-    const bool persist = (D == 64 || D == 128) && !env_set("FT_NO_PERSIST") &&
-                         (env_set("FT_PERSIST") ||
+    const bool persist = (D == 64 || D == 128) && !switch_on("FT_NO_PERSIST") &&
+                         (switch_on("FT_PERSIST") ||
                           (persist_max_keys > 0 && keys <= persist_max_keys && !any_length));
-    if (p.cu_q || env_set("FT_NO_WS") || (p.Nk < min_keys && !any_length && !persist && p.q.data))
+    if (p.cu_q || switch_on("FT_NO_WS") || (p.Nk < min_keys && !any_length && !persist && p.q.data))
         return FT_OK;
     FwdMaps maps;
     memset(&maps, 0, sizeof maps);

@@ -398,10 +398,10 @@ static inline bool flash_tma_map(FlashTmaMap *out, const FlashTensor &t, int B, 
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-static inline bool env_set(const char *name)
+/* A kernel switch (FT_WS, ...: lib/switches.c) is on. */
+static inline bool switch_on(const char *name)
 {
-    const char *v = getenv(name);
-    return v && *v && strcmp(v, "0");
+    return ft_switch(name) == 1;
 }
 #endif
 
