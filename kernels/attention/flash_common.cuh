@@ -70,7 +70,12 @@ struct FlashParams {
      * query's diagonal (its block mask's inner band; um_left -1: unknown):
      * the tiles inside skip the mask */
     int um_left, um_right;
+    /* the Hopper forward keeps a row's running maximum until a block
+     * raises it by more than LAZY_MAX_LOG2 (log2 units), so that O is
+     * rescaled only then (switch FT_LAZY_RESCALE; not yet measured) */
+    int lazy_max;
 };
+#define LAZY_MAX_LOG2 8.f /* P up to 2^8 in between: bf16 and f16 hold it, f32 sums it */
 
 #ifndef __CUDACC_RTC__
 /* [B, N, heads, d], or a varlen [total, heads, d] (batch stride 0). */

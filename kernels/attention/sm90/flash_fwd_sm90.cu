@@ -109,9 +109,15 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
             float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[r], mx);
+            float m_new = fmaxf(m[r], mx);
+            /* lazy: the old maximum stays while the new one is within
+             * LAZY_MAX_LOG2 of it (the sum and O keep their scale) */
+            const bool keep = p.lazy_max && m[r] != -INFINITY &&
+                              (m_new - m[r]) * sl2 <= LAZY_MAX_LOG2;
+            if (keep)
+                m_new = m[r];
             const float ms = m_new == -INFINITY ? 0.f : m_new * sl2; /* all masked: no NaNs */
-            alpha[r] = ex2(m[r] * sl2 - ms);
+            alpha[r] = keep ? 1.f : ex2(m[r] * sl2 - ms);
             float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int n = 0; n < NT_S; n++)
@@ -136,12 +142,16 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
     __device__ __forceinline__ void rescale_pack(float *o, const float *s, uint32_t (*pa)[4]) const
     {
         pin_all<DO / 2>(o);
+        /* a lazy maximum skips the products where no row of the warp
+         * moved its own */
+        if (!p.lazy_max || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-        for (int n = 0; n < NT_O; n++) {
-            o[4 * n + 0] *= alpha[0];
-            o[4 * n + 1] *= alpha[0];
-            o[4 * n + 2] *= alpha[1];
-            o[4 * n + 3] *= alpha[1];
+            for (int n = 0; n < NT_O; n++) {
+                o[4 * n + 0] *= alpha[0];
+                o[4 * n + 1] *= alpha[0];
+                o[4 * n + 2] *= alpha[1];
+                o[4 * n + 3] *= alpha[1];
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
