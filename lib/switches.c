@@ -7,7 +7,9 @@
  * length), FT_NO_PERSIST (never it), FT_NO_DECODE (no decoding kernels),
  * FT_LAZY_RESCALE (the Hopper forward keeps a row's running maximum until
  * a block raises it by more than 2^8, rescaling O only then: written, not
- * yet measured); kernels/README.md says what each kernel is.
+ * yet measured), FT_TURNS (the consumer warpgroups of the d 128
+ * warp-specialised forward take turns issuing their products: written,
+ * not yet measured); kernels/README.md says what each kernel is.
  *
  * A switch is on when ft_set_switch turned it on, off when it turned it
  * off, and otherwise (at the start, or after on = -1) as the environment
@@ -27,7 +29,7 @@
 
 static const char *const names[] = {"FT_NO_WGMMA",   "FT_NO_WS",     "FT_WS",
                                     "FT_PERSIST",    "FT_NO_PERSIST", "FT_NO_DECODE",
-                                    "FT_LAZY_RESCALE"};
+                                    "FT_LAZY_RESCALE", "FT_TURNS"};
 enum { NSWITCHES = sizeof names / sizeof names[0] };
 static atomic_int state[NSWITCHES]; /* 0: the environment's; 1: on; 2: off */
 
@@ -58,7 +60,7 @@ ft_status ft_set_switch(const char *name, int on)
     if (i < 0)
         return ft_fail(FT_ERR_ARGUMENT, func, 1,
                        "'%s' is not a switch (FT_NO_WGMMA, FT_NO_WS, FT_WS, FT_PERSIST, "
-                       "FT_NO_PERSIST, FT_NO_DECODE, FT_LAZY_RESCALE)",
+                       "FT_NO_PERSIST, FT_NO_DECODE, FT_LAZY_RESCALE, FT_TURNS)",
                        name ? name : "(null)");
     if (on < -1 || on > 1)
         return ft_fail(FT_ERR_ARGUMENT, func, 2,

@@ -99,7 +99,8 @@ static constexpr Sm90WsFwdTile SM90_WS_FWD_TILES[] = {
      "(of the others: 1.14x-1.38x at 1024 keys, 1.07x-1.41x at 2048, 1.01x-1.06x at 4096; "
      "at 16384, 0.66x-1.01x in an earlier tile order)"},
     {128, 128, 128, 128, 2, false, 0, 4096, 4096,
-     "128-key blocks (with turns: 0.72x-0.75x); causal below 4096 keys: the wgmma kernel; "
+     "128-key blocks (with turns 0.72x-0.75x, when ptxas serialised their wgmma; FT_TURNS "
+     "takes them now); causal below 4096 keys: the wgmma kernel; "
      "persistent as d <= 96"},
     {192, 256, 192, 64, 2, false, 0, 0, 0, "O takes 128 registers a thread: 64-key blocks; ones column"},
     {256, 256, 256, 64, 2, false, 0, 0, 0, "as d <= 192"},

@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const uint32_t sQ = smem_addr(smem), sK = sQ + L::K, sV = sQ + L::V, bar = sQ + L::BAR;
 
-    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int tid = threadIdx.x, wg = warpgroup_of<TURNS>(tid);
     const QueryBlock qblk = query_block<BR, BC>(p);
     const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb;
     const int h = blockIdx.y, b = blockIdx.z;
@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const uint32_t sQ = smem_addr(smem), sK = sQ + L::K, sV = sQ + L::V, bar = sQ + L::BAR;
 
-    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int tid = threadIdx.x, wg = warpgroup_of<TURNS>(tid);
     const int nqb = (p.Nq + BR - 1) / BR, ntiles = nqb * p.H * p.B;
     /* tile t: query block t % nqb (longest first under the causal mask) of
      * head t / nqb % H of batch entry t / (nqb H); round r of the walk
@@ -681,9 +681,17 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
         FT_TRY(flash_pick(SM90_WS_FWD_TILES, p.d, [&](auto row) {
             constexpr Sm90WsFwdTile c = SM90_WS_FWD_TILES[decltype(row)::value];
             shorter = c.min_keys || c.min_keys_causal;
-            if constexpr (c.BC > 0)
+            if constexpr (c.BC > 0) {
+                /* FT_TURNS: the d 128 row's consumers take turns (not yet
+                 * measured since they stopped being serialised) */
+                if constexpr (c.DK == 128 && !c.turns)
+                    if (p.q.data && switch_on("FT_TURNS"))
+                        return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, true, EXT>(
+                            p, rtc, p.causal ? c.min_keys_causal : c.min_keys,
+                            c.persist_max_keys, &done);
                 return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.turns, EXT>(
                     p, rtc, p.causal ? c.min_keys_causal : c.min_keys, c.persist_max_keys, &done);
+            }
             return FT_OK;
         }));
         if (done && (p.q.data || !shorter))

@@ -259,6 +259,20 @@ __device__ __forceinline__ void bar_arrive(int id, int n)
  * The barrier ids come from a register, so ptxas reserves all 16 barriers
  * of the CTA: fine where it is used (one CTA per SM), to be kept in mind
  * before using it with several CTAs per SM. */
+template <bool ON> struct Turns;
+
+/* The warpgroup of thread tid. With turns (UNIFORM) through a shuffle
+ * from lane 0, a value the compiler knows to be the same across the warp:
+ * computed plainly, the warp-specialised kernels' branches on it count as
+ * divergent, and ptxas serialised every wgmma of theirs with turns
+ * (C7520, "wgmma.mma_async instructions are serialized due to program
+ * dependence on compiler-inserted WG.AR in divergent path"): the turns
+ * measured there (0.72x-0.93x) were those serialised kernels. */
+template <bool UNIFORM> __device__ __forceinline__ int warpgroup_of(int tid)
+{
+    return UNIFORM ? __shfl_sync(0xffffffffu, tid / WG_THREADS, 0) : tid / WG_THREADS;
+}
+
 template <bool ON> struct Turns {
     int wg;
     __device__ __forceinline__ explicit Turns(int warpgroup) : wg(warpgroup)
