@@ -82,9 +82,11 @@ describe("kernel switches", function()
         ft.set_switch(name, true)
         local got = run(opts)
         ft.set_switch(name, nil)
-        for i = 1, 5 do
-          local e = ft.max_abs_diff(got[i]:cpu():double(), want[i]:cpu():double())
-          assert.is_true(e < (i == 2 and 1e-4 or 2^-5), ("%s, result %d: %g"):format(name, i, e))
+        for i = 1, 5 do -- out, lse, dq, dk, dv: bf16 rounding of the largest element, or the lse's f32
+          local w = want[i]:cpu():double()
+          local e = ft.max_abs_diff(got[i]:cpu():double(), w)
+          local tol = i == 2 and 1e-4 or 2^-6 * math.max(1, w:abs():max())
+          assert.is_true(e <= tol, ("%s, result %d: %g > %g"):format(name, i, e, tol))
         end
       end
     end
