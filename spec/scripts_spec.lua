@@ -119,7 +119,6 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
         { "--device cpu --impl flash", "--impl: 'flash' is not an implementation on the cpu" },
         { "--impl tiled", "--impl: 'tiled' is not an implementation on cuda" },
         { "--device cpu --impl +FT_WS", "--impl: '+FT_WS' is not an implementation on the cpu" },
-        { "--device cpu --impl tiled+FT_BOGUS", "--impl: 'FT_BOGUS' in 'tiled+FT_BOGUS' is not a kernel switch" },
       }
       for _, case in ipairs(cases) do
         local out, status, seconds = lua("scripts/bench.lua", case[1])
@@ -167,7 +166,7 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       local out, status = lua(ROOT .. "/scripts/bench.lua",
         "--device cpu --dtype f32 --hdim 16 --seqlen 32,64 --causal true --pass fwd --impl tiled+FT_NO_DECODE,tiled"
         .. " --tokens 64 --width 32 --warmup 0 --reps 1 --csv " .. quote(csv) .. " --plot " .. quote(work .. "/r.svg"),
-        { dir = work })
+        { dir = work, env = "FT_BUILD_DIR=" .. quote(BUILD) })
       assert.are.equal(0, status, out)
       assert.is_nil(out:find("FAILED", 1, true), out)
       local rows = lines_of(read_all(csv))
@@ -179,6 +178,12 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
           rows[i + 1]:match("^[^,]*,[^,]*,([^,]*,[^,]*,[^,]*,[^,]*,[^,]*,[^,]*,[^,]*)"))
         assert.is_truthy(rows[i]:find(",[%d.]+,tiled$"), rows[i])
       end
+      -- a switch that is not one: one line, status 2, before any timing
+      local bad, bad_status = lua(ROOT .. "/scripts/bench.lua", "--device cpu --impl tiled+FT_BOGUS",
+        { dir = work, env = "FT_BUILD_DIR=" .. quote(BUILD) })
+      assert.are.equal(2, bad_status, bad)
+      assert.are.equal(1, #lines_of(bad), bad)
+      assert.is_truthy(bad:find("bench.lua: --impl: 'FT_BOGUS' in 'tiled+FT_BOGUS' is not a kernel switch", 1, true), bad)
       rmdir(work)
     end)
 

@@ -682,9 +682,9 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
             constexpr Sm90WsFwdTile c = SM90_WS_FWD_TILES[decltype(row)::value];
             shorter = c.min_keys || c.min_keys_causal;
             if constexpr (c.BC > 0) {
-                /* FT_TURNS: the d 128 row's consumers take turns (not yet
-                 * measured since they stopped being serialised) */
-                if constexpr (c.DK == 128 && !c.turns)
+                /* FT_TURNS: the d 64 and 128 rows' consumers take turns
+                 * (not yet measured since they stopped being serialised) */
+                if constexpr ((c.DK == 128 || c.DK == 64) && !c.turns)
                     if (p.q.data && switch_on("FT_TURNS"))
                         return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, true, EXT>(
                             p, rtc, p.causal ? c.min_keys_causal : c.min_keys,
