@@ -632,8 +632,12 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
      * the next one's start pays there as on short calls (1.11x-1.14x at
      * window 1024, causal, N 4096 and 16384) */
     int64_t keys = p.Nk;
-    if (p.mod.left >= 0 && p.mod.right >= 0 && p.mod.left + p.mod.right + L::BR < keys)
-        keys = p.mod.left + p.mod.right + L::BR;
+    if (p.mod.left >= 0 && p.mod.right >= 0) { /* each bound at most Nk: no overflow */
+        const int64_t left = p.mod.left < keys ? p.mod.left : keys;
+        const int64_t right = p.mod.right < keys ? p.mod.right : keys;
+        if (left + right + L::BR < keys)
+            keys = left + right + L::BR;
+    }
     const bool persist = (D == 64 || D == 128) && !switch_on("FT_NO_PERSIST") &&
                          (switch_on("FT_PERSIST") ||
                           (persist_max_keys > 0 && keys <= persist_max_keys && !any_length));
