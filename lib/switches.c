@@ -7,7 +7,7 @@
  * length), FT_NO_PERSIST (never it), FT_NO_DECODE (no decoding kernels),
  * FT_LAZY_RESCALE (the Hopper forward keeps a row's running maximum until
  * a block raises it by more than 2^8, rescaling O only then: written, not
- * yet measured), FT_TURNS (the consumer warpgroups of the d 64 and 128
+ * yet measured), FT_TURNS (the consumer warpgroups of the bf16 d 64 and 128
  * warp-specialised forward take turns issuing their products: written,
  * not yet measured); kernels/README.md says what each kernel is.
  *
