@@ -85,6 +85,18 @@ static inline FT_HOST_DEVICE int64_t ft_mod_query_end(const ft_attn_mod *m, int6
     return m->left < 0 ? Nq : ft_mod_clamp(j - (Nk - Nq) + m->left + 1, 0, Nq);
 }
 
+/* The most keys a block of `rows` consecutive queries sees: Nk, or for a
+ * window bounded on both sides (causal included) left + right + rows
+ * when fewer (each bound taken at most Nk: no overflow). */
+static inline FT_HOST_DEVICE int64_t ft_mod_block_keys(const ft_attn_mod *m, int64_t Nk,
+                                                       int64_t rows)
+{
+    if (m->left < 0 || m->right < 0)
+        return Nk;
+    const int64_t keys = ft_mod_clamp(m->left, 0, Nk) + ft_mod_clamp(m->right, 0, Nk) + rows;
+    return keys < Nk ? keys : Nk;
+}
+
 /* Queries [i0, i1) against keys [j0, j1), both non-empty. The visible
  * interval of a query moves right as i grows, so the first and the last
  * query bound every other. */

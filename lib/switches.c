@@ -57,11 +57,16 @@ ft_status ft_set_switch(const char *name, int on)
 {
     static const char func[] = "ft_set_switch";
     const int i = find(name);
-    if (i < 0)
-        return ft_fail(FT_ERR_ARGUMENT, func, 1,
-                       "'%s' is not a switch (FT_NO_WGMMA, FT_NO_WS, FT_WS, FT_PERSIST, "
-                       "FT_NO_PERSIST, FT_NO_DECODE, FT_LAZY_RESCALE, FT_TURNS)",
-                       name ? name : "(null)");
+    if (i < 0) {
+        char all[256] = "";
+        size_t used = 0;
+        for (int k = 0; k < NSWITCHES && used < sizeof all; k++) {
+            const int w = snprintf(all + used, sizeof all - used, "%s%s", k ? ", " : "", names[k]);
+            used += w > 0 ? (size_t)w : 0;
+        }
+        return ft_fail(FT_ERR_ARGUMENT, func, 1, "'%s' is not a switch (%s)",
+                       name ? name : "(null)", all);
+    }
     if (on < -1 || on > 1)
         return ft_fail(FT_ERR_ARGUMENT, func, 2,
                        "on %d: must be 1 (on), 0 (off) or -1 (as the environment says)", on);

@@ -442,9 +442,9 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
  * most one CTA an SM, each taking tiles (query block, head, batch entry)
  * in rounds of the grid's size, the query blocks of one head next to each
  * other (they share its K/V copies in L2), longest first under the causal
- * mask, snaking (tile_of). The K/V ring and its phases run on across a CTA's tiles, and Q has an empty barrier too
- * (the consumers hand it back once their last S product of a tile is
- * done), so the producer copies the next tile's Q and first K/V blocks
+ * mask, snaking (tile_of). The K/V ring and its phases run on across a
+ * CTA's tiles, and Q has an empty barrier too (the consumers hand it back
+ * once their last S product of a tile is done), so the producer copies the next tile's Q and first K/V blocks
  * while the consumers finish this tile's last P V and store O and LSE. */
 template <int D, int BC, int STAGES> struct Sm90WsPersistSmem : Sm90WsFwdSmem<D, BC, STAGES> {
     using Base = Sm90WsFwdSmem<D, BC, STAGES>;
@@ -617,8 +617,9 @@ static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
  * use), and only where the copy engine takes the tensors; its persistent
  * form where a block of rows sees up to persist_max_keys keys (at any
  * length with FT_PERSIST set, d 64 included; never with FT_NO_PERSIST
- * set, nor by length with FT_WS set). *launched says whether it ran. A dry rtc (compiling a mod's kernels) has no tensors:
- * the kernels the defaults may take are named and compiled. */
+ * set, nor by length with FT_WS set). *launched says whether it ran. A
+ * dry rtc (compiling a mod's kernels) has no tensors: the kernels the
+ * defaults may take are named and compiled. */
 template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT>
 static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys,
                                int persist_max_keys, bool *launched)
@@ -631,13 +632,7 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
      * length, and the persistent kernel's overlap of one tile's end with
      * the next one's start pays there as on short calls (1.11x-1.14x at
      * window 1024, causal, N 4096 and 16384) */
-    int64_t keys = p.Nk;
-    if (p.mod.left >= 0 && p.mod.right >= 0) { /* each bound at most Nk: no overflow */
-        const int64_t left = p.mod.left < keys ? p.mod.left : keys;
-        const int64_t right = p.mod.right < keys ? p.mod.right : keys;
-        if (left + right + L::BR < keys)
-            keys = left + right + L::BR;
-    }
+    const int64_t keys = ft_mod_block_keys(&p.mod, p.Nk, L::BR);
     const bool persist = (D == 64 || D == 128) && !switch_on("FT_NO_PERSIST") &&
                          (switch_on("FT_PERSIST") ||
                           (persist_max_keys > 0 && keys <= persist_max_keys && !any_length));
@@ -689,6 +684,7 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
             constexpr Sm90WsFwdTile c = SM90_WS_FWD_TILES[decltype(row)::value];
             shorter = c.min_keys || c.min_keys_causal;
             if constexpr (c.BC > 0) {
+                const int min_keys = p.causal ? c.min_keys_causal : c.min_keys;
                 /* FT_TURNS: the d 64 and 128 rows' consumers take turns,
                  * bf16 only until measured (not yet, since they stopped
                  * being serialised; the build's time has no room for
@@ -696,10 +692,9 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
                 if constexpr ((c.DK == 128 || c.DK == 64) && !c.turns && is_bf16<T>())
                     if (p.q.data && switch_on("FT_TURNS"))
                         return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, true, EXT>(
-                            p, rtc, p.causal ? c.min_keys_causal : c.min_keys,
-                            c.persist_max_keys, &done);
+                            p, rtc, min_keys, c.persist_max_keys, &done);
                 return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.turns, EXT>(
-                    p, rtc, p.causal ? c.min_keys_causal : c.min_keys, c.persist_max_keys, &done);
+                    p, rtc, min_keys, c.persist_max_keys, &done);
             }
             return FT_OK;
         }));
