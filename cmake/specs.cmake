@@ -95,18 +95,17 @@ endfunction()
 # (flash_tiles.cuh): FT_WS=1 takes the warp-specialised forward at every
 # length, FT_PERSIST=1 its persistent form (head dims 33 to 128) at every
 # length, FT_NO_WS=1 the wgmma forward and backward kernels instead of the
-# warp-specialised ones; FT_TURNS=1 and FT_LAZY_RESCALE=1 the forward's
-# variants not yet taken by default (lib/switches.c).
+# warp-specialised ones; FT_TURNS=1 the d 128 forward with turns at every
+# length (by default from 8192 keys), FT_NO_LAZY_RESCALE=1 the forward that
+# rescales O at every new maximum (by default only at head dims up to 64
+# and past 128; lib/switches.c).
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
   ft_spec_again(nows FT_NO_WS)
   ft_spec_again(persist FT_PERSIST cuda_attention_spec cuda_variants_spec)
   ft_spec_again(turns FT_TURNS)
-  ft_spec_again(lazy FT_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
-  # kernels not yet run on a GPU: a hang (named barriers) stops at 10 minutes
-  set_tests_properties(cuda_attention_spec_turns cuda_variants_spec_turns cuda_mods_spec_turns
-                       cuda_attention_spec_lazy cuda_variants_spec_lazy PROPERTIES TIMEOUT 600)
+  ft_spec_again(nolazy FT_NO_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

@@ -88,9 +88,13 @@ ft_status ft_attention_backward_naive_cuda(const ft_attn_shape *s, const ft_tens
                                            ft_tensor *dk, ft_tensor *dv);
 
 /* acc[h] (device, f64) -= the sink's gradient from one call's dout, out
- * and lse (any strides; s->sink on the device). */
+ * and lse (any strides, 1 along d; s->sink on the device); part: device
+ * scratch of H * FT_SINK_PARTS doubles (each head's partial sums, added in
+ * a fixed order). */
+#define FT_SINK_PARTS 128
 ft_status ft_attention_sink_grad_cuda(const ft_attn_shape *s, const ft_tensor *dout,
-                                      const ft_tensor *out, const ft_tensor *lse, double *acc);
+                                      const ft_tensor *out, const ft_tensor *lse, double *acc,
+                                      double *part);
 /* mask (f32 [B, H, Nq, Nk], contiguous) = dropout's factor of each P_ij. */
 ft_status ft_attention_dropout_mask_cuda(ft_tensor *mask, const ft_attn_mod *m);
 

@@ -895,21 +895,25 @@ static ft_status check_backward_inputs(const char *func, const ft_attn_shape *s,
 static ft_status sink_grad_cuda(const char *func, const ft_attn_shape *s, const ft_tensor *dout,
                                 const ft_tensor *out, const ft_tensor *lse, ft_tensor **dsink)
 {
-    ft_tensor *acc = NULL;
+    ft_tensor *acc = NULL, *part = NULL;
+    const int64_t nparts = s->H * FT_SINK_PARTS;
     ft_status st = ft_empty_named(&acc, 1, &s->H, FT_F64, out->device, func);
+    if (st == FT_OK)
+        st = ft_empty_named(&part, 1, &nparts, FT_F64, out->device, func);
     if (st == FT_OK)
         st = ft_fill(acc, 0.0);
     if (st == FT_OK && !s->cu_q)
-        st = ft_attention_sink_grad_cuda(s, dout, out, lse, acc->data);
+        st = ft_attention_sink_grad_cuda(s, dout, out, lse, acc->data, part->data);
     for (int64_t b = 0; st == FT_OK && s->cu_q && b < s->B; b++) {
         const ft_attn_shape one = seq_shape(s, b);
         const int64_t iq = s->cu_q[b];
         ft_tensor db = seq_rows(dout, iq, one.Nq), ob = seq_rows(out, iq, one.Nq),
                   lb = seq_lse(lse, iq, one.Nq);
-        st = ft_attention_sink_grad_cuda(&one, &db, &ob, &lb, acc->data);
+        st = ft_attention_sink_grad_cuda(&one, &db, &ob, &lb, acc->data, part->data);
     }
     if (st == FT_OK)
         st = ft_to(dsink, acc, s->sink->dtype, s->sink->device);
+    ft_tensor_free(part);
     ft_tensor_free(acc);
     return st;
 }

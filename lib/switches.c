@@ -5,11 +5,13 @@
  * warp-specialised ones), FT_WS (the warp-specialised forward that is not
  * persistent, at any length), FT_PERSIST (the persistent forward at any
  * length), FT_NO_PERSIST (never it), FT_NO_DECODE (no decoding kernels),
- * FT_LAZY_RESCALE (the Hopper forward keeps a row's running maximum until
- * a block raises it by more than 2^8, rescaling O only then: written, not
- * yet measured), FT_TURNS (the consumer warpgroups of the bf16 d 64 and 128
- * warp-specialised forward take turns issuing their products: written,
- * not yet measured); kernels/README.md says what each kernel is.
+ * FT_LAZY_RESCALE and FT_NO_LAZY_RESCALE (the Hopper forward keeps a
+ * row's running maximum until a block raises it by more than 2^8,
+ * rescaling O only then: at every head dim, or at none; by default at
+ * head dims 65 to 128), FT_TURNS and FT_NO_TURNS (the consumer
+ * warpgroups of the d 128 warp-specialised forward take turns issuing
+ * their products: at any length, or never; by default from 8192 keys);
+ * kernels/README.md says what each kernel is.
  *
  * A switch is on when ft_set_switch turned it on, off when it turned it
  * off, and otherwise (at the start, or after on = -1) as the environment
@@ -27,9 +29,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *const names[] = {"FT_NO_WGMMA",   "FT_NO_WS",     "FT_WS",
-                                    "FT_PERSIST",    "FT_NO_PERSIST", "FT_NO_DECODE",
-                                    "FT_LAZY_RESCALE", "FT_TURNS"};
+static const char *const names[] = {"FT_NO_WGMMA",     "FT_NO_WS",           "FT_WS",
+                                    "FT_PERSIST",      "FT_NO_PERSIST",      "FT_NO_DECODE",
+                                    "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS",
+                                    "FT_NO_TURNS"};
 enum { NSWITCHES = sizeof names / sizeof names[0] };
 static atomic_int state[NSWITCHES]; /* 0: the environment's; 1: on; 2: off */
 

@@ -422,9 +422,14 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     if (s->B == 0 || s->H == 0 || s->Nq == 0)
         return FT_OK;
     FlashParams p = flash_params(s, q, k, v, out, lse);
-    /* not with dropout in f16: a kept P of up to 2^8 scaled by 1 / (1 - p)
-     * would pass f16's 65504 from p = 0.996 on */
-    p.lazy_max = ft_switch("FT_LAZY_RESCALE") == 1 && !(p.mod.dropout && p.dtype == FT_F16);
+    /* the Hopper forward's lazy maximum (FwdRows): head dims 65 to 128
+     * (1.01x-1.13x at d 128 from 4096 keys, 0.96x-1.02x below; at d 64
+     * 0.97x-1.03x, so not there), FT_LAZY_RESCALE: every head dim,
+     * FT_NO_LAZY_RESCALE: none. Not with dropout in f16: a kept P of up to
+     * 2^8 scaled by 1 / (1 - p) would pass f16's 65504 from p = 0.996 on */
+    p.lazy_max = !ft_switch("FT_NO_LAZY_RESCALE") &&
+                 (ft_switch("FT_LAZY_RESCALE") || (s->d > 64 && s->d <= 128)) &&
+                 !(p.mod.dropout && p.dtype == FT_F16);
     const ft_tensor *ts[4] = {q, k, v, out};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 4);

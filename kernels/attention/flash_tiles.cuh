@@ -74,7 +74,7 @@ static constexpr Sm90FwdTile SM90_FWD_TILES[] = {
 
 /* Hopper forward, warp-specialised (flash_fwd_ws_kernel in
  * flash_fwd_sm90.cu): 128 query rows a CTA (two consumer warpgroups),
- * BC keys a block, STAGES K and V stages, turns: the consumers take turns
+ * BC keys a block, STAGES K and V stages, turns_min_keys: the consumers take turns
  * issuing products. It runs when a call has at least min_keys keys
  * (min_keys_causal under the causal mask): below, its longer start and end
  * (one CTA an SM, barriers, the first product with nothing to overlap)
@@ -86,24 +86,25 @@ static constexpr Sm90FwdTile SM90_FWD_TILES[] = {
  * copies under this one's end. Measured on the H200, bf16 and f16 (kernels/README.md). */
 struct Sm90WsFwdTile {
     int max_d, D, DK, BC, STAGES;
-    bool turns;
+    int turns_min_keys; /* from a block of rows seeing this many keys (0: never) */
     int min_keys, min_keys_causal, persist_max_keys;
     const char *why;
 };
 static constexpr Sm90WsFwdTile SM90_WS_FWD_TILES[] = {
-    {32, 32, 32, 0, 0, false, 0, 0, 0, "the wgmma kernel (two CTAs an SM) is faster at every length"},
-    {64, 64, 64, 192, 2, false, 4096, 4096, 0,
-     "192-key blocks: 1.06x-1.18x of 128 from 4096 keys; below, the wgmma kernel"},
-    {96, 128, 96, 128, 2, false, 0, 4096, 4096,
+    {32, 32, 32, 0, 0, 0, 0, 0, 0, "the wgmma kernel (two CTAs an SM) is faster at every length"},
+    {64, 64, 64, 192, 2, 0, 4096, 4096, 0,
+     "192-key blocks: 1.06x-1.18x of 128 from 4096 keys; below, the wgmma kernel; "
+     "turns 0.99x-1.04x, so none"},
+    {96, 128, 96, 128, 2, 0, 0, 4096, 4096,
      "128-key blocks; causal below 4096 keys: the wgmma kernel; persistent up to 4096 keys "
      "(of the others: 1.14x-1.38x at 1024 keys, 1.07x-1.41x at 2048, 1.01x-1.06x at 4096; "
      "at 16384, 0.66x-1.01x in an earlier tile order)"},
-    {128, 128, 128, 128, 2, false, 0, 4096, 4096,
-     "128-key blocks (with turns 0.72x-0.75x, when ptxas serialised their wgmma; FT_TURNS "
-     "takes them now); causal below 4096 keys: the wgmma kernel; "
-     "persistent as d <= 96"},
-    {192, 256, 192, 64, 2, false, 0, 0, 0, "O takes 128 registers a thread: 64-key blocks; ones column"},
-    {256, 256, 256, 64, 2, false, 0, 0, 0, "as d <= 192"},
+    {128, 128, 128, 128, 2, 8192, 0, 4096, 4096,
+     "128-key blocks; causal below 4096 keys: the wgmma kernel; persistent as d <= 96; "
+     "turns from 8192 keys (bf16, with the lazy maximum: 1.01x-1.03x plain, 1.06x-1.17x "
+     "softcap and ALiBi at 16384 keys; 0.95x-0.99x at 1024 and 4096)"},
+    {192, 256, 192, 64, 2, 0, 0, 0, 0, "O takes 128 registers a thread: 64-key blocks; ones column"},
+    {256, 256, 256, 64, 2, 0, 0, 0, 0, "as d <= 192"},
 };
 
 /* Hopper backward (flash_bwd_sm90.cu): BM queries a dK/dV step, BC keys a

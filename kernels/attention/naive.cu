@@ -220,33 +220,51 @@ ds_rows(const T *P, T *dP, void *dS_lo, int lo_dtype, const T *SG, int64_t rows,
     }
 }
 
-/* acc[h] -= sum over b, i of e^(sink_h - lse) (dout . out) for out, dout
- * [B, Nq, H, d] with element strides o_*, g_*: one block per head, a
- * fixed order of sums (deterministic). */
+/* part[h * SINK_PARTS + c] = sum over the rows (b, i) that block c takes
+ * of e^(sink_h - lse) (dout . out), for out, dout [B, Nq, H, d] with
+ * element strides o_*, g_* (1 along d): a warp a row, its lanes along d
+ * (coalesced), the rows r = c * 8 + warp, then on by SINK_PARTS * 8; sums
+ * in f64, in a fixed order (deterministic). Grid (SINK_PARTS, H). */
 __global__ void __launch_bounds__(THREADS)
 sink_grad_kernel(const void *out, const void *dout, int dtype, int64_t o_sb, int64_t o_si,
                  int64_t o_sh, int64_t g_sb, int64_t g_si, int64_t g_sh, int64_t B,
                  int64_t d, const float *lse32, const double *lse64, naive_mod nm,
-                 double *acc)
+                 double *part)
 {
     __shared__ double shared[THREADS / 32];
-    const int64_t h = blockIdx.x;
+    const int64_t h = blockIdx.y;
+    const int lane = threadIdx.x & 31, warps = THREADS / 32;
     const double sink = load_any(nm.sink, nm.sink_f64, h * nm.sink_sh);
-    double sum = 0;
-    for (int64_t t = threadIdx.x; t < B * nm.Nq; t += blockDim.x) {
+    double sum = 0; /* lane 0's */
+    for (int64_t t = blockIdx.x * (int64_t)warps + (threadIdx.x >> 5); t < B * nm.Nq;
+         t += (int64_t)gridDim.x * warps) {
         const int64_t b = t / nm.Nq, i = t % nm.Nq;
-        const int64_t lo = b * nm.lse_sb + h * nm.lse_sh + i * nm.lse_si;
-        const double L = lse64 ? lse64[lo] : (double)lse32[lo];
         double D = 0;
-        for (int64_t e = 0; e < d; e++)
+        for (int64_t e = lane; e < d; e += 32)
             D += load_elem(dout, b * g_sb + i * g_si + h * g_sh + e, dtype) *
                  load_elem(out, b * o_sb + i * o_si + h * o_sh + e, dtype);
-        if (sink != -INFINITY)
+        for (int o = 16; o > 0; o >>= 1)
+            D += __shfl_xor_sync(0xffffffffu, D, o);
+        const int64_t lo = b * nm.lse_sb + h * nm.lse_sh + i * nm.lse_si;
+        const double L = lse64 ? lse64[lo] : (double)lse32[lo];
+        if (lane == 0 && sink != -INFINITY)
             sum += exp(sink - L) * D;
     }
-    sum = block_reduce(sum, false, shared);
+    sum = block_reduce(sum, false, shared); /* lanes past 0 add zeros */
     if (threadIdx.x == 0)
-        acc[h] -= sum;
+        part[h * FT_SINK_PARTS + blockIdx.x] = sum;
+}
+
+/* acc[h] -= the SINK_PARTS partial sums of head h, in order. */
+__global__ void sink_grad_sum(const double *part, double *acc, int64_t H)
+{
+    const int64_t h = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (h >= H)
+        return;
+    double sum = 0;
+    for (int c = 0; c < FT_SINK_PARTS; c++)
+        sum += part[h * FT_SINK_PARTS + c];
+    acc[h] -= sum;
 }
 
 /* dst[i] = src[i] rounded to f16/bf16, n elements. */
@@ -702,18 +720,21 @@ ft_status ft_attention_backward_naive_cuda(const ft_attn_shape *s, const ft_tens
 }
 
 ft_status ft_attention_sink_grad_cuda(const ft_attn_shape *s, const ft_tensor *dout,
-                                      const ft_tensor *out, const ft_tensor *lse, double *acc)
+                                      const ft_tensor *out, const ft_tensor *lse, double *acc,
+                                      double *part)
 {
     static const char func[] = "ft_attention_backward";
     FT_TRY(ft_cuda_use_device(out->device.index, func));
     if (s->H == 0)
         return FT_OK;
     const naive_mod nm = make_mod(s, lse);
-    sink_grad_kernel<<<(unsigned)s->H, THREADS>>>(
+    sink_grad_kernel<<<dim3(FT_SINK_PARTS, (unsigned)s->H), THREADS>>>(
         out->data, dout->data, (int)out->dtype, out->stride[0], out->stride[1], out->stride[2],
         dout->stride[0], dout->stride[1], dout->stride[2], s->B, s->d,
         lse->dtype == FT_F32 ? (const float *)lse->data : NULL,
-        lse->dtype == FT_F64 ? (const double *)lse->data : NULL, nm, acc);
+        lse->dtype == FT_F64 ? (const double *)lse->data : NULL, nm, part);
+    FT_CUDA_CHECK_LAUNCH(func);
+    sink_grad_sum<<<(unsigned)((s->H + THREADS - 1) / THREADS), THREADS>>>(part, acc, s->H);
     FT_CUDA_CHECK_LAUNCH(func);
     return FT_OK;
 }

@@ -61,6 +61,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
     const float sl2;
     const ScoreMod smod;
     float m[2], l[2], alpha[2];
+    float m_start; /* the rows' maximum before any key: the sink's, or -inf */
 
     /* O = 0; a sink starts the rows (raw units: times sl2 is log2 units) */
     __device__ __forceinline__ FwdRows(const FlashParams &p_, int b_, int h_, int wrow0_,
@@ -71,7 +72,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
     {
         const float m0 = sink2 == -INFINITY ? -INFINITY : sink2 / sl2;
         const float l0 = flash_sink_sum(sink2, t4 == 0);
-        m[0] = m[1] = m0;
+        m[0] = m[1] = m_start = m0;
         l[0] = l[1] = ONES ? 0.f : l0;
 #pragma unroll
         for (int i = 0; i < DO / 2; i++)
@@ -111,8 +112,12 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             float m_new = fmaxf(m[r], mx);
             /* lazy: the old maximum stays while the new one is within
-             * LAZY_MAX_LOG2 of it (the sum and O keep their scale) */
-            const bool keep = p.lazy_max && m[r] != -INFINITY &&
+             * LAZY_MAX_LOG2 of it (the sum and O keep their scale), once a
+             * score has set it: a row's first keys take their own maximum
+             * (else a short row's largest P, exactly 1, would be a
+             * rounded one; a sink's row of one key failed the 2x-naive
+             * rule by 3x) */
+            const bool keep = p.lazy_max && m[r] != m_start &&
                               (m_new - m[r]) * sl2 <= LAZY_MAX_LOG2;
             if (keep)
                 m_new = m[r];
@@ -645,7 +650,7 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
                       flash_tma_map(&maps.v, p.v, p.B, p.Nk, p.Hk, p.d, BC, p.dtype)))
         return FT_OK;
     *launched = true;
-    if constexpr (D == 64 || D == 128) /* head dims 33 to 128 for now */
+    if constexpr ((D == 64 || D == 128) && !TURNS) /* head dims 33 to 128 for now */
     if (persist || (!p.q.data && persist_max_keys > 0)) {
         using LP = Sm90WsPersistSmem<D, BC, STAGES>;
         const int64_t tiles = (int64_t)((p.Nq + L::BR - 1) / L::BR) * p.H * p.B;
@@ -667,9 +672,6 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
                         "ft_attention_forward", maps);
 }
 
-template <typename T> constexpr bool is_bf16() { return false; }
-template <> constexpr bool is_bf16<__nv_bfloat16>() { return true; }
-
 /* f16/bf16, 16-byte aligned rows (the caller checks): the row of
  * SM90_WS_FWD_TILES (flash_tiles.cuh) that takes the head dim, else that
  * of SM90_FWD_TILES. */
@@ -685,15 +687,22 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
             shorter = c.min_keys || c.min_keys_causal;
             if constexpr (c.BC > 0) {
                 const int min_keys = p.causal ? c.min_keys_causal : c.min_keys;
-                /* FT_TURNS: the d 64 and 128 rows' consumers take turns,
-                 * bf16 only until measured (not yet, since they stopped
-                 * being serialised; the build's time has no room for
-                 * both dtypes' kernels on a hunch) */
-                if constexpr ((c.DK == 128 || c.DK == 64) && !c.turns && is_bf16<T>())
-                    if (p.q.data && switch_on("FT_TURNS"))
-                        return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, true, EXT>(
-                            p, rtc, min_keys, c.persist_max_keys, &done);
-                return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.turns, EXT>(
+                /* the consumers take turns (never in the persistent
+                 * kernel) from the row's turns_min_keys keys a block of
+                 * rows sees; FT_TURNS: at any length, FT_NO_TURNS: never */
+                if constexpr (c.turns_min_keys > 0) {
+                    const int64_t keys = ft_mod_block_keys(
+                        &p.mod, p.Nk, Sm90WsFwdSmem<c.D, c.BC, c.STAGES>::BR);
+                    const bool turns = !switch_on("FT_NO_TURNS") &&
+                                       (switch_on("FT_TURNS") ||
+                                        (keys >= c.turns_min_keys && !switch_on("FT_PERSIST")));
+                    if (turns || !p.q.data) /* a dry rtc compiles it too */
+                        FT_TRY((launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, true, EXT>(
+                            p, rtc, min_keys, 0, &done)));
+                    if (done && p.q.data)
+                        return FT_OK;
+                }
+                return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, false, EXT>(
                     p, rtc, min_keys, c.persist_max_keys, &done);
             }
             return FT_OK;
