@@ -93,7 +93,7 @@ endfunction()
 # with FT_NO_WGMMA=1 the mma.sync kernels (what other GPUs run) are checked
 # there too. Which Hopper kernel runs depends on the length
 # (flash_tiles.cuh): FT_WS=1 takes the warp-specialised forward at every
-# length, FT_PERSIST=1 its persistent form (head dims 33 to 128) at every
+# length, FT_PERSIST=1 its persistent form (head dims 65 to 128) at every
 # length, FT_NO_WS=1 the wgmma forward and backward kernels instead of the
 # warp-specialised ones; FT_TURNS=1 the d 128 forward with turns at every
 # length (by default from 8192 keys), FT_NO_LAZY_RESCALE=1 the forward that

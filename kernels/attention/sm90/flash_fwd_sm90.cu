@@ -317,11 +317,12 @@ struct FwdMaps {
     FlashTmaMap q, k, v;
 };
 
-/* Its shared memory: Q [128 rows], then K stages, then V stages [BC rows],
- * rows TW wide (16-bit, swizzled, chunks on 1024 bytes), then the
- * barriers: Q full, and full and empty for each K and V stage. */
-template <int D, int BC, int STAGES> struct Sm90WsFwdSmem {
-    static constexpr int BR = 128, TW = FT_TW(D);
+/* Its shared memory: Q [64 NC rows: NC consumer warpgroups], then K
+ * stages, then V stages [BC rows], rows TW wide (16-bit, swizzled, chunks
+ * on 1024 bytes), then the barriers: Q full, and full and empty for each
+ * K and V stage. */
+template <int D, int BC, int STAGES, int NC = 2> struct Sm90WsFwdSmem {
+    static constexpr int BR = 64 * NC, TW = FT_TW(D);
     static constexpr int Q_BYTES = BR * TW * 2, KV_BYTES = BC * TW * 2;
     static constexpr int K = Q_BYTES, V = K + STAGES * KV_BYTES, BAR = V + STAGES * KV_BYTES;
     static constexpr int Q_FULL = 0, K_FULL = 8, K_EMPTY = K_FULL + 8 * STAGES,
@@ -332,20 +333,27 @@ template <int D, int BC, int STAGES> struct Sm90WsFwdSmem {
 /* The forward in FlashAttention-3's structure: warpgroup 0 is the producer
  * (one thread issues every copy, through the copy engine, into a ring of
  * STAGES K and V stages; it gives its registers to the others), warpgroups
- * 1 and 2 the consumers, 64 query rows each, which never copy: they wait
+ * 1 to NC the consumers, 64 query rows each, which never copy: they wait
  * on a stage's full barrier, multiply, and arrive on its empty barrier
  * when their products have read it. No CTA-wide barrier after the start.
  * The consumers' loop is the wgmma kernel's (S_j issued with
  * P_{j-1} V_{j-1}, the softmax under the latter, turns between the two
  * warpgroups), on FwdRows. Not for varlen calls (a box would run into the
- * next sequence's rows; the wgmma kernel takes them). */
-template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT,
+ * next sequence's rows; the wgmma kernel takes them). With three
+ * consumers (NC = 3) each scheduler has three of their warps to hide the
+ * softmax's latencies (two leave d 64 latency-bound: 5.7 cycles an issue,
+ * the tensor pipe 43% busy), on 160 registers a thread. */
+template <int NC> struct WsRegs {
+    static constexpr int producer = NC == 2 ? 24 : 32, consumer = NC == 2 ? 240 : 160;
+    static_assert(producer * WG_THREADS + NC * consumer * WG_THREADS <= 65536, "registers");
+};
+template <typename T, int D, int DK, int BC, int STAGES, int NC, bool TURNS, bool EXT,
           typename UM = NoUserMod>
-__global__ void __launch_bounds__(3 * WG_THREADS, 1)
+__global__ void __launch_bounds__((NC + 1) * WG_THREADS, 1)
     flash_fwd_ws_kernel(const FlashParams p, const __grid_constant__ FwdMaps maps)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using L = Sm90WsFwdSmem<D, BC, STAGES>;
+    using L = Sm90WsFwdSmem<D, BC, STAGES, NC>;
     using Rows = FwdRows<T, D, DK, BC, EXT, UM>;
     constexpr int BR = L::BR, KV_BYTES = L::KV_BYTES, DO = Rows::DO;
     constexpr bool ONES = Rows::ONES;
@@ -359,7 +367,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const int h = blockIdx.y, b = blockIdx.z;
     const float sink2 = flash_sink_log2(p, h);
     if (nkb == kb0)
-        return fwd_store_empty(p, b, h, i0, qblk.nq, sink2, tid, 3 * WG_THREADS);
+        return fwd_store_empty(p, b, h, i0, qblk.nq, sink2, tid, (NC + 1) * WG_THREADS);
     /* the chunks of 64 columns holding some of the d columns: the copies
      * bring those (zeros past d); the rest of a tile is never written */
     const int chunks = (p.d + 63) / 64;
@@ -368,13 +376,13 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
         for (int st = 0; st < STAGES; st++) {
             mbar_init(bar + L::K_FULL + 8 * st, 1);
             mbar_init(bar + L::V_FULL + 8 * st, 1);
-            mbar_init(bar + L::K_EMPTY + 8 * st, 2); /* a thread of each consumer */
-            mbar_init(bar + L::V_EMPTY + 8 * st, 2);
+            mbar_init(bar + L::K_EMPTY + 8 * st, NC); /* a thread of each consumer */
+            mbar_init(bar + L::V_EMPTY + 8 * st, NC);
         }
         mbar_init_fence();
     }
     /* columns of V past the chunks copied: zeros, and the ones column */
-    for (int idx = tid; idx < STAGES * BC * FT_TW(D) / 8; idx += 3 * WG_THREADS) {
+    for (int idx = tid; idx < STAGES * BC * FT_TW(D) / 8; idx += (NC + 1) * WG_THREADS) {
         const int st = idx / (BC * FT_TW(D) / 8), r = idx / (FT_TW(D) / 8) % BC,
                   c = idx % (FT_TW(D) / 8) * 8;
         if (c >= chunks * 64) {
@@ -387,7 +395,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     __syncthreads();
 
     if (wg == 0) { /* the producer */
-        regs_dec<24>();
+        regs_dec<WsRegs<NC>::producer>();
         if (tid == 0) {
             const int hk = h / (p.H / p.Hk);
             mbar_expect(bar + L::Q_FULL, chunks * BR * 128);
@@ -408,7 +416,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             }
         }
     } else { /* the consumers */
-        regs_inc<240>();
+        regs_inc<WsRegs<NC>::consumer>();
         const int cwg = wg - 1, wwarp = (tid / FT_WARP) % 4;
         float o[DO / 2], s[BC / 2];
         uint32_t pa[BC / 16][4];
@@ -442,8 +450,8 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 }
 
 /* The persistent form of the warp-specialised forward (head dims 65 to
- * 128 up to the tile row's persist_max_keys keys; head dims 33 to 128 at
- * any length with FT_PERSIST=1, d <= 64 not measured yet): a grid of at
+ * 128 up to the tile row's persist_max_keys keys, and at any length with
+ * FT_PERSIST=1; two consumers, so not the three of d <= 64): a grid of at
  * most one CTA an SM, each taking tiles (query block, head, batch entry)
  * in rounds of the grid's size, the query blocks of one head next to each
  * other (they share its K/V copies in L2), longest first under the causal
@@ -516,7 +524,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     __syncthreads();
 
     if (wg == 0) { /* the producer */
-        regs_dec<24>();
+        regs_dec<WsRegs<2>::producer>();
         if (tid == 0) {
             int n = 0, k = 0; /* K/V blocks and tiles with keys so far */
             for (int r = 0; r < rounds; r++) {
@@ -549,7 +557,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             }
         }
     } else { /* the consumers */
-        regs_inc<240>();
+        regs_inc<WsRegs<2>::consumer>();
         const int cwg = wg - 1, wwarp = (tid / FT_WARP) % 4;
         const bool signal = tid % WG_THREADS == 0;
         float o[DO / 2], s[BC / 2];
@@ -621,15 +629,15 @@ static ft_status launch_fwd_wgmma(const FlashParams &p, FlashRtc *rtc)
  * the row's min_keys on (at any length with FT_WS set, which the specs
  * use), and only where the copy engine takes the tensors; its persistent
  * form where a block of rows sees up to persist_max_keys keys (at any
- * length with FT_PERSIST set, d 64 included; never with FT_NO_PERSIST
+ * length with FT_PERSIST set, two consumers only; never with FT_NO_PERSIST
  * set, nor by length with FT_WS set). *launched says whether it ran. A
  * dry rtc (compiling a mod's kernels) has no tensors: the kernels the
  * defaults may take are named and compiled. */
-template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT>
+template <typename T, int D, int DK, int BC, int STAGES, int NC, bool TURNS, bool EXT>
 static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys,
                                int persist_max_keys, bool *launched)
 {
-    using L = Sm90WsFwdSmem<D, BC, STAGES>;
+    using L = Sm90WsFwdSmem<D, BC, STAGES, NC>;
     *launched = false;
     const bool any_length = switch_on("FT_WS");
     /* the keys a block of rows sees: a window bounded on both sides (a
@@ -650,7 +658,7 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
                       flash_tma_map(&maps.v, p.v, p.B, p.Nk, p.Hk, p.d, BC, p.dtype)))
         return FT_OK;
     *launched = true;
-    if constexpr ((D == 64 || D == 128) && !TURNS) /* head dims 33 to 128 for now */
+    if constexpr (D == 128 && !TURNS && NC == 2) /* head dims 65 to 128 */
     if (persist || (!p.q.data && persist_max_keys > 0)) {
         using LP = Sm90WsPersistSmem<D, BC, STAGES>;
         const int64_t tiles = (int64_t)((p.Nq + L::BR - 1) / L::BR) * p.H * p.B;
@@ -666,9 +674,9 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
                 return st; /* a dry rtc compiles the other one too */
         }
     }
-    return flash_launch(rtc, FLASH_FILE, flash_fwd_ws_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
-                        [] { return rtc_name("flash_fwd_ws_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
-                        dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), 3 * WG_THREADS, L::bytes, p,
+    return flash_launch(rtc, FLASH_FILE, flash_fwd_ws_kernel<T, D, DK, BC, STAGES, NC, TURNS, EXT>,
+                        [] { return rtc_name("flash_fwd_ws_kernel", TypeOf<T>(), D, DK, BC, STAGES, NC, TURNS, EXT); },
+                        dim3((p.Nq + L::BR - 1) / L::BR, p.H, p.B), (NC + 1) * WG_THREADS, L::bytes, p,
                         "ft_attention_forward", maps);
 }
 
@@ -692,17 +700,17 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
                  * rows sees; FT_TURNS: at any length, FT_NO_TURNS: never */
                 if constexpr (c.turns_min_keys > 0) {
                     const int64_t keys = ft_mod_block_keys(
-                        &p.mod, p.Nk, Sm90WsFwdSmem<c.D, c.BC, c.STAGES>::BR);
+                        &p.mod, p.Nk, Sm90WsFwdSmem<c.D, c.BC, c.STAGES, c.consumers>::BR);
                     const bool turns = !switch_on("FT_NO_TURNS") &&
                                        (switch_on("FT_TURNS") ||
                                         (keys >= c.turns_min_keys && !switch_on("FT_PERSIST")));
                     if (turns || !p.q.data) /* a dry rtc compiles it too */
-                        FT_TRY((launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, true, EXT>(
+                        FT_TRY((launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.consumers, true, EXT>(
                             p, rtc, min_keys, 0, &done)));
                     if (done && p.q.data)
                         return FT_OK;
                 }
-                return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, false, EXT>(
+                return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.consumers, false, EXT>(
                     p, rtc, min_keys, c.persist_max_keys, &done);
             }
             return FT_OK;
