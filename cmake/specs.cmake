@@ -98,7 +98,8 @@ endfunction()
 # warp-specialised ones; FT_TURNS=1 the d 128 forward with turns at every
 # length (by default from 8192 keys), FT_NO_LAZY_RESCALE=1 the forward that
 # rescales O at every new maximum (by default only at head dims up to 64
-# and past 128; lib/switches.c).
+# and past 128), FT_POLY_EXP2=1 softcap's exponentials partly from FMAs
+# (built with -DFT_POLY_EXP2=ON; lib/switches.c).
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
@@ -106,6 +107,9 @@ if(FT_CUDA_ENABLED)
   ft_spec_again(persist FT_PERSIST cuda_attention_spec cuda_variants_spec)
   ft_spec_again(turns FT_TURNS)
   ft_spec_again(nolazy FT_NO_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
+  if(FT_POLY_EXP2)
+    ft_spec_again(poly FT_POLY_EXP2 cuda_variants_spec)
+  endif()
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

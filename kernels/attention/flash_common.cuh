@@ -74,7 +74,17 @@ struct FlashParams {
      * raises it by more than LAZY_MAX_LOG2 (log2 units), so that O is
      * rescaled only then (head dims 65 to 128; flash_fwd.cu) */
     int lazy_max;
+    /* the Hopper forward's softmax takes some of its exponentials from
+     * FMAs (ex2_poly) instead of the special-function unit, which softcap
+     * (tanh and ex2 a score) keeps busy (switch FT_POLY_EXP2; in a build
+     * with FT_POLY_EXP2_KERNELS = 1, cmake -DFT_POLY_EXP2=ON: not yet
+     * measured, and the branch changes the EXT kernels' spills, so the
+     * default build leaves it out and its kernels are as before) */
+    int poly_exp2;
 };
+#ifndef FT_POLY_EXP2_KERNELS
+#define FT_POLY_EXP2_KERNELS 0
+#endif
 #define LAZY_MAX_LOG2 8.f /* P up to 2^8 in between: bf16 and f16 hold it, f32 sums it */
 
 #ifndef __CUDACC_RTC__
@@ -358,6 +368,24 @@ __device__ __forceinline__ float ex2(float x)
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+/* 2^x from the FMA and integer units (8 instructions, no special-function
+ * op): x = n + f with n an integer (added to 1.5 * 2^23, x rounds into
+ * the low bits of t) and f in [-0.5, 0.5]; 2^f by a polynomial of degree
+ * 3 (minimax of the relative error, 7.5e-5: 13.7 bits, past f16's 11 and
+ * bf16's 8, which P is rounded to); 2^n added to its exponent (t's bits
+ * shifted by 23 are n's: 1.5 * 2^23's low 9 bits are 0). x under -126
+ * (-inf: a masked score) gives 2^-126 at most, not 0: a row whose every
+ * score is masked must not take its sum from these (FwdRows::finish). */
+__device__ __forceinline__ float ex2_poly(float x)
+{
+    x = fmaxf(x, -126.f);
+    const float t = x + 12582912.f;
+    const float f = x - (t - 12582912.f);
+    const float p =
+        fmaf(fmaf(fmaf(0.0551717673f, f, 0.242611579f), f, 0.693261009f), f, 0.999928047f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
 /* The score modifications of lib/attn_mod.h (softcap, then ALiBi) on the

@@ -430,6 +430,10 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     p.lazy_max = !ft_switch("FT_NO_LAZY_RESCALE") &&
                  (ft_switch("FT_LAZY_RESCALE") || (s->d > 64 && s->d <= 128)) &&
                  !(p.mod.dropout && p.dtype == FT_F16);
+    /* some of softcap's exponentials from FMAs (FwdRows::exps; written,
+     * not yet measured: FT_POLY_EXP2 turns it on in a build with
+     * -DFT_POLY_EXP2=ON, and does nothing in others) */
+    p.poly_exp2 = ft_switch("FT_POLY_EXP2") && p.mod.softcap > 0;
     const ft_tensor *ts[4] = {q, k, v, out};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 4);

@@ -98,6 +98,38 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
                     s[i] = -INFINITY;
             }
         }
+        /* softcap's tanh keeps the special-function unit busy: with
+         * FT_POLY_EXP2, POLY of every 4 columns' exponentials from FMAs */
+        exps<fast_tanh<T>() ? 1 : 2>(s, EXT && FT_POLY_EXP2_KERNELS && p.poly_exp2); /* f16: tanh
+                                                                                       * from ex2
+                                                                                       * and a
+                                                                                       * division */
+        /* dropout: P V takes the kept probabilities, scaled; the sum (and
+         * LSE) all of them */
+        if (EXT && p.mod.dropout)
+            drop_acc<BC / 2>(p, b, h, s, wrow0, j0);
+    }
+
+    /* row r's P = 2^(s sl2 - ms) in place, its sums; POLY of every 4
+     * columns by ex2_poly */
+    template <int POLY>
+    __device__ __forceinline__ void exp_row(float *s, int r, float ms, float *sum4) const
+    {
+#pragma unroll
+        for (int n = 0; n < NT_S; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float &v = s[4 * n + 2 * r + e];
+                v = n % 4 < POLY ? ex2_poly(fmaf(v, sl2, -ms)) : ex2(fmaf(v, sl2, -ms));
+                if (!ONES)
+                    sum4[(2 * n + e) % 4] += v;
+            }
+    }
+
+    /* the rows' running maxima, P = 2^(s sl2 - m sl2) in place, the sums;
+     * with poly, POLY of every 4 columns by ex2_poly */
+    template <int POLY> __device__ __forceinline__ void exps(float *s, bool poly)
+    {
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             /* four partial maxima and sums: shorter dependency chains */
@@ -124,24 +156,15 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
             const float ms = m_new == -INFINITY ? 0.f : m_new * sl2; /* all masked: no NaNs */
             alpha[r] = keep ? 1.f : ex2(m[r] * sl2 - ms);
             float sum4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int n = 0; n < NT_S; n++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float &v = s[4 * n + 2 * r + e];
-                    v = ex2(fmaf(v, sl2, -ms));
-                    if (!ONES)
-                        sum4[(2 * n + e) % 4] += v;
-                }
+            if (poly)
+                exp_row<POLY>(s, r, ms, sum4);
+            else
+                exp_row<0>(s, r, ms, sum4);
             /* this thread's share; the quad adds up at the end */
             if (!ONES)
                 l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
             m[r] = m_new;
         }
-        /* dropout: P V takes the kept probabilities, scaled; the sum (and
-         * LSE) all of them */
-        if (EXT && p.mod.dropout)
-            drop_acc<BC / 2>(p, b, h, s, wrow0, j0);
     }
 
     __device__ __forceinline__ void rescale_pack(float *o, const float *s, uint32_t (*pa)[4]) const
@@ -173,7 +196,11 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
     {
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            const float l_part = ONES ? (t4 == 0 ? o[4 * (DK / 8) + 2 * r] : 0.f) : l[r];
+            /* a row that saw no key and no sink: sum 0, so O = 0 and
+             * LSE = -inf (ex2_poly left it 2^-126 a masked score) */
+            const float l_part = m[r] == -INFINITY ? 0.f
+                                 : ONES ? (t4 == 0 ? o[4 * (DK / 8) + 2 * r] : 0.f)
+                                        : l[r];
             store_out_row<T, NT_O>(p, b, h, wrow0 + g + 8 * r, r, o, l_part, m[r] * sl2);
         }
     }
@@ -692,25 +719,28 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
         int shorter = 0; /* whether calls of some length take the wgmma kernel */
         FT_TRY(flash_pick(SM90_WS_FWD_TILES, p.d, [&](auto row) {
             constexpr Sm90WsFwdTile c = SM90_WS_FWD_TILES[decltype(row)::value];
-            shorter = c.min_keys || c.min_keys_causal;
+            shorter = c.min_keys || c.min_keys_causal || c.ext_min_keys;
             if constexpr (c.BC > 0) {
-                const int min_keys = p.causal ? c.min_keys_causal : c.min_keys;
+                const int min_keys = EXT && c.ext_min_keys ? c.ext_min_keys
+                                     : p.causal           ? c.min_keys_causal
+                                                          : c.min_keys;
+                constexpr int BC = EXT ? c.ext_BC : c.BC, NC = EXT ? c.ext_consumers : c.consumers;
                 /* the consumers take turns (never in the persistent
                  * kernel) from the row's turns_min_keys keys a block of
                  * rows sees; FT_TURNS: at any length, FT_NO_TURNS: never */
                 if constexpr (c.turns_min_keys > 0) {
                     const int64_t keys = ft_mod_block_keys(
-                        &p.mod, p.Nk, Sm90WsFwdSmem<c.D, c.BC, c.STAGES, c.consumers>::BR);
+                        &p.mod, p.Nk, Sm90WsFwdSmem<c.D, BC, c.STAGES, NC>::BR);
                     const bool turns = !switch_on("FT_NO_TURNS") &&
                                        (switch_on("FT_TURNS") ||
                                         (keys >= c.turns_min_keys && !switch_on("FT_PERSIST")));
                     if (turns || !p.q.data) /* a dry rtc compiles it too */
-                        FT_TRY((launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.consumers, true, EXT>(
+                        FT_TRY((launch_fwd_ws<T, c.D, c.DK, BC, c.STAGES, NC, true, EXT>(
                             p, rtc, min_keys, 0, &done)));
                     if (done && p.q.data)
                         return FT_OK;
                 }
-                return launch_fwd_ws<T, c.D, c.DK, c.BC, c.STAGES, c.consumers, false, EXT>(
+                return launch_fwd_ws<T, c.D, c.DK, BC, c.STAGES, NC, false, EXT>(
                     p, rtc, min_keys, c.persist_max_keys, &done);
             }
             return FT_OK;
