@@ -96,16 +96,19 @@ endfunction()
 # length, FT_PERSIST=1 its persistent form (head dims 65 to 128) at every
 # length, FT_NO_WS=1 the wgmma forward and backward kernels instead of the
 # warp-specialised ones; FT_TURNS=1 the d 128 forward with turns at every
-# length (by default from 8192 keys), FT_NO_LAZY_RESCALE=1 the forward that
-# rescales O at every new maximum (by default only at head dims up to 64
-# and past 128), FT_POLY_EXP2=1 softcap's exponentials partly from FMAs
-# (built with -DFT_POLY_EXP2=ON; lib/switches.c).
+# length (by default from 8192 keys), FT_LAZY_RESCALE=1 and
+# FT_NO_LAZY_RESCALE=1 the forward whose O is rescaled only when a row's
+# maximum grows by 2^8, at every head dim, and the one that rescales at
+# every new maximum (by default: head dims 65 to 128 the first),
+# FT_POLY_EXP2=1 softcap's exponentials partly from FMAs (built with
+# -DFT_POLY_EXP2=ON; lib/switches.c).
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
   ft_spec_again(nows FT_NO_WS)
   ft_spec_again(persist FT_PERSIST cuda_attention_spec cuda_variants_spec)
   ft_spec_again(turns FT_TURNS)
+  ft_spec_again(lazy FT_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   ft_spec_again(nolazy FT_NO_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   if(FT_POLY_EXP2)
     ft_spec_again(poly FT_POLY_EXP2 cuda_variants_spec)

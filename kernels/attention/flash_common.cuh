@@ -380,7 +380,7 @@ __device__ __forceinline__ float ex2(float x)
  * score is masked must not take its sum from these (FwdRows::finish). */
 __device__ __forceinline__ float ex2_poly(float x)
 {
-    x = fmaxf(x, -126.f);
+    x = x < -126.f ? -126.f : x; /* not fmaxf: a NaN stays NaN */
     const float t = x + 12582912.f;
     const float f = x - (t - 12582912.f);
     const float p =

@@ -224,7 +224,7 @@ ds_rows(const T *P, T *dP, void *dS_lo, int lo_dtype, const T *SG, int64_t rows,
  * of e^(sink_h - lse) (dout . out), for out, dout [B, Nq, H, d] with
  * element strides o_*, g_* (1 along d): a warp a row, its lanes along d
  * (coalesced), the rows r = c * 8 + warp, then on by SINK_PARTS * 8; sums
- * in f64, in a fixed order (deterministic). Grid (SINK_PARTS, H). */
+ * in f64, in a fixed order (deterministic). Grid (H, SINK_PARTS). */
 __global__ void __launch_bounds__(THREADS)
 sink_grad_kernel(const void *out, const void *dout, int dtype, int64_t o_sb, int64_t o_si,
                  int64_t o_sh, int64_t g_sb, int64_t g_si, int64_t g_sh, int64_t B,
@@ -232,12 +232,12 @@ sink_grad_kernel(const void *out, const void *dout, int dtype, int64_t o_sb, int
                  double *part)
 {
     __shared__ double shared[THREADS / 32];
-    const int64_t h = blockIdx.y;
+    const int64_t h = blockIdx.x;
     const int lane = threadIdx.x & 31, warps = THREADS / 32;
     const double sink = load_any(nm.sink, nm.sink_f64, h * nm.sink_sh);
     double sum = 0; /* lane 0's */
-    for (int64_t t = blockIdx.x * (int64_t)warps + (threadIdx.x >> 5); t < B * nm.Nq;
-         t += (int64_t)gridDim.x * warps) {
+    for (int64_t t = blockIdx.y * (int64_t)warps + (threadIdx.x >> 5); t < B * nm.Nq;
+         t += (int64_t)FT_SINK_PARTS * warps) {
         const int64_t b = t / nm.Nq, i = t % nm.Nq;
         double D = 0;
         for (int64_t e = lane; e < d; e += 32)
@@ -252,7 +252,7 @@ sink_grad_kernel(const void *out, const void *dout, int dtype, int64_t o_sb, int
     }
     sum = block_reduce(sum, false, shared); /* lanes past 0 add zeros */
     if (threadIdx.x == 0)
-        part[h * FT_SINK_PARTS + blockIdx.x] = sum;
+        part[h * FT_SINK_PARTS + blockIdx.y] = sum;
 }
 
 /* acc[h] -= the SINK_PARTS partial sums of head h, in order. */
@@ -728,7 +728,7 @@ ft_status ft_attention_sink_grad_cuda(const ft_attn_shape *s, const ft_tensor *d
     if (s->H == 0)
         return FT_OK;
     const naive_mod nm = make_mod(s, lse);
-    sink_grad_kernel<<<dim3(FT_SINK_PARTS, (unsigned)s->H), THREADS>>>(
+    sink_grad_kernel<<<dim3((unsigned)s->H, FT_SINK_PARTS), THREADS>>>(
         out->data, dout->data, (int)out->dtype, out->stride[0], out->stride[1], out->stride[2],
         dout->stride[0], dout->stride[1], dout->stride[2], s->B, s->d,
         lse->dtype == FT_F32 ? (const float *)lse->data : NULL,

@@ -380,6 +380,7 @@ __global__ void __launch_bounds__((NC + 1) * WG_THREADS, 1)
     flash_fwd_ws_kernel(const FlashParams p, const __grid_constant__ FwdMaps maps)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(!TURNS || NC == 2, "Turns takes two warpgroups (its named barriers)");
     using L = Sm90WsFwdSmem<D, BC, STAGES, NC>;
     using Rows = FwdRows<T, D, DK, BC, EXT, UM>;
     constexpr int BR = L::BR, KV_BYTES = L::KV_BYTES, DO = Rows::DO;
@@ -673,7 +674,7 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
      * the next one's start pays there as on short calls (1.11x-1.14x at
      * window 1024, causal, N 4096 and 16384) */
     const int64_t keys = ft_mod_block_keys(&p.mod, p.Nk, L::BR);
-    const bool persist = (D == 64 || D == 128) && !switch_on("FT_NO_PERSIST") &&
+    const bool persist = D == 128 && NC == 2 && !TURNS && !switch_on("FT_NO_PERSIST") &&
                          (switch_on("FT_PERSIST") ||
                           (persist_max_keys > 0 && keys <= persist_max_keys && !any_length));
     if (p.cu_q || switch_on("FT_NO_WS") || (p.Nk < min_keys && !any_length && !persist && p.q.data))
@@ -731,12 +732,13 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
                 if constexpr (c.turns_min_keys > 0) {
                     const int64_t keys = ft_mod_block_keys(
                         &p.mod, p.Nk, Sm90WsFwdSmem<c.D, BC, c.STAGES, NC>::BR);
+                    const bool forced = switch_on("FT_TURNS");
                     const bool turns = !switch_on("FT_NO_TURNS") &&
-                                       (switch_on("FT_TURNS") ||
+                                       (forced ||
                                         (keys >= c.turns_min_keys && !switch_on("FT_PERSIST")));
                     if (turns || !p.q.data) /* a dry rtc compiles it too */
                         FT_TRY((launch_fwd_ws<T, c.D, c.DK, BC, c.STAGES, NC, true, EXT>(
-                            p, rtc, min_keys, 0, &done)));
+                            p, rtc, forced ? 0 : min_keys, 0, &done)));
                     if (done && p.q.data)
                         return FT_OK;
                 }
