@@ -110,6 +110,13 @@ if(FT_CUDA_ENABLED)
   ft_spec_again(turns FT_TURNS)
   ft_spec_again(lazy FT_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   ft_spec_again(nolazy FT_NO_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
+  # with FT_PERSIST too (the persistent kernel at any length)
+  add_test(NAME cuda_attention_spec_xtile
+    COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
+            --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/cuda_attention_spec.lua
+    WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
+  set_tests_properties(cuda_attention_spec_xtile PROPERTIES
+    ENVIRONMENT "${FT_SPEC_ENV};FT_XTILE=1;FT_PERSIST=1" TIMEOUT 600)
   if(FT_POLY_EXP2)
     ft_spec_again(poly FT_POLY_EXP2 cuda_variants_spec)
   endif()

@@ -9,7 +9,7 @@ local ft = h.ft
 local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
 local NAMES = { "FT_NO_WGMMA", "FT_NO_WS", "FT_WS", "FT_PERSIST", "FT_NO_PERSIST", "FT_NO_DECODE",
-                "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS", "FT_NO_TURNS", "FT_POLY_EXP2" }
+                "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS", "FT_NO_TURNS", "FT_POLY_EXP2", "FT_XTILE" }
 
 describe("kernel switches", function()
   after_each(function()
@@ -78,7 +78,8 @@ describe("kernel switches", function()
     for _, opts in ipairs { { causal = false }, { causal = true, window_left = 100 }, { softcap = 20, causal = true } } do
       local want = run(opts)
       for _, name in ipairs { "FT_NO_WGMMA", "FT_NO_WS", "FT_WS", "FT_PERSIST", "FT_NO_PERSIST", "FT_LAZY_RESCALE",
-                                 "FT_NO_LAZY_RESCALE", "FT_TURNS", "FT_NO_TURNS", "FT_POLY_EXP2" } do
+                                 "FT_NO_LAZY_RESCALE", "FT_TURNS", "FT_NO_TURNS", "FT_POLY_EXP2",
+                                 "FT_XTILE" } do
         ft.set_switch(name, true)
         local got = run(opts)
         ft.set_switch(name, nil)

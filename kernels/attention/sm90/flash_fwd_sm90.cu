@@ -486,19 +486,25 @@ __global__ void __launch_bounds__((NC + 1) * WG_THREADS, 1)
  * mask, snaking (tile_of). The K/V ring and its phases run on across a
  * CTA's tiles, and Q has an empty barrier too (the consumers hand it back
  * once their last S product of a tile is done), so the producer copies the next tile's Q and first K/V blocks
- * while the consumers finish this tile's last P V and store O and LSE. */
+ * while the consumers finish this tile's last P V and store O and LSE.
+ * XT (switch FT_XTILE; not yet run on a GPU): the consumers issue the
+ * next tile's first S with this tile's last P V and store O while it
+ * runs, so a tile's start and end no longer leave the tensor cores idle
+ * (at N 1024 a tile has 8 key blocks, and the 524 TFLOP/s there against
+ * 670 at 16384 put about 2 blocks' time on each tile's ends). */
 template <int D, int BC, int STAGES> struct Sm90WsPersistSmem : Sm90WsFwdSmem<D, BC, STAGES> {
     using Base = Sm90WsFwdSmem<D, BC, STAGES>;
     static constexpr int Q_EMPTY = Base::V_EMPTY + 8 * STAGES;
     static constexpr size_t bytes = Base::bytes + 8;
 };
 
-template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT,
+template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool XT, bool EXT,
           typename UM = NoUserMod>
 __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     flash_fwd_ws_persistent_kernel(const FlashParams p, const __grid_constant__ FwdMaps maps)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(!(XT && TURNS), "across tiles: without turns");
     using L = Sm90WsPersistSmem<D, BC, STAGES>;
     using Rows = FwdRows<T, D, DK, BC, EXT, UM>;
     constexpr int BR = L::BR, KV_BYTES = L::KV_BYTES, DO = Rows::DO;
@@ -507,7 +513,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const uint32_t sQ = smem_addr(smem), sK = sQ + L::K, sV = sQ + L::V, bar = sQ + L::BAR;
 
-    const int tid = threadIdx.x, wg = warpgroup_of<TURNS>(tid);
+    const int tid = threadIdx.x, wg = warpgroup_of<TURNS || XT>(tid);
     const int nqb = (p.Nq + BR - 1) / BR, ntiles = nqb * p.H * p.B;
     /* tile t: query block t % nqb (longest first under the causal mask) of
      * head t / nqb % H of batch entry t / (nqb H); round r of the walk
@@ -583,6 +589,105 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
                 }
                 k++;
             }
+        }
+    } else if constexpr (XT) { /* the consumers, a tile's end under the next one's start */
+        regs_inc<WsRegs<2>::consumer>();
+        const int cwg = wg - 1, wwarp = (tid / FT_WARP) % 4;
+        const bool signal = tid % WG_THREADS == 0;
+        const uint32_t q_addr = sQ + cwg * 64 * 128;
+        float o[DO / 2], s[BC / 2];
+        uint32_t pa[BC / 16][4];
+        /* the ring's blocks are counted across tiles: block nb sits in
+         * stage nb % STAGES, phase (nb / STAGES) & 1 */
+        auto issue_s = [&](int nb) {
+            mbar_wait(bar + L::K_FULL + 8 * (nb % STAGES), (nb / STAGES) & 1);
+            product_abt<T, BC, DK, BR, BC>(s, q_addr, sK + (nb % STAGES) * KV_BYTES);
+            wgmma_commit();
+        };
+        auto issue_pv = [&](int nb) {
+            mbar_wait(bar + L::V_FULL + 8 * (nb % STAGES), (nb / STAGES) & 1);
+            product_fb<T, BC, DO>(o, pa, sV + (nb % STAGES) * KV_BYTES);
+            wgmma_commit();
+        };
+        auto release = [&](int empty, int nb) {
+            if (signal)
+                mbar_arrive(bar + empty + 8 * (nb % STAGES));
+        };
+        /* the next tile with keys from round r on (the empty ones stored
+         * on the way); r ends past it; whether there is one, through a
+         * shuffle from lane 0 (as the key blocks below) */
+        struct Tile {
+            QueryBlock q;
+            int h, b;
+        };
+        int r = 0;
+        auto next_tile = [&](Tile *nt) {
+            int found = 0;
+            for (; r < rounds && !found; r++) {
+                const int t = tile_of(r);
+                if (t >= ntiles)
+                    continue;
+                nt->q = tile_at(t, &nt->h, &nt->b);
+                found = nt->q.nkb != nt->q.kb0;
+                if (!found)
+                    fwd_store_empty(p, nt->b, nt->h, nt->q.i0, nt->q.nq, flash_sink_log2(p, nt->h),
+                                    tid - WG_THREADS, 2 * WG_THREADS);
+            }
+            return __shfl_sync(0xffffffffu, found, 0) != 0;
+        };
+        int n = 0, k = 0; /* the K/V blocks and the tiles before this one */
+        Tile cur;
+        bool have = next_tile(&cur);
+        if (have) { /* the first tile's first S */
+            mbar_wait(bar + L::Q_FULL, 0);
+            wgmma_fence();
+            issue_s(0);
+        }
+        while (have) {
+            /* S_kb0 of this tile is on its way; O (the last tile's) is
+             * stored. The tile's key blocks go through a shuffle from lane
+             * 0: loop bounds that ptxas could not see to be the same
+             * across the warp made it serialise every wgmma (C7520,
+             * "WG.AR in divergent path") */
+            const int kb0 = __shfl_sync(0xffffffffu, cur.q.kb0, 0),
+                      nkb = __shfl_sync(0xffffffffu, cur.q.nkb, 0), n0 = n;
+            auto s_done = [&](int j) {
+                release(L::K_EMPTY, n0 + j - kb0);
+                if (j == nkb - 1 && signal) /* the tile's last S: Q is free */
+                    mbar_arrive(bar + L::Q_EMPTY);
+            };
+            wgmma_wait<0>();
+            Rows rows(p, cur.b, cur.h, cur.q.i0 + cwg * 64 + wwarp * 16,
+                      flash_sink_log2(p, cur.h), o);
+            s_done(kb0);
+            rows.softmax(s, kb0);
+            rows.rescale_pack(o, s, pa);
+            for (int j = kb0 + 1; j < nkb; j++) {
+                wgmma_fence();
+                issue_s(n0 + j - kb0);
+                issue_pv(n0 + j - 1 - kb0);
+                wgmma_wait<1>();
+                s_done(j);
+                rows.softmax(s, j);
+                wgmma_wait<0>();
+                release(L::V_EMPTY, n0 + j - 1 - kb0);
+                rows.rescale_pack(o, s, pa);
+            }
+            n += nkb - kb0;
+            k++;
+            have = next_tile(&cur);
+            wgmma_fence();
+            issue_pv(n - 1);
+            if (have) { /* the next tile's first S goes with this one's last P V */
+                mbar_wait(bar + L::Q_FULL, k & 1);
+                issue_s(n);
+                wgmma_wait<1>();
+            } else {
+                wgmma_wait<0>();
+            }
+            pin_all<DO / 2>(o);
+            release(L::V_EMPTY, n - 1);
+            rows.finish(o);
         }
     } else { /* the consumers */
         regs_inc<WsRegs<2>::consumer>();
@@ -693,11 +798,21 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
         int dev = 0; /* a dry rtc launches nothing: any count */
         const int sms = p.q.data && cudaGetDevice(&dev) == cudaSuccess ? flash_sm_count(dev) : 132;
         if (!p.q.data || (tiles > 0 && tiles < 2147483647LL)) {
-            const ft_status st = flash_launch(
-                rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
-                [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
-                dim3((unsigned)(tiles < sms ? tiles : sms)), 3 * WG_THREADS, LP::bytes, p,
-                "ft_attention_forward", maps);
+            const dim3 grid((unsigned)(tiles < sms ? tiles : sms));
+            /* FT_XTILE: a tile's end under the next one's start (not yet
+             * measured; a dry rtc compiles the default only) */
+            const ft_status st =
+                p.q.data && switch_on("FT_XTILE")
+                    ? flash_launch(
+                          rtc, FLASH_FILE,
+                          flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, false, true, EXT>,
+                          [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, false, true, EXT); },
+                          grid, 3 * WG_THREADS, LP::bytes, p, "ft_attention_forward", maps)
+                    : flash_launch(
+                          rtc, FLASH_FILE,
+                          flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, false, EXT>,
+                          [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, false, EXT); },
+                          grid, 3 * WG_THREADS, LP::bytes, p, "ft_attention_forward", maps);
             if (p.q.data || st != FT_OK)
                 return st; /* a dry rtc compiles the other one too */
         }
