@@ -71,11 +71,14 @@ foreach(spec ${FT_SPECS})
 endforeach()
 
 # The GPU specs again with a variable that picks other kernels: spec
-# <name> runs as <name>_<suffix> with VAR=1 (the specs named after var, or
-# the three attention specs).
+# <name> runs as <name>_<suffix> with VAR=1 (several: A+B; the specs named
+# after var, or the three attention specs).
 function(ft_spec_again suffix var)
   set(env ${FT_SPEC_ENV})
-  list(APPEND env "${var}=1")
+  string(REPLACE "+" ";" vars "${var}")
+  foreach(v ${vars})
+    list(APPEND env "${v}=1")
+  endforeach()
   set(names ${ARGN})
   if(NOT names)
     set(names cuda_attention_spec cuda_variants_spec cuda_mods_spec)
@@ -111,12 +114,8 @@ if(FT_CUDA_ENABLED)
   ft_spec_again(lazy FT_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   ft_spec_again(nolazy FT_NO_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   # with FT_PERSIST too (the persistent kernel at any length)
-  add_test(NAME cuda_attention_spec_xtile
-    COMMAND ${FT_BUSTED_COMMAND} --cpath=${CMAKE_BINARY_DIR}/?.so
-            --output=utfTerminal ${CMAKE_CURRENT_SOURCE_DIR}/spec/cuda_attention_spec.lua
-    WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
-  set_tests_properties(cuda_attention_spec_xtile PROPERTIES
-    ENVIRONMENT "${FT_SPEC_ENV};FT_XTILE=1;FT_PERSIST=1" TIMEOUT 600)
+  ft_spec_again(xtile FT_XTILE+FT_PERSIST cuda_attention_spec)
+  set_tests_properties(cuda_attention_spec_xtile PROPERTIES TIMEOUT 600)
   if(FT_POLY_EXP2)
     ft_spec_again(poly FT_POLY_EXP2 cuda_variants_spec)
   endif()

@@ -4,8 +4,8 @@
  * mma.sync kernels on Hopper), FT_NO_WS (the wgmma kernels, not the
  * warp-specialised ones), FT_WS (the warp-specialised forward that is not
  * persistent, at any length), FT_PERSIST (the persistent forward at any
- * length, head dims 65 to 128), FT_NO_PERSIST (never it), FT_NO_DECODE (no decoding kernels),
- * FT_LAZY_RESCALE and FT_NO_LAZY_RESCALE (the Hopper forward keeps a
+ * length, head dims 65 to 128), FT_NO_PERSIST (never it), FT_NO_DECODE
+ * (no decoding kernels), FT_LAZY_RESCALE and FT_NO_LAZY_RESCALE (the Hopper forward keeps a
  * row's running maximum until a block raises it by more than 2^8,
  * rescaling O only then: at every head dim, or at none; by default at
  * head dims 65 to 128), FT_TURNS and FT_NO_TURNS (the consumer
@@ -16,8 +16,7 @@
  * a build with cmake -DFT_POLY_EXP2=ON: written, not yet measured),
  * FT_XTILE (the persistent forward issues the next tile's first product
  * with this tile's last and stores O under it: written, not yet run on
- * a GPU);
- * kernels/README.md says what each kernel is.
+ * a GPU); kernels/README.md says what each kernel is.
  *
  * A switch is on when ft_set_switch turned it on, off when it turned it
  * off, and otherwise (at the start, or after on = -1) as the environment

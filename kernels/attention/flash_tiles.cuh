@@ -75,42 +75,44 @@ static constexpr Sm90FwdTile SM90_FWD_TILES[] = {
 /* Hopper forward, warp-specialised (flash_fwd_ws_kernel in
  * flash_fwd_sm90.cu): 64 query rows a consumer warpgroup, 2 or 3 of them
  * (consumers) and a producer, BC keys a block, STAGES K and V stages,
- * turns_min_keys: the consumers take turns issuing products. It runs when a call has at least min_keys keys
- * (min_keys_causal under the causal mask): below, its longer start and end
+ * turns_min_keys: the consumers take turns issuing products. It runs when
+ * a call has at least min_keys keys (min_keys_causal under the causal
+ * mask): below, its longer start and end
  * (one CTA an SM, barriers, the first product with nothing to overlap)
  * weigh more than its faster loop and the wgmma kernel above is faster.
  * BC = 0: the wgmma kernel at any length. Where a block of rows sees up
  * to persist_max_keys keys (a call that long, or a window bounded on both
  * sides) its persistent form (flash_fwd_ws_persistent_kernel, D = 128
- * and two consumers only) takes the call: one CTA an SM walking the tiles, the next tile's
- * copies under this one's end. Measured on the H200, bf16 and f16 (kernels/README.md). */
+ * and two consumers only) takes the call: one CTA an SM walking the
+ * tiles, the next tile's copies under this one's end. Measured on the
+ * H200, bf16 and f16 (kernels/README.md). */
 struct Sm90WsFwdTile {
     int max_d, D, DK, BC, STAGES, consumers; /* consumer warpgroups, 64 rows each */
     int turns_min_keys; /* from a block of rows seeing this many keys (0: never) */
     int min_keys, min_keys_causal, persist_max_keys;
-    /* the EXT instantiation's (the variants: more state a thread);
-     * ext_min_keys 0: the plain rows' */
+    /* the EXT instantiation's (the variants: more state a thread); 0:
+     * the plain row's */
     int ext_BC, ext_consumers, ext_min_keys;
     const char *why;
 };
 static constexpr Sm90WsFwdTile SM90_WS_FWD_TILES[] = {
-    {32, 32, 32, 0, 0, 2, 0, 0, 0, 0, 0, 2, 0, "the wgmma kernel (two CTAs an SM) is faster at every length"},
+    {32, 32, 32, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, "the wgmma kernel (two CTAs an SM) is faster at every length"},
     {64, 64, 64, 128, 2, 3, 0, 2048, 2048, 0, 192, 2, 4096,
      "three consumers (latency-bound with two): 1.02x-1.15x of two with 192-key blocks "
      "(0.97x-1.00x causal at 16384 keys); 128-key blocks (128 registers); from 2048 keys "
      "(1.14x non-causal, 1.00x-1.03x causal over the wgmma kernel; at 1024, 0.85x-0.99x); "
      "with two consumers turns were 0.99x-1.04x. The variants keep two consumers, 192-key "
      "blocks from 4096 keys: with three, 128 registers spill 56-96 bytes there (unmeasured)"},
-    {96, 128, 96, 128, 2, 2, 0, 0, 4096, 4096, 128, 2, 0,
+    {96, 128, 96, 128, 2, 2, 0, 0, 4096, 4096, 0, 0, 0,
      "128-key blocks; causal below 4096 keys: the wgmma kernel; persistent up to 4096 keys "
      "(of the others: 1.14x-1.38x at 1024 keys, 1.07x-1.41x at 2048, 1.01x-1.06x at 4096; "
      "at 16384, 0.66x-1.01x in an earlier tile order)"},
-    {128, 128, 128, 128, 2, 2, 8192, 0, 4096, 4096, 128, 2, 0,
+    {128, 128, 128, 128, 2, 2, 8192, 0, 4096, 4096, 0, 0, 0,
      "128-key blocks; causal below 4096 keys: the wgmma kernel; persistent as d <= 96; "
      "turns from 8192 keys (bf16, with the lazy maximum: 1.01x-1.03x plain, 1.06x-1.17x "
      "softcap and ALiBi at 16384 keys; 0.95x-0.99x at 1024 and 4096)"},
-    {192, 256, 192, 64, 2, 2, 0, 0, 0, 0, 64, 2, 0, "O takes 128 registers a thread: 64-key blocks; ones column"},
-    {256, 256, 256, 64, 2, 2, 0, 0, 0, 0, 64, 2, 0, "as d <= 192"},
+    {192, 256, 192, 64, 2, 2, 0, 0, 0, 0, 0, 0, 0, "O takes 128 registers a thread: 64-key blocks; ones column"},
+    {256, 256, 256, 64, 2, 2, 0, 0, 0, 0, 0, 0, 0, "as d <= 192"},
 };
 
 /* Hopper backward (flash_bwd_sm90.cu): BM queries a dK/dV step, BC keys a

@@ -72,16 +72,23 @@ __device__ inline double load_elem(const void *p, int64_t i, int dtype)
     }
 }
 
-/* The sum (or max) of v over the block, returned to every thread. shared
- * holds one value per warp; blockDim.x is a multiple of 32. The max keeps
- * the first operand on NaN, as the CPU's `x > m ? x : m` does. */
-template <typename T>
-__device__ T block_reduce(T v, bool is_max, T *shared)
+/* The sum (or max) of v over the warp, returned to every lane. The max
+ * keeps the first operand on NaN, as the CPU's `x > m ? x : m` does. */
+template <typename T> __device__ T warp_reduce(T v, bool is_max)
 {
     for (int o = 16; o > 0; o >>= 1) {
         const T w = __shfl_xor_sync(0xffffffffu, v, o);
         v = is_max ? (w > v ? w : v) : v + w;
     }
+    return v;
+}
+
+/* The same over the block. shared holds one value per warp; blockDim.x is
+ * a multiple of 32. */
+template <typename T>
+__device__ T block_reduce(T v, bool is_max, T *shared)
+{
+    v = warp_reduce(v, is_max);
     __syncthreads(); /* readers of the previous reduction are done */
     if ((threadIdx.x & 31) == 0)
         shared[threadIdx.x >> 5] = v;
@@ -243,8 +250,7 @@ sink_grad_kernel(const void *out, const void *dout, int dtype, int64_t o_sb, int
         for (int64_t e = lane; e < d; e += 32)
             D += load_elem(dout, b * g_sb + i * g_si + h * g_sh + e, dtype) *
                  load_elem(out, b * o_sb + i * o_si + h * o_sh + e, dtype);
-        for (int o = 16; o > 0; o >>= 1)
-            D += __shfl_xor_sync(0xffffffffu, D, o);
+        D = warp_reduce(D, false);
         const int64_t lo = b * nm.lse_sb + h * nm.lse_sh + i * nm.lse_si;
         const double L = lse64 ? lse64[lo] : (double)lse32[lo];
         if (lane == 0 && sink != -INFINITY)

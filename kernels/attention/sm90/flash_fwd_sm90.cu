@@ -99,11 +99,10 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
             }
         }
         /* softcap's tanh keeps the special-function unit busy: with
-         * FT_POLY_EXP2, POLY of every 4 columns' exponentials from FMAs */
-        exps<fast_tanh<T>() ? 1 : 2>(s, EXT && FT_POLY_EXP2_KERNELS && p.poly_exp2); /* f16: tanh
-                                                                                       * from ex2
-                                                                                       * and a
-                                                                                       * division */
+         * FT_POLY_EXP2, POLY of every 4 columns' exponentials from FMAs
+         * (f16's tanh takes an ex2 and a division: two of them) */
+        constexpr int POLY = fast_tanh<T>() ? 1 : 2;
+        exps<POLY>(s, EXT && FT_POLY_EXP2_KERNELS && p.poly_exp2);
         /* dropout: P V takes the kept probabilities, scaled; the sum (and
          * LSE) all of them */
         if (EXT && p.mod.dropout)
@@ -590,7 +589,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
                 k++;
             }
         }
-    } else if constexpr (XT) { /* the consumers, a tile's end under the next one's start */
+    } else { /* the consumers */
         regs_inc<WsRegs<2>::consumer>();
         const int cwg = wg - 1, wwarp = (tid / FT_WARP) % 4;
         const bool signal = tid % WG_THREADS == 0;
@@ -613,133 +612,115 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             if (signal)
                 mbar_arrive(bar + empty + 8 * (nb % STAGES));
         };
-        /* the next tile with keys from round r on (the empty ones stored
-         * on the way); r ends past it; whether there is one, through a
-         * shuffle from lane 0 (as the key blocks below) */
-        struct Tile {
-            QueryBlock q;
-            int h, b;
-        };
-        int r = 0;
-        auto next_tile = [&](Tile *nt) {
-            int found = 0;
-            for (; r < rounds && !found; r++) {
+        if constexpr (XT) { /* a tile's end under the next one's start */
+            /* the next tile with keys from round r on (the empty ones stored
+             * on the way); r ends past it; whether there is one, through a
+             * shuffle from lane 0 (as the key blocks below) */
+            struct Tile {
+                QueryBlock q;
+                int h, b;
+            };
+            int r = 0;
+            auto next_tile = [&](Tile *nt) {
+                int found = 0;
+                for (; r < rounds && !found; r++) {
+                    const int t = tile_of(r);
+                    if (t >= ntiles)
+                        continue;
+                    nt->q = tile_at(t, &nt->h, &nt->b);
+                    found = nt->q.nkb != nt->q.kb0;
+                    if (!found)
+                        fwd_store_empty(p, nt->b, nt->h, nt->q.i0, nt->q.nq, flash_sink_log2(p, nt->h),
+                                        tid - WG_THREADS, 2 * WG_THREADS);
+                }
+                return __shfl_sync(0xffffffffu, found, 0) != 0;
+            };
+            int n = 0, k = 0; /* the K/V blocks and the tiles before this one */
+            Tile cur;
+            bool have = next_tile(&cur);
+            if (have) { /* the first tile's first S */
+                mbar_wait(bar + L::Q_FULL, 0);
+                wgmma_fence();
+                issue_s(0);
+            }
+            while (have) {
+                /* S_kb0 of this tile is on its way; O (the last tile's) is
+                 * stored. The tile's key blocks go through a shuffle from lane
+                 * 0: loop bounds that ptxas could not see to be the same
+                 * across the warp made it serialise every wgmma (C7520,
+                 * "WG.AR in divergent path") */
+                const int kb0 = __shfl_sync(0xffffffffu, cur.q.kb0, 0),
+                          nkb = __shfl_sync(0xffffffffu, cur.q.nkb, 0), n0 = n;
+                auto s_done = [&](int j) {
+                    release(L::K_EMPTY, n0 + j - kb0);
+                    if (j == nkb - 1 && signal) /* the tile's last S: Q is free */
+                        mbar_arrive(bar + L::Q_EMPTY);
+                };
+                wgmma_wait<0>();
+                Rows rows(p, cur.b, cur.h, cur.q.i0 + cwg * 64 + wwarp * 16,
+                          flash_sink_log2(p, cur.h), o);
+                s_done(kb0);
+                rows.softmax(s, kb0);
+                rows.rescale_pack(o, s, pa);
+                for (int j = kb0 + 1; j < nkb; j++) {
+                    wgmma_fence();
+                    issue_s(n0 + j - kb0);
+                    issue_pv(n0 + j - 1 - kb0);
+                    wgmma_wait<1>();
+                    s_done(j);
+                    rows.softmax(s, j);
+                    wgmma_wait<0>();
+                    release(L::V_EMPTY, n0 + j - 1 - kb0);
+                    rows.rescale_pack(o, s, pa);
+                }
+                n += nkb - kb0;
+                k++;
+                have = next_tile(&cur);
+                wgmma_fence();
+                issue_pv(n - 1);
+                if (have) { /* the next tile's first S goes with this one's last P V */
+                    mbar_wait(bar + L::Q_FULL, k & 1);
+                    issue_s(n);
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
+                pin_all<DO / 2>(o);
+                release(L::V_EMPTY, n - 1);
+                rows.finish(o);
+            }
+        } else {
+            int n = 0, k = 0;
+            for (int r = 0; r < rounds; r++) {
                 const int t = tile_of(r);
                 if (t >= ntiles)
                     continue;
-                nt->q = tile_at(t, &nt->h, &nt->b);
-                found = nt->q.nkb != nt->q.kb0;
-                if (!found)
-                    fwd_store_empty(p, nt->b, nt->h, nt->q.i0, nt->q.nq, flash_sink_log2(p, nt->h),
-                                    tid - WG_THREADS, 2 * WG_THREADS);
-            }
-            return __shfl_sync(0xffffffffu, found, 0) != 0;
-        };
-        int n = 0, k = 0; /* the K/V blocks and the tiles before this one */
-        Tile cur;
-        bool have = next_tile(&cur);
-        if (have) { /* the first tile's first S */
-            mbar_wait(bar + L::Q_FULL, 0);
-            wgmma_fence();
-            issue_s(0);
-        }
-        while (have) {
-            /* S_kb0 of this tile is on its way; O (the last tile's) is
-             * stored. The tile's key blocks go through a shuffle from lane
-             * 0: loop bounds that ptxas could not see to be the same
-             * across the warp made it serialise every wgmma (C7520,
-             * "WG.AR in divergent path") */
-            const int kb0 = __shfl_sync(0xffffffffu, cur.q.kb0, 0),
-                      nkb = __shfl_sync(0xffffffffu, cur.q.nkb, 0), n0 = n;
-            auto s_done = [&](int j) {
-                release(L::K_EMPTY, n0 + j - kb0);
-                if (j == nkb - 1 && signal) /* the tile's last S: Q is free */
-                    mbar_arrive(bar + L::Q_EMPTY);
-            };
-            wgmma_wait<0>();
-            Rows rows(p, cur.b, cur.h, cur.q.i0 + cwg * 64 + wwarp * 16,
-                      flash_sink_log2(p, cur.h), o);
-            s_done(kb0);
-            rows.softmax(s, kb0);
-            rows.rescale_pack(o, s, pa);
-            for (int j = kb0 + 1; j < nkb; j++) {
-                wgmma_fence();
-                issue_s(n0 + j - kb0);
-                issue_pv(n0 + j - 1 - kb0);
-                wgmma_wait<1>();
-                s_done(j);
-                rows.softmax(s, j);
-                wgmma_wait<0>();
-                release(L::V_EMPTY, n0 + j - 1 - kb0);
-                rows.rescale_pack(o, s, pa);
-            }
-            n += nkb - kb0;
-            k++;
-            have = next_tile(&cur);
-            wgmma_fence();
-            issue_pv(n - 1);
-            if (have) { /* the next tile's first S goes with this one's last P V */
+                int h, b;
+                const QueryBlock q = tile_at(t, &h, &b);
+                const float sink2 = flash_sink_log2(p, h);
+                if (q.nkb == q.kb0) {
+                    fwd_store_empty(p, b, h, q.i0, q.nq, sink2, tid - WG_THREADS, 2 * WG_THREADS);
+                    continue;
+                }
+                Rows rows(p, b, h, q.i0 + cwg * 64 + wwarp * 16, sink2, o);
+                const int kb0 = q.kb0, n0 = n;
+                const auto nb = [&](int j) { return n0 + j - kb0; }; /* key block j's */
                 mbar_wait(bar + L::Q_FULL, k & 1);
-                issue_s(n);
-                wgmma_wait<1>();
-            } else {
-                wgmma_wait<0>();
+                fwd_loop(kb0, q.nkb, Turns<TURNS>(cwg), rows, s, o, pa, [](int) {},
+                         [&](int j) { issue_s(nb(j)); }, [&](int j) { issue_pv(nb(j)); },
+                         [&](int j) {
+                             release(L::K_EMPTY, nb(j));
+                             if (j == q.nkb - 1 && signal) /* the tile's last S: Q is free */
+                                 mbar_arrive(bar + L::Q_EMPTY);
+                         },
+                         [&](int j) { release(L::V_EMPTY, nb(j)); });
+                /* fwd_loop hands back every V stage but the last block's (the
+                 * kernel above ends there); the ring runs on here */
+                release(L::V_EMPTY, nb(q.nkb - 1));
+                rows.finish(o);
+                n += q.nkb - kb0;
+                k++;
             }
-            pin_all<DO / 2>(o);
-            release(L::V_EMPTY, n - 1);
-            rows.finish(o);
-        }
-    } else { /* the consumers */
-        regs_inc<WsRegs<2>::consumer>();
-        const int cwg = wg - 1, wwarp = (tid / FT_WARP) % 4;
-        const bool signal = tid % WG_THREADS == 0;
-        float o[DO / 2], s[BC / 2];
-        uint32_t pa[BC / 16][4];
-        int n = 0, k = 0;
-        for (int r = 0; r < rounds; r++) {
-            const int t = tile_of(r);
-            if (t >= ntiles)
-                continue;
-            int h, b;
-            const QueryBlock q = tile_at(t, &h, &b);
-            const float sink2 = flash_sink_log2(p, h);
-            if (q.nkb == q.kb0) {
-                fwd_store_empty(p, b, h, q.i0, q.nq, sink2, tid - WG_THREADS, 2 * WG_THREADS);
-                continue;
-            }
-            Rows rows(p, b, h, q.i0 + cwg * 64 + wwarp * 16, sink2, o);
-            const uint32_t q_addr = sQ + cwg * 64 * 128;
-            const int kb0 = q.kb0, n0 = n;
-            auto stage = [&](int j) { return (n0 + j - kb0) % STAGES; };
-            auto phase = [&](int j) { return ((n0 + j - kb0) / STAGES) & 1; };
-            auto issue_s = [&](int j) {
-                mbar_wait(bar + L::K_FULL + 8 * stage(j), phase(j));
-                product_abt<T, BC, DK, BR, BC>(s, q_addr, sK + stage(j) * KV_BYTES);
-                wgmma_commit();
-            };
-            auto issue_pv = [&](int j) {
-                mbar_wait(bar + L::V_FULL + 8 * stage(j), phase(j));
-                product_fb<T, BC, DO>(o, pa, sV + stage(j) * KV_BYTES);
-                wgmma_commit();
-            };
-            auto release = [&](int empty, int j) {
-                if (signal)
-                    mbar_arrive(bar + empty + 8 * stage(j));
-            };
-            mbar_wait(bar + L::Q_FULL, k & 1);
-            fwd_loop(kb0, q.nkb, Turns<TURNS>(cwg), rows, s, o, pa, [](int) {}, issue_s, issue_pv,
-                     [&](int j) {
-                         release(L::K_EMPTY, j);
-                         if (j == q.nkb - 1 && signal) /* the tile's last S: Q is free */
-                             mbar_arrive(bar + L::Q_EMPTY);
-                     },
-                     [&](int j) { release(L::V_EMPTY, j); });
-            /* fwd_loop hands back every V stage but the last block's (the
-             * kernel above ends there); the ring runs on here */
-            release(L::V_EMPTY, q.nkb - 1);
-            rows.finish(o);
-            n += q.nkb - kb0;
-            k++;
         }
     }
 #endif
@@ -801,18 +782,15 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
             const dim3 grid((unsigned)(tiles < sms ? tiles : sms));
             /* FT_XTILE: a tile's end under the next one's start (not yet
              * measured; a dry rtc compiles the default only) */
-            const ft_status st =
-                p.q.data && switch_on("FT_XTILE")
-                    ? flash_launch(
-                          rtc, FLASH_FILE,
-                          flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, false, true, EXT>,
-                          [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, false, true, EXT); },
-                          grid, 3 * WG_THREADS, LP::bytes, p, "ft_attention_forward", maps)
-                    : flash_launch(
-                          rtc, FLASH_FILE,
-                          flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, false, EXT>,
-                          [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, false, EXT); },
-                          grid, 3 * WG_THREADS, LP::bytes, p, "ft_attention_forward", maps);
+            auto launch = [&](auto xt) {
+                constexpr bool XT = decltype(xt)::value;
+                return flash_launch(
+                    rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, XT, EXT>,
+                    [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, XT, EXT); },
+                    grid, 3 * WG_THREADS, LP::bytes, p, "ft_attention_forward", maps);
+            };
+            const ft_status st = p.q.data && switch_on("FT_XTILE") ? launch(Bool<true>())
+                                                                   : launch(Bool<false>());
             if (p.q.data || st != FT_OK)
                 return st; /* a dry rtc compiles the other one too */
         }
@@ -840,7 +818,8 @@ ft_status flash_fwd_sm90(const FlashParams &p, FlashRtc *rtc)
                 const int min_keys = EXT && c.ext_min_keys ? c.ext_min_keys
                                      : p.causal           ? c.min_keys_causal
                                                           : c.min_keys;
-                constexpr int BC = EXT ? c.ext_BC : c.BC, NC = EXT ? c.ext_consumers : c.consumers;
+                constexpr int BC = EXT && c.ext_BC ? c.ext_BC : c.BC,
+                              NC = EXT && c.ext_consumers ? c.ext_consumers : c.consumers;
                 /* the consumers take turns (never in the persistent
                  * kernel) from the row's turns_min_keys keys a block of
                  * rows sees; FT_TURNS: at any length, FT_NO_TURNS: never */
