@@ -71,14 +71,11 @@ foreach(spec ${FT_SPECS})
 endforeach()
 
 # The GPU specs again with a variable that picks other kernels: spec
-# <name> runs as <name>_<suffix> with VAR=1 (several: A+B; the specs named
-# after var, or the three attention specs).
+# <name> runs as <name>_<suffix> with VAR=1 (the specs named after var, or
+# the three attention specs).
 function(ft_spec_again suffix var)
   set(env ${FT_SPEC_ENV})
-  string(REPLACE "+" ";" vars "${var}")
-  foreach(v ${vars})
-    list(APPEND env "${v}=1")
-  endforeach()
+  list(APPEND env "${var}=1")
   set(names ${ARGN})
   if(NOT names)
     set(names cuda_attention_spec cuda_variants_spec cuda_mods_spec)
@@ -102,9 +99,8 @@ endfunction()
 # length (by default from 8192 keys), FT_LAZY_RESCALE=1 and
 # FT_NO_LAZY_RESCALE=1 the forward whose O is rescaled only when a row's
 # maximum grows by 2^8, at every head dim, and the one that rescales at
-# every new maximum (by default: head dims 65 to 128 the first),
-# FT_POLY_EXP2=1 softcap's exponentials partly from FMAs (built with
-# -DFT_POLY_EXP2=ON; lib/switches.c).
+# every new maximum (by default: head dims 65 to 128 the first;
+# lib/switches.c).
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
@@ -113,12 +109,6 @@ if(FT_CUDA_ENABLED)
   ft_spec_again(turns FT_TURNS)
   ft_spec_again(lazy FT_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   ft_spec_again(nolazy FT_NO_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
-  # with FT_PERSIST too (the persistent kernel at any length)
-  ft_spec_again(xtile FT_XTILE+FT_PERSIST cuda_attention_spec)
-  set_tests_properties(cuda_attention_spec_xtile PROPERTIES TIMEOUT 600)
-  if(FT_POLY_EXP2)
-    ft_spec_again(poly FT_POLY_EXP2 cuda_variants_spec)
-  endif()
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

@@ -11,12 +11,9 @@
  * head dims 65 to 128), FT_TURNS and FT_NO_TURNS (the consumer
  * warpgroups of the d 128 warp-specialised forward take turns issuing
  * their products: at any length, or never; by default from 8192 keys),
- * FT_POLY_EXP2 (the Hopper forward of a softcap call takes a quarter of
- * its exponentials, half in f16, from a polynomial on the FMA units, in
- * a build with cmake -DFT_POLY_EXP2=ON: written, not yet measured),
- * FT_XTILE (the persistent forward issues the next tile's first product
- * with this tile's last and stores O under it: written, not yet run on
- * a GPU); kernels/README.md says what each kernel is.
+ * FT_NO_CAP_MAX (a bf16 softcap's rows keep a running maximum, as other
+ * calls do, instead of taking the logits' bound softcap);
+ * kernels/README.md says what each kernel is.
  *
  * A switch is on when ft_set_switch turned it on, off when it turned it
  * off, and otherwise (at the start, or after on = -1) as the environment
@@ -37,7 +34,7 @@
 static const char *const names[] = {"FT_NO_WGMMA",     "FT_NO_WS",           "FT_WS",
                                     "FT_PERSIST",      "FT_NO_PERSIST",      "FT_NO_DECODE",
                                     "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS",
-                                    "FT_NO_TURNS",     "FT_POLY_EXP2",       "FT_XTILE"};
+                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX"};
 enum { NSWITCHES = sizeof names / sizeof names[0] };
 static atomic_int state[NSWITCHES]; /* 0: the environment's; 1: on; 2: off */
 

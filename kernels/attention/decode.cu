@@ -31,10 +31,6 @@
 #include <pthread.h>
 #include <string.h>
 
-template <int V> struct IntC {
-    static constexpr int value = V;
-};
-
 struct DecodeParams {
     const void *q;
     int64_t q_bs, q_rs, q_hs; /* elements */

@@ -65,6 +65,8 @@ struct FlashParams {
     int64_t alibi_bs, alibi_hs; /* their strides over batch and head, in elements */
     float scale;      /* softmax scale */
     float scale_log2; /* scale * log2(e): exp(x * scale) = exp2(x * scale_log2) */
+    /* ScoreMod's constants of the call, worked out once on the host */
+    float cap2, cap, inv_scale;
     int user_mod;     /* a modification written in Lua: the kernels compiled for it (rtc.cu) */
     /* its mask keeps every key from um_left before to um_right after each
      * query's diagonal (its block mask's inner band; um_left -1: unknown):
@@ -74,17 +76,10 @@ struct FlashParams {
      * raises it by more than LAZY_MAX_LOG2 (log2 units), so that O is
      * rescaled only then (head dims 65 to 128; flash_fwd.cu) */
     int lazy_max;
-    /* the Hopper forward's softmax takes some of its exponentials from
-     * FMAs (ex2_poly) instead of the special-function unit, which softcap
-     * (tanh and ex2 a score) keeps busy (switch FT_POLY_EXP2; in a build
-     * with FT_POLY_EXP2_KERNELS = 1, cmake -DFT_POLY_EXP2=ON: not yet
-     * measured, and the branch changes the EXT kernels' spills, so the
-     * default build leaves it out and its kernels are as before) */
-    int poly_exp2;
+    /* a bf16 softcap's rows take the logits' bound, softcap, as their
+     * maximum (FwdRows::capped) */
+    int cap_max;
 };
-#ifndef FT_POLY_EXP2_KERNELS
-#define FT_POLY_EXP2_KERNELS 0
-#endif
 #define LAZY_MAX_LOG2 8.f /* P up to 2^8 in between: bf16 and f16 hold it, f32 sums it */
 
 #ifndef __CUDACC_RTC__
@@ -370,24 +365,6 @@ __device__ __forceinline__ float ex2(float x)
     return y;
 }
 
-/* 2^x from the FMA and integer units (8 instructions, no special-function
- * op): x = n + f with n an integer (added to 1.5 * 2^23, x rounds into
- * the low bits of t) and f in [-0.5, 0.5]; 2^f by a polynomial of degree
- * 3 (minimax of the relative error, 7.5e-5: 13.7 bits, past f16's 11 and
- * bf16's 8, which P is rounded to); 2^n added to its exponent (t's bits
- * shifted by 23 are n's: 1.5 * 2^23's low 9 bits are 0). x under -126
- * (-inf: a masked score) gives 2^-126 at most, not 0: a row whose every
- * score is masked must not take its sum from these (FwdRows::finish). */
-__device__ __forceinline__ float ex2_poly(float x)
-{
-    x = x < -126.f ? -126.f : x; /* not fmaxf: a NaN stays NaN */
-    const float t = x + 12582912.f;
-    const float f = x - (t - 12582912.f);
-    const float p =
-        fmaf(fmaf(fmaf(0.0551717673f, f, 0.242611579f), f, 0.693261009f), f, 0.999928047f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 /* The score modifications of lib/attn_mod.h (softcap, then ALiBi) on the
  * kernels' raw scores s = q.k, before the scale: the modified score comes
  * back in the same raw units (x' / scale, x' = ft_mod_score(scale s)), so
@@ -485,19 +462,30 @@ __device__ __forceinline__ void with_mod_kind(const struct ScoreMod &m, F f)
         f(ModKind<true, false, FAST>());
 }
 
-__device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b, int h)
+/* ALiBi's slope of batch b, head h over the scale (ScoreMod's), or 0:
+ * a load and a division, which a loop over one head's blocks takes once */
+__device__ __forceinline__ float flash_alibi_slope(const FlashParams &p, int b, int h)
+{
+    return p.alibi ? p.alibi[b * p.alibi_bs + h * p.alibi_hs] / p.scale : 0.f;
+}
+
+__device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b, int h, float slope)
 {
     ScoreMod m;
-    const float sc = (float)p.mod.softcap;
-    m.cap2 = sc > 0.f ? 2.f * FT_LOG2E * p.scale / sc : 0.f;
-    m.cap = sc > 0.f ? sc / p.scale : 0.f;
-    m.slope = p.alibi ? p.alibi[b * p.alibi_bs + h * p.alibi_hs] / p.scale : 0.f;
+    m.cap2 = p.cap2;
+    m.cap = p.cap;
+    m.slope = slope;
     m.shift = p.Nk - p.Nq;
     m.scale = p.scale;
-    m.inv_scale = 1.f / p.scale;
+    m.inv_scale = p.inv_scale;
     m.b = b, m.h = h;
     m.um_left = p.um_left, m.um_right = p.um_right;
     return m;
+}
+
+__device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b, int h)
+{
+    return flash_score_mod(p, b, h, flash_alibi_slope(p, b, h));
 }
 
 /* Whether a call modifies its scores (softcap or ALiBi). */
@@ -530,6 +518,9 @@ __device__ __forceinline__ ft_philox4 flash_drop_words(const FlashParams &p, int
  * modifications). */
 template <bool V> struct Bool {
     static constexpr bool value = V;
+};
+template <int V> struct IntC {
+    static constexpr int value = V;
 };
 template <typename F> __device__ __forceinline__ void with_dropout(const FlashParams &p, F f)
 {

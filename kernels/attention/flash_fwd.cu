@@ -317,6 +317,12 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
     }
     p.scale = (float)s->scale;
     p.scale_log2 = (float)(s->scale * 1.4426950408889634);
+    /* the softcap's constants (ScoreMod's: float arithmetic, as the kernels
+     * did it) */
+    const float sc = (float)s->mod.softcap;
+    p.cap2 = sc > 0.f ? 2.f * FT_LOG2E * p.scale / sc : 0.f;
+    p.cap = sc > 0.f ? sc / p.scale : 0.f;
+    p.inv_scale = 1.f / p.scale;
     /* a Lua-written mask's inner band, from its block mask made on CUDA */
     int64_t il, ir;
     p.um_left = p.um_right = -1;
@@ -422,6 +428,15 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     if (s->B == 0 || s->H == 0 || s->Nq == 0)
         return FT_OK;
     FlashParams p = flash_params(s, q, k, v, out, lse);
+    /* A softcap bounds the logits by softcap, and a bf16 Hopper forward
+     * takes that bound as every row's maximum (no running maximum, no
+     * rescaling): P = e^(x - softcap) >= e^(-2 softcap) >= 2^-100 for
+     * softcap <= 34, far from bf16's and f32's smallest normal numbers
+     * (2^-126; f16 stops at 2^-14). Not with ALiBi, a sink or a Lua-written
+     * mod, which take logits past the bound (a row whose largest logit lay
+     * far below it would lose its precision). FT_NO_CAP_MAX: never. */
+    p.cap_max = !ft_switch("FT_NO_CAP_MAX") && p.dtype == FT_BF16 && p.mod.softcap > 0 &&
+                p.mod.softcap <= 34 && !p.alibi && !p.sink && !p.user_mod;
     /* the Hopper forward's lazy maximum (FwdRows): head dims 65 to 128
      * (1.01x-1.13x at d 128 from 4096 keys, 0.96x-1.02x below; at d 64
      * 0.97x-1.03x, so not there), FT_LAZY_RESCALE: every head dim,
@@ -430,10 +445,6 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     p.lazy_max = !ft_switch("FT_NO_LAZY_RESCALE") &&
                  (ft_switch("FT_LAZY_RESCALE") || (s->d > 64 && s->d <= 128)) &&
                  !(p.mod.dropout && p.dtype == FT_F16);
-    /* some of softcap's exponentials from FMAs (FwdRows::exps; written,
-     * not yet measured: FT_POLY_EXP2 turns it on in a build with
-     * -DFT_POLY_EXP2=ON, and does nothing in others) */
-    p.poly_exp2 = ft_switch("FT_POLY_EXP2") && p.mod.softcap > 0;
     const ft_tensor *ts[4] = {q, k, v, out};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 4);

@@ -287,18 +287,30 @@ static constexpr size_t SM90_WIDE_DQ_BYTES =
  * into the A fragments of dV += P^T dO; dscores: dS^T = P^T (dP^T - D)
  * into the A fragments of dK += dS^T Q, taking P from pf (rounded to 16
  * bits, as the naive path rounds it), which keeps S^T and dP^T from being
- * live together. With EXT the modification's derivatives (times P) wait
- * in gmod between the two (word k of this thread at k * THREADS), and
- * under dropout dV takes the kept probabilities. */
+ * live together. With EXT, what dS^T needs besides pf waits in gmod
+ * between the two (word k of this thread at k * THREADS), as gmode says:
+ * 0, nothing (ALiBi, varlen: the derivative is 1, and dS^T is the plain
+ * kernel's); 1, the modification's derivatives g (a softcap, a Lua score),
+ * which dscores multiplies into pf's P; 2 (dropout, where pf holds the
+ * kept probabilities that dV takes), P g. */
 template <typename T, int BM, int THREADS, bool EXT, typename UM> struct DkdvRows {
     const FlashParams &p;
     const int b, wkey0, lane, t4;
     const FullKeys full;
     uint32_t *const gmod;
+    const int gmode;
     uint64_t kbits; /* dropout: the keep bits of the block's entries */
+    int slope_h;    /* the head whose ALiBi slope is in slope (the walk's
+                     * heads change seldom: one load and division each) */
+    float slope;
     __device__ __forceinline__ DkdvRows(const FlashParams &p_, int b_, int wkey0_, uint32_t *gmod_)
         : p(p_), b(b_), wkey0(wkey0_), lane(threadIdx.x % FT_WARP), t4(lane % 4),
-          full(flash_full_queries(p_, wkey0_, wkey0_ + 16)), gmod(gmod_), kbits(0)
+          full(flash_full_queries(p_, wkey0_, wkey0_ + 16)), gmod(gmod_),
+          gmode(!EXT                                        ? 0
+                : p_.mod.dropout                            ? 2
+                : p_.mod.softcap > 0 || UM::has_score ? 1
+                                                            : 0),
+          kbits(0), slope_h(-1), slope(0.f)
     {
     }
 
@@ -308,12 +320,18 @@ template <typename T, int BM, int THREADS, bool EXT, typename UM> struct DkdvRow
     {
         pin_all<BM / 2>(s);
         const bool edge = full.masks(i0, i0 + BM);
-        if (EXT)
+        if (EXT && h != slope_h) {
+            slope = flash_alibi_slope(p, b, h);
+            slope_h = h;
+        }
+        if (EXT && gmode != 0)
             mod_acc_with<BM / 2, true, fast_tanh<T>(), UM>(
-                flash_score_mod(p, b, h), s, wkey0, i0, [&](int k, float d0, float d1) {
+                flash_score_mod(p, b, h, slope), s, wkey0, i0, [&](int k, float d0, float d1) {
                     const __half2 g2 = __floats2half2_rn(d0, d1);
                     gmod[k * THREADS] = *reinterpret_cast<const uint32_t *>(&g2);
                 });
+        else if (EXT) /* a derivative of 1 */
+            mod_acc<BM / 2, true, fast_tanh<T>(), UM>(flash_score_mod(p, b, h, slope), s, wkey0, i0);
         else if (UM::on) /* a Lua-written mask alone: no derivative */
             mod_acc<BM / 2, true, fast_tanh<T>(), UM, false>(flash_score_mod(p, b, h), s, wkey0, i0);
         const float sl2 = p.scale_log2;
@@ -336,21 +354,19 @@ template <typename T, int BM, int THREADS, bool EXT, typename UM> struct DkdvRow
             const QueryRange q0 = flash_queries(p, key), q1 = flash_queries(p, key + 8);
             mask_acc<BM / 2>(s, i0, [&](int r, int qi) { return r ? q1.hides(qi) : q0.hides(qi); });
         }
-        /* EXT: gmod gets P g as dS^T takes it (16 bits, as pf) */
-        if (EXT)
-            with_dropout(p, [&](auto drop) {
-                kbits = decltype(drop)::value ? keep_bits<BM / 2, true>(p, b, h, wkey0, i0) : 0;
+        /* dropout: gmod gets P g as dS^T takes it (16 bits, as pf), pf the
+         * kept probabilities */
+        if (EXT && gmode == 2) {
+            kbits = keep_bits<BM / 2, true>(p, b, h, wkey0, i0);
 #pragma unroll
-                for (int k = 0; k < BM / 4; k++) {
-                    const uint32_t gw = gmod[k * THREADS];
-                    const float2 g2 = __half22float2(*reinterpret_cast<const __half2 *>(&gw));
-                    gmod[k * THREADS] = MmaType<T>::pack(s[2 * k] * g2.x, s[2 * k + 1] * g2.y);
-                    if (decltype(drop)::value) {
-                        s[2 * k] *= drop_factor(p, kbits, 2 * k);
-                        s[2 * k + 1] *= drop_factor(p, kbits, 2 * k + 1);
-                    }
-                }
-            });
+            for (int k = 0; k < BM / 4; k++) {
+                const uint32_t gw = gmod[k * THREADS];
+                const float2 g2 = __half22float2(*reinterpret_cast<const __half2 *>(&gw));
+                gmod[k * THREADS] = MmaType<T>::pack(s[2 * k] * g2.x, s[2 * k + 1] * g2.y);
+                s[2 * k] *= drop_factor(p, kbits, 2 * k);
+                s[2 * k + 1] *= drop_factor(p, kbits, 2 * k + 1);
+            }
+        }
         pack_frags<T, BM>(pf, s);
     }
 
@@ -359,29 +375,38 @@ template <typename T, int BM, int THREADS, bool EXT, typename UM> struct DkdvRow
                                             const float *Dq)
     {
         pin_all<BM / 2>(dp);
-        auto body = [&](auto drop) {
+        auto body = [&](auto mode) {
+            constexpr int M = decltype(mode)::value;
 #pragma unroll
             for (int kk = 0; kk < BM / 16; kk++)
 #pragma unroll
                 for (int w = 0; w < 4; w++) {
-                    /* fragment register w: row g + 8 (w % 2), columns 16 kk + 8 (w / 2) + 2 t4;
-                     * EXT: P g of entries idx, idx + 1 in gmod's word idx / 2 */
+                    /* fragment register w: row g + 8 (w % 2), columns 16 kk + 8 (w / 2) + 2 t4,
+                     * entries idx, idx + 1; in gmode's word idx / 2 of gmod */
                     const int idx = 8 * kk + 2 * w;
-                    const float2 pp = MmaType<T>::unpack(EXT ? gmod[(idx / 2) * THREADS] : pf[kk][w]);
+                    float2 pp = MmaType<T>::unpack(M == 2 ? gmod[(idx / 2) * THREADS] : pf[kk][w]);
+                    if (M == 1) {
+                        const uint32_t gw = gmod[(idx / 2) * THREADS];
+                        const float2 g2 = __half22float2(*reinterpret_cast<const __half2 *>(&gw));
+                        pp.x *= g2.x;
+                        pp.y *= g2.y;
+                    }
                     const float2 d2 =
                         *reinterpret_cast<const float2 *>(Dq + 16 * kk + 8 * (w / 2) + 2 * t4);
                     float x0 = dp[idx], x1 = dp[idx + 1];
-                    if (decltype(drop)::value) {
+                    if (M == 2) {
                         x0 *= drop_factor(p, kbits, idx);
                         x1 *= drop_factor(p, kbits, idx + 1);
                     }
                     df[kk][w] = MmaType<T>::pack(pp.x * (x0 - d2.x), pp.y * (x1 - d2.y));
                 }
         };
-        if (EXT)
-            with_dropout(p, body);
+        if (EXT && gmode == 2)
+            body(IntC<2>());
+        else if (EXT && gmode == 1)
+            body(IntC<1>());
         else
-            body(Bool<false>());
+            body(IntC<0>());
     }
 };
 

@@ -70,7 +70,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
           t4(threadIdx.x % 4), full(flash_full_keys(p_, wrow0_, wrow0_ + 16)),
           sl2(p_.scale_log2), smod(flash_score_mod(p_, b_, h_))
     {
-        const float m0 = sink2 == -INFINITY ? -INFINITY : sink2 / sl2;
+        const float m0 = capped() ? p.cap : sink2 == -INFINITY ? -INFINITY : sink2 / sl2;
         const float l0 = flash_sink_sum(sink2, t4 == 0);
         m[0] = m[1] = m_start = m0;
         l[0] = l[1] = ONES ? 0.f : l0;
@@ -83,11 +83,24 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
         }
     }
 
+    /* A softcap bounds every logit by softcap (raw units: p.cap): a bf16
+     * call with p.cap_max (flash_fwd.cu) takes that bound as each row's
+     * maximum from the start, so it needs no running maximum and never
+     * rescales, and s holds t = tanh(scale s / softcap), the logit being
+     * softcap t (one multiplication a score fewer: exp2 takes c t - c,
+     * c = softcap log2 e). */
+    __device__ __forceinline__ bool capped() const { return EXT && !UM::on && fast_tanh<T>() && p.cap_max; }
+
     __device__ __forceinline__ void softmax(float *s, int j)
     {
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
-        if (EXT || UM::on) /* a Lua-written mod alone needs none of EXT's state */
+        if (capped()) {
+            const float k = p.cap2 * (0.5f / FT_LOG2E); /* scale / softcap */
+#pragma unroll
+            for (int i = 0; i < BC / 2; i++)
+                s[i] = tanh_approx(s[i] * k);
+        } else if (EXT || UM::on) /* a Lua-written mod alone needs none of EXT's state */
             mod_acc<BC / 2, false, fast_tanh<T>(), UM, EXT>(smod, s, wrow0, j0);
         if (full.masks(j0, j0 + BC)) {
             const KeyRange k0 = flash_keys(p, wrow0 + g), k1 = flash_keys(p, wrow0 + g + 8);
@@ -98,39 +111,14 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
                     s[i] = -INFINITY;
             }
         }
-        /* softcap's tanh keeps the special-function unit busy: with
-         * FT_POLY_EXP2, POLY of every 4 columns' exponentials from FMAs
-         * (f16's tanh takes an ex2 and a division: two of them) */
-        constexpr int POLY = fast_tanh<T>() ? 1 : 2;
-        exps<POLY>(s, EXT && FT_POLY_EXP2_KERNELS && p.poly_exp2);
-        /* dropout: P V takes the kept probabilities, scaled; the sum (and
-         * LSE) all of them */
-        if (EXT && p.mod.dropout)
-            drop_acc<BC / 2>(p, b, h, s, wrow0, j0);
-    }
-
-    /* row r's P = 2^(s sl2 - ms) in place, its sums; POLY of every 4
-     * columns by ex2_poly */
-    template <int POLY>
-    __device__ __forceinline__ void exp_row(float *s, int r, float ms, float *sum4) const
-    {
-#pragma unroll
-        for (int n = 0; n < NT_S; n++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                float &v = s[4 * n + 2 * r + e];
-                v = n % 4 < POLY ? ex2_poly(fmaf(v, sl2, -ms)) : ex2(fmaf(v, sl2, -ms));
-                if (!ONES)
-                    sum4[(2 * n + e) % 4] += v;
-            }
-    }
-
-    /* the rows' running maxima, P = 2^(s sl2 - m sl2) in place, the sums;
-     * with poly, POLY of every 4 columns by ex2_poly */
-    template <int POLY> __device__ __forceinline__ void exps(float *s, bool poly)
-    {
 #pragma unroll
         for (int r = 0; r < 2; r++) {
+            if (capped()) {
+                const float c = p.cap * sl2;
+                alpha[r] = 1.f;
+                exp_row(s, r, c, c);
+                continue;
+            }
             /* four partial maxima and sums: shorter dependency chains */
             float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
@@ -154,16 +142,32 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
                 m_new = m[r];
             const float ms = m_new == -INFINITY ? 0.f : m_new * sl2; /* all masked: no NaNs */
             alpha[r] = keep ? 1.f : ex2(m[r] * sl2 - ms);
-            float sum4[4] = {0.f, 0.f, 0.f, 0.f};
-            if (poly)
-                exp_row<POLY>(s, r, ms, sum4);
-            else
-                exp_row<0>(s, r, ms, sum4);
-            /* this thread's share; the quad adds up at the end */
-            if (!ONES)
-                l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
+            exp_row(s, r, sl2, ms);
             m[r] = m_new;
         }
+        /* dropout: P V takes the kept probabilities, scaled; the sum (and
+         * LSE) all of them */
+        if (EXT && p.mod.dropout)
+            drop_acc<BC / 2>(p, b, h, s, wrow0, j0);
+    }
+
+    /* row r's P = 2^(s es - ms) in place, and its sum (this thread's
+     * share; the quad adds up at the end) into l, rescaled by alpha */
+    __device__ __forceinline__ void exp_row(float *s, int r, float es, float ms)
+    {
+        /* four partial sums: shorter dependency chains */
+        float sum4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < NT_S; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float &v = s[4 * n + 2 * r + e];
+                v = ex2(fmaf(v, es, -ms));
+                if (!ONES)
+                    sum4[(2 * n + e) % 4] += v;
+            }
+        if (!ONES)
+            l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
     }
 
     __device__ __forceinline__ void rescale_pack(float *o, const float *s, uint32_t (*pa)[4]) const
@@ -171,7 +175,8 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
         pin_all<DO / 2>(o);
         /* a lazy maximum skips the products where no row of the warp
          * moved its own */
-        if (!p.lazy_max || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+        if (!capped() &&
+            (!p.lazy_max || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f))) {
 #pragma unroll
             for (int n = 0; n < NT_O; n++) {
                 o[4 * n + 0] *= alpha[0];
@@ -196,7 +201,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             /* a row that saw no key and no sink: sum 0, so O = 0 and
-             * LSE = -inf (ex2_poly left it 2^-126 a masked score) */
+             * LSE = -inf */
             const float l_part = m[r] == -INFINITY ? 0.f
                                  : ONES ? (t4 == 0 ? o[4 * (DK / 8) + 2 * r] : 0.f)
                                         : l[r];
@@ -485,25 +490,19 @@ __global__ void __launch_bounds__((NC + 1) * WG_THREADS, 1)
  * mask, snaking (tile_of). The K/V ring and its phases run on across a
  * CTA's tiles, and Q has an empty barrier too (the consumers hand it back
  * once their last S product of a tile is done), so the producer copies the next tile's Q and first K/V blocks
- * while the consumers finish this tile's last P V and store O and LSE.
- * XT (switch FT_XTILE; not yet run on a GPU): the consumers issue the
- * next tile's first S with this tile's last P V and store O while it
- * runs, so a tile's start and end no longer leave the tensor cores idle
- * (at N 1024 a tile has 8 key blocks, and the 524 TFLOP/s there against
- * 670 at 16384 put about 2 blocks' time on each tile's ends). */
+ * while the consumers finish this tile's last P V and store O and LSE. */
 template <int D, int BC, int STAGES> struct Sm90WsPersistSmem : Sm90WsFwdSmem<D, BC, STAGES> {
     using Base = Sm90WsFwdSmem<D, BC, STAGES>;
     static constexpr int Q_EMPTY = Base::V_EMPTY + 8 * STAGES;
     static constexpr size_t bytes = Base::bytes + 8;
 };
 
-template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool XT, bool EXT,
+template <typename T, int D, int DK, int BC, int STAGES, bool TURNS, bool EXT,
           typename UM = NoUserMod>
 __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     flash_fwd_ws_persistent_kernel(const FlashParams p, const __grid_constant__ FwdMaps maps)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    static_assert(!(XT && TURNS), "across tiles: without turns");
     using L = Sm90WsPersistSmem<D, BC, STAGES>;
     using Rows = FwdRows<T, D, DK, BC, EXT, UM>;
     constexpr int BR = L::BR, KV_BYTES = L::KV_BYTES, DO = Rows::DO;
@@ -512,7 +511,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const uint32_t sQ = smem_addr(smem), sK = sQ + L::K, sV = sQ + L::V, bar = sQ + L::BAR;
 
-    const int tid = threadIdx.x, wg = warpgroup_of<TURNS || XT>(tid);
+    const int tid = threadIdx.x, wg = warpgroup_of<TURNS>(tid);
     const int nqb = (p.Nq + BR - 1) / BR, ntiles = nqb * p.H * p.B;
     /* tile t: query block t % nqb (longest first under the causal mask) of
      * head t / nqb % H of batch entry t / (nqb H); round r of the walk
@@ -612,115 +611,36 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             if (signal)
                 mbar_arrive(bar + empty + 8 * (nb % STAGES));
         };
-        if constexpr (XT) { /* a tile's end under the next one's start */
-            /* the next tile with keys from round r on (the empty ones stored
-             * on the way); r ends past it; whether there is one, through a
-             * shuffle from lane 0 (as the key blocks below) */
-            struct Tile {
-                QueryBlock q;
-                int h, b;
-            };
-            int r = 0;
-            auto next_tile = [&](Tile *nt) {
-                int found = 0;
-                for (; r < rounds && !found; r++) {
-                    const int t = tile_of(r);
-                    if (t >= ntiles)
-                        continue;
-                    nt->q = tile_at(t, &nt->h, &nt->b);
-                    found = nt->q.nkb != nt->q.kb0;
-                    if (!found)
-                        fwd_store_empty(p, nt->b, nt->h, nt->q.i0, nt->q.nq, flash_sink_log2(p, nt->h),
-                                        tid - WG_THREADS, 2 * WG_THREADS);
-                }
-                return __shfl_sync(0xffffffffu, found, 0) != 0;
-            };
-            int n = 0, k = 0; /* the K/V blocks and the tiles before this one */
-            Tile cur;
-            bool have = next_tile(&cur);
-            if (have) { /* the first tile's first S */
-                mbar_wait(bar + L::Q_FULL, 0);
-                wgmma_fence();
-                issue_s(0);
+        int n = 0, k = 0;
+        for (int r = 0; r < rounds; r++) {
+            const int t = tile_of(r);
+            if (t >= ntiles)
+                continue;
+            int h, b;
+            const QueryBlock q = tile_at(t, &h, &b);
+            const float sink2 = flash_sink_log2(p, h);
+            if (q.nkb == q.kb0) {
+                fwd_store_empty(p, b, h, q.i0, q.nq, sink2, tid - WG_THREADS, 2 * WG_THREADS);
+                continue;
             }
-            while (have) {
-                /* S_kb0 of this tile is on its way; O (the last tile's) is
-                 * stored. The tile's key blocks go through a shuffle from lane
-                 * 0: loop bounds that ptxas could not see to be the same
-                 * across the warp made it serialise every wgmma (C7520,
-                 * "WG.AR in divergent path") */
-                const int kb0 = __shfl_sync(0xffffffffu, cur.q.kb0, 0),
-                          nkb = __shfl_sync(0xffffffffu, cur.q.nkb, 0), n0 = n;
-                auto s_done = [&](int j) {
-                    release(L::K_EMPTY, n0 + j - kb0);
-                    if (j == nkb - 1 && signal) /* the tile's last S: Q is free */
-                        mbar_arrive(bar + L::Q_EMPTY);
-                };
-                wgmma_wait<0>();
-                Rows rows(p, cur.b, cur.h, cur.q.i0 + cwg * 64 + wwarp * 16,
-                          flash_sink_log2(p, cur.h), o);
-                s_done(kb0);
-                rows.softmax(s, kb0);
-                rows.rescale_pack(o, s, pa);
-                for (int j = kb0 + 1; j < nkb; j++) {
-                    wgmma_fence();
-                    issue_s(n0 + j - kb0);
-                    issue_pv(n0 + j - 1 - kb0);
-                    wgmma_wait<1>();
-                    s_done(j);
-                    rows.softmax(s, j);
-                    wgmma_wait<0>();
-                    release(L::V_EMPTY, n0 + j - 1 - kb0);
-                    rows.rescale_pack(o, s, pa);
-                }
-                n += nkb - kb0;
-                k++;
-                have = next_tile(&cur);
-                wgmma_fence();
-                issue_pv(n - 1);
-                if (have) { /* the next tile's first S goes with this one's last P V */
-                    mbar_wait(bar + L::Q_FULL, k & 1);
-                    issue_s(n);
-                    wgmma_wait<1>();
-                } else {
-                    wgmma_wait<0>();
-                }
-                pin_all<DO / 2>(o);
-                release(L::V_EMPTY, n - 1);
-                rows.finish(o);
-            }
-        } else {
-            int n = 0, k = 0;
-            for (int r = 0; r < rounds; r++) {
-                const int t = tile_of(r);
-                if (t >= ntiles)
-                    continue;
-                int h, b;
-                const QueryBlock q = tile_at(t, &h, &b);
-                const float sink2 = flash_sink_log2(p, h);
-                if (q.nkb == q.kb0) {
-                    fwd_store_empty(p, b, h, q.i0, q.nq, sink2, tid - WG_THREADS, 2 * WG_THREADS);
-                    continue;
-                }
-                Rows rows(p, b, h, q.i0 + cwg * 64 + wwarp * 16, sink2, o);
-                const int kb0 = q.kb0, n0 = n;
-                const auto nb = [&](int j) { return n0 + j - kb0; }; /* key block j's */
-                mbar_wait(bar + L::Q_FULL, k & 1);
-                fwd_loop(kb0, q.nkb, Turns<TURNS>(cwg), rows, s, o, pa, [](int) {},
-                         [&](int j) { issue_s(nb(j)); }, [&](int j) { issue_pv(nb(j)); },
-                         [&](int j) {
-                             release(L::K_EMPTY, nb(j));
-                             if (j == q.nkb - 1 && signal) /* the tile's last S: Q is free */
-                                 mbar_arrive(bar + L::Q_EMPTY);
-                         },
-                         [&](int j) { release(L::V_EMPTY, nb(j)); });
-                /* fwd_loop hands back every V stage but the last block's (the
-                 * kernel above ends there); the ring runs on here */
-                release(L::V_EMPTY, nb(q.nkb - 1));
-                rows.finish(o);
-                n += q.nkb - kb0;
-                k++;
-            }
+            Rows rows(p, b, h, q.i0 + cwg * 64 + wwarp * 16, sink2, o);
+            const int kb0 = q.kb0, n0 = n;
+            const auto nb = [&](int j) { return n0 + j - kb0; }; /* key block j's */
+            mbar_wait(bar + L::Q_FULL, k & 1);
+            fwd_loop(kb0, q.nkb, Turns<TURNS>(cwg), rows, s, o, pa, [](int) {},
+                     [&](int j) { issue_s(nb(j)); }, [&](int j) { issue_pv(nb(j)); },
+                     [&](int j) {
+                         release(L::K_EMPTY, nb(j));
+                         if (j == q.nkb - 1 && signal) /* the tile's last S: Q is free */
+                             mbar_arrive(bar + L::Q_EMPTY);
+                     },
+                     [&](int j) { release(L::V_EMPTY, nb(j)); });
+            /* fwd_loop hands back every V stage but the last block's (the
+             * kernel above ends there); the ring runs on here */
+            release(L::V_EMPTY, nb(q.nkb - 1));
+            rows.finish(o);
+            n += q.nkb - kb0;
+            k++;
         }
     }
 #endif
@@ -779,18 +699,11 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
         int dev = 0; /* a dry rtc launches nothing: any count */
         const int sms = p.q.data && cudaGetDevice(&dev) == cudaSuccess ? flash_sm_count(dev) : 132;
         if (!p.q.data || (tiles > 0 && tiles < 2147483647LL)) {
-            const dim3 grid((unsigned)(tiles < sms ? tiles : sms));
-            /* FT_XTILE: a tile's end under the next one's start (not yet
-             * measured; a dry rtc compiles the default only) */
-            auto launch = [&](auto xt) {
-                constexpr bool XT = decltype(xt)::value;
-                return flash_launch(
-                    rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, XT, EXT>,
-                    [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, XT, EXT); },
-                    grid, 3 * WG_THREADS, LP::bytes, p, "ft_attention_forward", maps);
-            };
-            const ft_status st = p.q.data && switch_on("FT_XTILE") ? launch(Bool<true>())
-                                                                   : launch(Bool<false>());
+            const ft_status st = flash_launch(
+                rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
+                [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
+                dim3((unsigned)(tiles < sms ? tiles : sms)), 3 * WG_THREADS, LP::bytes, p,
+                "ft_attention_forward", maps);
             if (p.q.data || st != FT_OK)
                 return st; /* a dry rtc compiles the other one too */
         }
