@@ -91,16 +91,45 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
      * c = softcap log2 e). */
     __device__ __forceinline__ bool capped() const { return EXT && !UM::on && fast_tanh<T>() && p.cap_max; }
 
+    /* ALiBi alone (no softcap, no Lua mod): in a block of keys wholly on
+     * one side of all the warp's rows' diagonals the bias is linear in the
+     * key, -slope |a - j| = sg slope (j - a) (sg = 1 left of the diagonal,
+     * -1 right), and entry i's key is j0 + 2 t4 + K, K = 8 (i / 4) + i % 2
+     * a constant: s + sg slope K (one FFMA a score instead of a
+     * subtraction and an FFMA), and the row's part dr = sg slope (j0 + 2 t4
+     * - a) goes into its maximum and its exponents' offset. Returns whether
+     * the block took it (head dims up to 128: at 192 and 256 its registers
+     * made the consumers spill). */
+    __device__ __forceinline__ bool alibi_linear(float *s, int j0, float *dr) const
+    {
+        if (!(EXT && !UM::on && D <= 128) || !p.alibi || p.cap2 != 0.f)
+            return false;
+        const int a0 = wrow0 + smod.shift; /* the warp's first row's key position */
+        const float sg = j0 + BC - 1 <= a0 ? 1.f : j0 >= a0 + 15 ? -1.f : 0.f;
+        if (sg == 0.f)
+            return false;
+        const float ss = sg * smod.slope;
+#pragma unroll
+        for (int i = 0; i < BC / 2; i++)
+            s[i] = fmaf(ss, (float)(8 * (i / 4) + i % 2), s[i]);
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            dr[r] = ss * (float)(j0 + 2 * t4 - (a0 + g + 8 * r));
+        return true;
+    }
+
     __device__ __forceinline__ void softmax(float *s, int j)
     {
         pin_all<BC / 2>(s);
         const int j0 = j * BC;
+        float dr[2] = {0.f, 0.f}; /* alibi_linear's row parts */
+        const bool linear = alibi_linear(s, j0, dr);
         if (capped()) {
             const float k = p.cap2 * (0.5f / FT_LOG2E); /* scale / softcap */
 #pragma unroll
             for (int i = 0; i < BC / 2; i++)
                 s[i] = tanh_approx(s[i] * k);
-        } else if (EXT || UM::on) /* a Lua-written mod alone needs none of EXT's state */
+        } else if (!linear && (EXT || UM::on)) /* a Lua-written mod alone needs none of EXT's state */
             mod_acc<BC / 2, false, fast_tanh<T>(), UM, EXT>(smod, s, wrow0, j0);
         if (full.masks(j0, j0 + BC)) {
             const KeyRange k0 = flash_keys(p, wrow0 + g), k1 = flash_keys(p, wrow0 + g + 8);
@@ -126,7 +155,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
 #pragma unroll
                 for (int e = 0; e < 2; e++)
                     mx4[(2 * n + e) % 4] = fmaxf(mx4[(2 * n + e) % 4], s[4 * n + 2 * r + e]);
-            float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
+            float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3])) + dr[r];
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             float m_new = fmaxf(m[r], mx);
@@ -142,7 +171,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
                 m_new = m[r];
             const float ms = m_new == -INFINITY ? 0.f : m_new * sl2; /* all masked: no NaNs */
             alpha[r] = keep ? 1.f : ex2(m[r] * sl2 - ms);
-            exp_row(s, r, sl2, ms);
+            exp_row(s, r, sl2, fmaf(-dr[r], sl2, ms));
             m[r] = m_new;
         }
         /* dropout: P V takes the kept probabilities, scaled; the sum (and
