@@ -520,6 +520,24 @@ int ft_attn_mods_cuda_has_grad(const ft_attn_mods *m, const ft_tensor *const *te
     return has;
 }
 
+/* Whether node k's derivative in s is 1 wherever it is taken: s itself,
+ * or s plus or minus what does not depend on s (dep: depends_on(-1)), as
+ * ALiBi's s - slope |i - j| or a bias table's s + bias[h][i - j]. The
+ * Hopper dK/dV kernel then keeps no derivative between its two steps
+ * (FtUserMod::unit_grad, DkdvRows::gmode). */
+static int unit_in_s(int k, const ft_mod_node *nodes, const unsigned char *dep)
+{
+    const ft_mod_node *x = &nodes[k];
+    if (x->op == FT_MOD_S)
+        return 1;
+    if (x->op == FT_MOD_ADD)
+        return (unit_in_s(x->a, nodes, dep) && !dep[x->b]) ||
+               (!dep[x->a] && unit_in_s(x->b, nodes, dep));
+    if (x->op == FT_MOD_SUB)
+        return unit_in_s(x->a, nodes, dep) && !dep[x->b];
+    return 0;
+}
+
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
                                int debug, int grads)
 {
@@ -589,8 +607,11 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
             "static __device__ __forceinline__ void ft_grad_add(float *&p, float &a, float *q, "
             "float g)\n{\n    if (p == q) {\n        a += g;\n        return;\n    }\n"
             "    if (p)\n        atomicAdd(p, a);\n    p = q, a = g;\n}\n");
-    put(&b, "struct FtUserMod {\n    static constexpr bool on = true, has_score = %s, has_grad = %s;\n",
-        ft_attn_mods_cuda_has_score(m) ? "true" : "false", has_grad ? "true" : "false");
+    const int unit = !b.failed && score >= 0 && unit_in_s(score, nodes, dep);
+    put(&b, "struct FtUserMod {\n    static constexpr bool on = true, has_score = %s, has_grad = %s, "
+            "unit_grad = %s;\n",
+        ft_attn_mods_cuda_has_score(m) ? "true" : "false", has_grad ? "true" : "false",
+        unit ? "true" : "false");
     put(&b, "    struct Ctx {\n");
     for (int k = 0; k < n && !b.failed; k++)
         if (ctx[k])

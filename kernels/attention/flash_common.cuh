@@ -637,7 +637,7 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
  * (grad takes fi, fj after i, j as score does). The
  * kernels compiled ahead of time take NoUserMod, whose code never runs. */
 struct NoUserMod {
-    static constexpr bool on = false, has_score = false, has_grad = false;
+    static constexpr bool on = false, has_score = false, has_grad = false, unit_grad = false;
     struct GradState {};
     struct Ctx {};
     static __device__ __forceinline__ Ctx prepare(int, int) { return Ctx(); }

@@ -306,10 +306,10 @@ template <typename T, int BM, int THREADS, bool EXT, typename UM> struct DkdvRow
     __device__ __forceinline__ DkdvRows(const FlashParams &p_, int b_, int wkey0_, uint32_t *gmod_)
         : p(p_), b(b_), wkey0(wkey0_), lane(threadIdx.x % FT_WARP), t4(lane % 4),
           full(flash_full_queries(p_, wkey0_, wkey0_ + 16)), gmod(gmod_),
-          gmode(!EXT                                        ? 0
-                : p_.mod.dropout                            ? 2
-                : p_.mod.softcap > 0 || UM::has_score ? 1
-                                                            : 0),
+          gmode(!EXT             ? 0
+                : p_.mod.dropout ? 2
+                : p_.mod.softcap > 0 || (UM::has_score && !UM::unit_grad) ? 1
+                                                                           : 0),
           kbits(0), slope_h(-1), slope(0.f)
     {
     }
