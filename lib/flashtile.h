@@ -382,6 +382,13 @@ FT_API void ft_attn_mods_eval_point(const ft_attn_mods *m, const ft_tensor *cons
                                     double *score, double *dscore, int *keep, double *work,
                                     int *fault);
 FT_API const char *ft_mod_op_name(int op);
+/* Whether the score's values lie in a range at most 69 wide whatever s,
+ * the indices and the tensors read (interval arithmetic over the graph:
+ * a softcap (s / c):tanh() * c of c <= 34 does), the range's top in *top
+ * (scaled units). What a bf16 forward on Hopper can take as every row's
+ * maximum from the start, as it does for the built-in softcap (no
+ * running maximum, no rescaling; not yet done for Lua-written mods). */
+FT_API int ft_attn_mods_score_bound(const ft_attn_mods *m, double *top);
 
 /* On CUDA, a call with mods runs the flash kernels compiled for them at
  * run time (NVRTC), kept in memory and in a cache on disk: what that took

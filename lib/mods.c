@@ -615,3 +615,75 @@ int ft_attn_block_mask_inner(const ft_attn_block_mask *bm, int64_t *left, int64_
     *left = bm->band[2], *right = bm->band[3];
     return 1;
 }
+
+/* The range [lo, hi] each node's value can take, for any s, i, j, b, h
+ * and any value a tensor holds (nodes in order, operands first); an
+ * unknown bound is infinite. */
+static double nan_to(double x, double inf) { return x != x ? inf : x; }
+static void node_bounds(int n, const ft_mod_node *nodes, double *lo, double *hi)
+{
+    for (int k = 0; k < n; k++) {
+        const ft_mod_node *x = &nodes[k];
+        double l = -INFINITY, h = INFINITY;
+        const double al = x->a >= 0 && x->a < k ? lo[x->a] : -INFINITY;
+        const double ah = x->a >= 0 && x->a < k ? hi[x->a] : INFINITY;
+        const double bl = x->b >= 0 && x->b < k ? lo[x->b] : -INFINITY;
+        const double bh = x->b >= 0 && x->b < k ? hi[x->b] : INFINITY;
+        switch (x->op) {
+        case FT_MOD_CONST: l = h = x->value; break;
+        case FT_MOD_B: case FT_MOD_H: case FT_MOD_I: case FT_MOD_J: l = 0; break;
+        case FT_MOD_ADD: l = nan_to(al + bl, -INFINITY), h = nan_to(ah + bh, INFINITY); break;
+        case FT_MOD_SUB: l = nan_to(al - bh, -INFINITY), h = nan_to(ah - bl, INFINITY); break;
+        case FT_MOD_NEG: l = -ah, h = -al; break;
+        case FT_MOD_MUL: {
+            const double p[4] = {al * bl, al * bh, ah * bl, ah * bh};
+            l = INFINITY, h = -INFINITY;
+            for (int q = 0; q < 4; q++) {
+                if (p[q] != p[q]) { /* 0 times infinity */
+                    l = -INFINITY, h = INFINITY;
+                    break;
+                }
+                l = fmin(l, p[q]), h = fmax(h, p[q]);
+            }
+            break;
+        }
+        case FT_MOD_TANH: l = tanh(al), h = tanh(ah); break;
+        case FT_MOD_SIGMOID: l = 1 / (1 + exp(-al)), h = 1 / (1 + exp(-ah)); break;
+        case FT_MOD_EXP: l = exp(al), h = exp(ah); break;
+        case FT_MOD_ABS:
+            l = al >= 0 ? al : ah <= 0 ? -ah : 0, h = fmax(fabs(al), fabs(ah));
+            break;
+        case FT_MOD_MIN: l = fmin(al, bl), h = fmin(ah, bh); break;
+        case FT_MOD_MAX: l = fmax(al, bl), h = fmax(ah, bh); break;
+        case FT_MOD_WHERE:
+            l = fmin(bl, x->c >= 0 && x->c < k ? lo[x->c] : -INFINITY);
+            h = fmax(bh, x->c >= 0 && x->c < k ? hi[x->c] : INFINITY);
+            break;
+        case FT_MOD_EQ: case FT_MOD_NE: case FT_MOD_LT: case FT_MOD_LE: case FT_MOD_GT:
+        case FT_MOD_GE: case FT_MOD_AND: case FT_MOD_OR: case FT_MOD_NOT:
+            l = 0, h = 1;
+            break;
+        default: break; /* s, reads, division and the rest: unbounded */
+        }
+        lo[k] = l, hi[k] = h;
+    }
+}
+
+/* Whether the score root takes values in a range at most 69 wide (e^-69
+ * is about 2^-99.6), and its top in *top: a bf16 forward can take the top
+ * as every row's maximum from the start (a Lua softcap's (s / c):tanh()
+ * * c has [-c, c]), as the built-in softcap does (FwdRows). */
+FT_API int ft_attn_mods_score_bound(const ft_attn_mods *m, double *top)
+{
+    const int n = ft_attn_mods_nodes_count(m), score = ft_attn_mods_root(m, 0);
+    if (score < 0 || n <= 0)
+        return 0;
+    double *lo = malloc(2 * (size_t)n * sizeof *lo);
+    if (!lo)
+        return 0;
+    node_bounds(n, ft_attn_mods_graph(m), lo, lo + n);
+    const double l = lo[score], h = lo[n + score];
+    free(lo);
+    *top = h;
+    return isfinite(l) && isfinite(h) && h - l <= 69.0;
+}

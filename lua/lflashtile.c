@@ -2094,6 +2094,21 @@ static int l_attention_mods_graph(lua_State *L)
     return 1;
 }
 
+/* top = core.attention_mods_bound(graph): the top of the score's range
+ * where the range is at most 69 wide (ft_attn_mods_score_bound), else nil. */
+static int l_attention_mods_bound(lua_State *L)
+{
+    ud_mods *g = luaL_checkudata(L, 1, MODS_MT);
+    if (!g->m)
+        return luaL_argerror(L, 1, "freed graph");
+    double top = 0;
+    if (ft_attn_mods_score_bound(g->m, &top))
+        lua_pushnumber(L, top);
+    else
+        lua_pushnil(L);
+    return 1;
+}
+
 /* score, dscore, keep, fault = core.attention_mods_eval(graph, tensors, s,
  * b, h, i, j): the graph at one point (b, h, i, j 1-based), for checking a
  * trace against its Lua function; fault when a read was out of range. */
@@ -2620,6 +2635,7 @@ static const luaL_Reg module_functions[] = {
     {"set_switch", l_set_switch},
     {"switch_names", l_switch_names},
     {"attention_mods_eval", l_attention_mods_eval},
+    {"attention_mods_bound", l_attention_mods_bound},
     {"attention_block_mask", l_attention_block_mask},
     {"attention_mods_compile", l_attention_mods_compile},
     {"attention_block_mask_counts", l_attention_block_mask_counts},

@@ -266,6 +266,25 @@ describe("attention mods written in Lua (cpu)", function()
       assert.are.equal(2, ft.max(1, 2))
     end)
 
+    it("finds the score's range where it is narrow (interval arithmetic over the graph)", function()
+      local function bound(f) return ft.attention_mods { score = f }:score_bound() end
+      local slopes = ft.tensor({ 0.5, 0.25 })
+      -- a softcap of 30: [-30, 30]
+      assert.are.equal(30, bound(function(s) return (s / 30):tanh() * 30 end))
+      assert.are.equal(30, bound(function(s) return (s * (1 / 30)):tanh() * 30 end))
+      -- shifted, and with a sigmoid: [-20, 40], [1, 9]
+      assert.are.equal(40, bound(function(s) return (s / 30):tanh() * 30 + 10 end))
+      assert.near(9, bound(function(s) return s:sigmoid() * 8 + 1 end), 1e-12)
+      -- too wide (e^-100 would underflow a bf16 P) or unbounded: nil
+      assert.is_nil(bound(function(s) return (s / 50):tanh() * 50 end))
+      assert.is_nil(bound(function(s) return s end))
+      assert.is_nil(bound(function(s, b, h, i, j) return s - slopes[h] * (i - j):abs() end))
+      -- a bounded score past a read of a tensor: unbounded (any value)
+      assert.is_nil(bound(function(s, b, h) return (s / 30):tanh() * 30 + slopes[h] end))
+      -- a mask alone has no score
+      assert.is_nil(ft.attention_mods { mask = function(b, h, i, j) return j:le(i) end }:score_bound())
+    end)
+
     it("prints what it holds", function()
       local m = ft.attention_mods { mask = function(b, hh, i, j) return j:le(i) end }
       assert.is_truthy(tostring(m):find("flashtile.AttentionMods(mask,", 1, true), tostring(m))

@@ -11,6 +11,7 @@ local core = require "flashtile.core"
 local ft = {}
 -- (flashtile.mods alone uses the graph functions and op codes of the core)
 local internal = { Tensor_methods = true, attention_mods_graph = true, attention_mods_eval = true,
+                   attention_mods_bound = true,
                    mod_ops = true, attention_block_mask = true, attention_block_mask_counts = true,
                    attention_mods_compile = true, dist = true }
 for k, v in pairs(core) do

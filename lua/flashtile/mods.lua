@@ -343,6 +343,13 @@ AttentionMods.__tostring = function(m)
     m.has_mask and "mask" or "", m.nodes, #m.tensors)
 end
 
+--- The top of the score's range where interval arithmetic over the graph
+-- finds it at most 69 wide whatever s, the indices and the tensors read
+-- (a softcap (s / c):tanh() * c of c <= 34: c), else nil: what a bf16
+-- forward can take as every row's maximum from the start, as the Hopper
+-- kernels do for the built-in softcap.
+function AttentionMods:score_bound() return core.attention_mods_bound(self.graph) end
+
 --- ft.attention_mods{score = function(s, b, h, i, j) ... end,
 -- mask = function(b, h, i, j) ... end}: either or both.
 function M.attention_mods(spec)
