@@ -685,5 +685,5 @@ FT_API int ft_attn_mods_score_bound(const ft_attn_mods *m, double *top)
     const double l = lo[score], h = lo[n + score];
     free(lo);
     *top = h;
-    return isfinite(l) && isfinite(h) && h - l <= 69.0;
+    return isfinite(l) && isfinite(h) && fabs(h) <= 3.4e38 && h - l <= 69.0; /* a float */
 }

@@ -528,6 +528,9 @@ int ft_attn_mods_cuda_has_grad(const ft_attn_mods *m, const ft_tensor *const *te
 static int unit_in_s(int k, const ft_mod_node *nodes, const unsigned char *dep)
 {
     const ft_mod_node *x = &nodes[k];
+    if (!dep[k]) /* nothing without s has a derivative of 1 (and a shared
+                  * sub-graph without s is never walked twice) */
+        return 0;
     if (x->op == FT_MOD_S)
         return 1;
     if (x->op == FT_MOD_ADD)

@@ -434,9 +434,11 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
      * softcap <= 34, far from bf16's and f32's smallest normal numbers
      * (2^-126; f16 stops at 2^-14). Not with ALiBi, a sink or a Lua-written
      * mod, which take logits past the bound (a row whose largest logit lay
-     * far below it would lose its precision). FT_NO_CAP_MAX: never. */
-    p.cap_max = !ft_switch("FT_NO_CAP_MAX") && p.dtype == FT_BF16 && p.mod.softcap > 0 &&
-                p.mod.softcap <= 34 && !p.alibi && !p.sink && !p.user_mod;
+     * far below it would lose its precision; FwdRows::capped trusts this
+     * test, and keeps the sink's sum out only through it). FT_NO_CAP_MAX:
+     * never. */
+    p.cap_max = !ft_switch("FT_NO_CAP_MAX") && p.dtype == FT_BF16 && p.cap2 > 0.f && p.cap > 0.f &&
+                p.mod.softcap <= 34 && !p.alibi && !p.sink && !s->mods;
     /* the Hopper forward's lazy maximum (FwdRows): head dims 65 to 128
      * (1.01x-1.13x at d 128 from 4096 keys, 0.96x-1.02x below; at d 64
      * 0.97x-1.03x, so not there), FT_LAZY_RESCALE: every head dim,
