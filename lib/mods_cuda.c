@@ -611,10 +611,16 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
             "float g)\n{\n    if (p == q) {\n        a += g;\n        return;\n    }\n"
             "    if (p)\n        atomicAdd(p, a);\n    p = q, a = g;\n}\n");
     const int unit = !b.failed && score >= 0 && unit_in_s(score, nodes, dep);
+    double top = 0;
+    const int bounded = ft_attn_mods_score_bound(m, &top);
     put(&b, "struct FtUserMod {\n    static constexpr bool on = true, has_score = %s, has_grad = %s, "
             "unit_grad = %s;\n",
         ft_attn_mods_cuda_has_score(m) ? "true" : "false", has_grad ? "true" : "false",
         unit ? "true" : "false");
+    /* the score's top where its range is narrow (ft_attn_mods_score_bound;
+     * scaled units, rounded up to a float): FwdRows::um_capped */
+    put(&b, "    static constexpr bool has_bound = %s;\n    static constexpr float bound = %.9ef;\n",
+        bounded ? "true" : "false", bounded ? (double)nextafterf((float)top, INFINITY) : 0.0);
     put(&b, "    struct Ctx {\n");
     for (int k = 0; k < n && !b.failed; k++)
         if (ctx[k])

@@ -77,8 +77,9 @@ struct FlashParams {
      * rescaled only then (head dims 65 to 128; flash_fwd.cu) */
     int lazy_max;
     /* a bf16 softcap's rows take the logits' bound, softcap, as their
-     * maximum (FwdRows::capped) */
-    int cap_max;
+     * maximum (FwdRows::capped); um_cap: a Lua score's top, where its
+     * range is narrow (FwdRows::um_capped) */
+    int cap_max, um_cap;
 };
 #define LAZY_MAX_LOG2 8.f /* P up to 2^8 in between: bf16 and f16 hold it, f32 sums it */
 
@@ -638,6 +639,8 @@ __device__ __forceinline__ void drop_acc(const FlashParams &p, int b, int h, flo
  * kernels compiled ahead of time take NoUserMod, whose code never runs. */
 struct NoUserMod {
     static constexpr bool on = false, has_score = false, has_grad = false, unit_grad = false;
+    static constexpr bool has_bound = false; /* a Lua score's narrow range, its top */
+    static constexpr float bound = 0.f;
     struct GradState {};
     struct Ctx {};
     static __device__ __forceinline__ Ctx prepare(int, int) { return Ctx(); }

@@ -70,7 +70,10 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
           t4(threadIdx.x % 4), full(flash_full_keys(p_, wrow0_, wrow0_ + 16)),
           sl2(p_.scale_log2), smod(flash_score_mod(p_, b_, h_))
     {
-        const float m0 = capped() ? p.cap : sink2 == -INFINITY ? -INFINITY : sink2 / sl2;
+        const float m0 = capped()      ? p.cap
+                         : um_capped() ? UM::bound * p.inv_scale
+                         : sink2 == -INFINITY ? -INFINITY
+                                              : sink2 / sl2;
         const float l0 = flash_sink_sum(sink2, t4 == 0);
         m[0] = m[1] = m_start = m0;
         l[0] = l[1] = ONES ? 0.f : l0;
@@ -90,6 +93,13 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
      * softcap t (one multiplication a score fewer: exp2 takes c t - c,
      * c = softcap log2 e). */
     __device__ __forceinline__ bool capped() const { return EXT && !UM::on && fast_tanh<T>() && p.cap_max; }
+    /* The same for a Lua-written score whose range is narrow (UM::has_bound,
+     * its top UM::bound in scaled units; bf16, p.um_cap): the rows start at
+     * the top, and s keeps the score. */
+    __device__ __forceinline__ bool um_capped() const
+    {
+        return UM::has_bound && fast_tanh<T>() && p.um_cap;
+    }
 
     /* ALiBi alone (no softcap, no Lua mod): in a block of keys wholly on
      * one side of all the warp's rows' diagonals the bias is linear in the
@@ -148,6 +158,11 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
                 exp_row(s, r, c, c);
                 continue;
             }
+            if (um_capped()) {
+                alpha[r] = 1.f;
+                exp_row(s, r, sl2, m[r] * sl2);
+                continue;
+            }
             /* four partial maxima and sums: shorter dependency chains */
             float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
@@ -204,7 +219,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
         pin_all<DO / 2>(o);
         /* a lazy maximum skips the products where no row of the warp
          * moved its own */
-        if (!capped() &&
+        if (!capped() && !um_capped() &&
             (!p.lazy_max || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f))) {
 #pragma unroll
             for (int n = 0; n < NT_O; n++) {
