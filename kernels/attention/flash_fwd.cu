@@ -437,13 +437,13 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
      * far below it would lose its precision; FwdRows::capped trusts this
      * test, and keeps the sink's sum out only through it). FT_NO_CAP_MAX:
      * never. */
-    p.cap_max = !ft_switch("FT_NO_CAP_MAX") && p.dtype == FT_BF16 && p.cap2 > 0.f && p.cap > 0.f &&
-                p.mod.softcap <= 34 && !p.alibi && !p.sink && !s->mods;
+    const bool bound_max = !ft_switch("FT_NO_CAP_MAX") && p.dtype == FT_BF16 && !p.sink;
+    p.cap_max = bound_max && p.cap2 > 0.f && p.cap > 0.f && p.mod.softcap <= 34 && !p.alibi &&
+                !s->mods;
     /* the same for a Lua-written score whose range lib/mods.c finds at most
      * 69 wide (a Lua softcap of at most 34: the kernels compiled for it know
      * the top). Written, not yet run on a GPU: FT_UM_CAP_MAX turns it on */
-    p.um_cap = ft_switch("FT_UM_CAP_MAX") && !ft_switch("FT_NO_CAP_MAX") && p.dtype == FT_BF16 &&
-               !p.sink;
+    p.um_cap = bound_max && ft_switch("FT_UM_CAP_MAX");
     /* the Hopper forward's lazy maximum (FwdRows): head dims 65 to 128
      * (1.01x-1.13x at d 128 from 4096 keys, 0.96x-1.02x below; at d 64
      * 0.97x-1.03x, so not there), FT_LAZY_RESCALE: every head dim,

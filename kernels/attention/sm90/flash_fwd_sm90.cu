@@ -100,6 +100,8 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
     {
         return UM::has_bound && fast_tanh<T>() && p.um_cap;
     }
+    /* Either: the rows' maximum m is fixed from the start */
+    __device__ __forceinline__ bool fixed_max() const { return capped() || um_capped(); }
 
     /* ALiBi alone (no softcap, no Lua mod): in a block of keys wholly on
      * one side of all the warp's rows' diagonals the bias is linear in the
@@ -152,15 +154,10 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
         }
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            if (capped()) {
-                const float c = p.cap * sl2;
+            if (fixed_max()) { /* capped: s holds t, the logit m t */
+                const float ms = m[r] * sl2;
                 alpha[r] = 1.f;
-                exp_row(s, r, c, c);
-                continue;
-            }
-            if (um_capped()) {
-                alpha[r] = 1.f;
-                exp_row(s, r, sl2, m[r] * sl2);
+                exp_row(s, r, capped() ? ms : sl2, ms);
                 continue;
             }
             /* four partial maxima and sums: shorter dependency chains */
@@ -219,7 +216,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
         pin_all<DO / 2>(o);
         /* a lazy maximum skips the products where no row of the warp
          * moved its own */
-        if (!capped() && !um_capped() &&
+        if (!fixed_max() &&
             (!p.lazy_max || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f))) {
 #pragma unroll
             for (int n = 0; n < NT_O; n++) {
