@@ -100,8 +100,8 @@ endfunction()
 # FT_NO_LAZY_RESCALE=1 the forward whose O is rescaled only when a row's
 # maximum grows by 2^8, at every head dim, and the one that rescales at
 # every new maximum (by default: head dims 65 to 128 the first;
-# lib/switches.c); FT_NO_CAP_MAX=1 a bf16 softcap's forward with a running
-# maximum, FT_UM_CAP_MAX=1 a narrow Lua score's forward without one.
+# lib/switches.c); FT_NO_CAP_MAX=1 the forward of a bf16 softcap, built-in
+# or a narrow Lua score, with a running maximum.
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
@@ -110,8 +110,7 @@ if(FT_CUDA_ENABLED)
   ft_spec_again(turns FT_TURNS)
   ft_spec_again(lazy FT_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   ft_spec_again(nolazy FT_NO_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
-  ft_spec_again(nocap FT_NO_CAP_MAX cuda_variants_spec)
-  ft_spec_again(umcap FT_UM_CAP_MAX cuda_mods_spec)
+  ft_spec_again(nocap FT_NO_CAP_MAX cuda_variants_spec cuda_mods_spec)
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

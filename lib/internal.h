@@ -431,12 +431,16 @@ int ft_attn_mods_root(const ft_attn_mods *m, int which);
  * exp and tanh; debug: reads out of range set ft_mod_fault; grads: a
  * grad(b, h, i, j, s, g) that adds g times the score's derivative in each
  * float tensor's value read into that tensor's f32 gradient (atomics), with
- * has_grad true when some read has one. NULL when out of memory; the
- * caller frees it. On CUDA a call's mods read at most
- * FT_RTC_MAX_TENSORS tensors of at most 4 dims. */
+ * has_grad true when some read has one; call: what else the call does
+ * (FT_RTC_BUILTIN_SCORES: built-in score variants, softcap or ALiBi;
+ * FT_RTC_DROPOUT), whose code kernels compiled without it leave out
+ * (FtUserMod::builtin_scores, dropout). NULL when out of memory; the
+ * caller frees it. On CUDA a call's mods read at most FT_RTC_MAX_TENSORS
+ * tensors of at most 4 dims. */
 #define FT_RTC_MAX_TENSORS 8
+enum { FT_RTC_BUILTIN_SCORES = 1, FT_RTC_DROPOUT = 2 };
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
-                               int debug, int grads);
+                               int debug, int grads, int call);
 /* Whether some read of a float tensor feeds the score (so that the
  * tensors have gradients); 0 also when out of memory. */
 int ft_attn_mods_cuda_has_grad(const ft_attn_mods *m, const ft_tensor *const *tensors);

@@ -313,9 +313,18 @@ void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensor
                 case FT_MOD_READ: rd = ch == 1 + kread; break;
                 case FT_MOD_ADD: rd = ad[c] + bd[c]; break;
                 case FT_MOD_SUB: rd = ad[c] - bd[c]; break;
-                case FT_MOD_MUL: rd = ad[c] * bb[c] + a[c] * bd[c]; break;
-                case FT_MOD_DIV: rd = (ad[c] - o[c] * bd[c]) / bb[c]; break;
-                case FT_MOD_MOD: rd = ad[c] - floor(a[c] / bb[c]) * bd[c]; break;
+                /* a zero derivative's term is left out, not multiplied
+                 * (an infinite value times 0, or 0 / 0 where a node
+                 * without s is 0, would make it NaN), as the CUDA
+                 * source leaves out what does not depend on s */
+                case FT_MOD_MUL:
+                    rd = (ad[c] != 0 ? ad[c] * bb[c] : 0) + (bd[c] != 0 ? a[c] * bd[c] : 0);
+                    break;
+                case FT_MOD_DIV:
+                    rd = ad[c] == 0 && bd[c] == 0 ? 0
+                                                  : (bd[c] != 0 ? ad[c] - o[c] * bd[c] : ad[c]) / bb[c];
+                    break;
+                case FT_MOD_MOD: rd = bd[c] != 0 ? ad[c] - floor(a[c] / bb[c]) * bd[c] : ad[c]; break;
                 case FT_MOD_POW:
                     rd = (ad[c] != 0 ? bb[c] * pow(a[c], bb[c] - 1) * ad[c] : 0) +
                          (bd[c] != 0 ? o[c] * log(a[c]) * bd[c] : 0);
@@ -323,8 +332,8 @@ void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensor
                 case FT_MOD_NEG: rd = -ad[c]; break;
                 case FT_MOD_WHERE: rd = a[c] != 0 ? bd[c] : cd[c]; break;
                 case FT_MOD_ABS: rd = a[c] < 0 ? -ad[c] : ad[c]; break;
-                case FT_MOD_EXP: rd = o[c] * ad[c]; break;
-                case FT_MOD_LOG: rd = ad[c] / a[c]; break;
+                case FT_MOD_EXP: rd = ad[c] != 0 ? o[c] * ad[c] : 0; break;
+                case FT_MOD_LOG: rd = ad[c] != 0 ? ad[c] / a[c] : 0; break;
                 case FT_MOD_SQRT: rd = ad[c] != 0 ? ad[c] / (2 * o[c]) : 0; break;
                 case FT_MOD_TANH: rd = (1 - o[c] * o[c]) * ad[c]; break;
                 case FT_MOD_SIGMOID: rd = o[c] * (1 - o[c]) * ad[c]; break;

@@ -335,30 +335,49 @@ static void emit_deriv(strbuf *b, int k, int seed, const ft_mod_node *nodes,
 {
     const ft_mod_node *x = &nodes[k];
     const int a = x->a, c2 = x->b, c3 = x->c;
-    /* d/d(seed), as mods.c's interpreter */
+    /* d/d(seed), as mods.c's interpreter, but without the terms of
+     * operands that do not depend on the seed: v * 0 is not 0 to the
+     * compiler (v may be infinite), so it costs a multiply and an add a
+     * score, and is NaN where v is infinite (the interpreter skips a zero
+     * derivative's term too) */
     put(b, "        const float d%d = ", k);
 #define D(q) (ty[q] == T_FLOAT && dep[q] ? "d" : "0.f*"), q
-    if (!dep[k]) {
+    const int za = a < 0 || !(ty[a] == T_FLOAT && dep[a]);
+    const int zb = c2 < 0 || !(ty[c2] == T_FLOAT && dep[c2]);
+    const int binary = x->op == FT_MOD_ADD || x->op == FT_MOD_SUB || x->op == FT_MOD_MUL;
+    if (!dep[k] || (binary && za && zb)) {
         put(b, "0.f");
     } else if (seed < 0 ? x->op == FT_MOD_S : k == seed) {
         put(b, "1.f");
     } else {
         switch (x->op) {
-        case FT_MOD_ADD: put(b, "%s%d + %s%d", D(a), D(c2)); break;
-        case FT_MOD_SUB: put(b, "%s%d - %s%d", D(a), D(c2)); break;
+        case FT_MOD_ADD:
+        case FT_MOD_SUB:
+            if (!za)
+                put(b, "d%d", a);
+            if (!zb)
+                put(b, za ? "%sd%d" : " %s d%d", x->op == FT_MOD_ADD ? (za ? "" : "+") : "-", c2);
+            break;
         case FT_MOD_MUL:
-            put(b, "%s%d * ", D(a)), fval(b, ty, c2), put(b, " + "), fval(b, ty, a),
-                put(b, " * %s%d", D(c2));
+            if (!za)
+                put(b, "d%d * ", a), fval(b, ty, c2);
+            if (!zb)
+                put(b, za ? "" : " + "), fval(b, ty, a), put(b, " * d%d", c2);
             break;
         case FT_MOD_DIV:
             if (nodes[c2].op == FT_MOD_CONST && nodes[c2].value != 0)
                 put(b, "%s%d * %.9gf", D(a), 1.0 / nodes[c2].value);
+            else if (zb)
+                put(b, "%s%d / ", D(a)), fval(b, ty, c2);
             else
-                put(b, "(%s%d - v%d * %s%d) / ", D(a), k, D(c2)), fval(b, ty, c2);
+                put(b, "(%s%d - v%d * d%d) / ", D(a), k, c2), fval(b, ty, c2);
             break;
         case FT_MOD_MOD:
-            put(b, "%s%d - floorf(", D(a)), fval(b, ty, a), put(b, " / "), fval(b, ty, c2),
-                put(b, ") * %s%d", D(c2));
+            if (zb)
+                put(b, "%s%d", D(a));
+            else
+                put(b, "%s%d - floorf(", D(a)), fval(b, ty, a), put(b, " / "), fval(b, ty, c2),
+                    put(b, ") * d%d", c2);
             break;
         case FT_MOD_POW:
             put(b, "(%s%d != 0.f ? ", D(a)), fval(b, ty, c2), put(b, " * powf("),
@@ -542,7 +561,7 @@ static int unit_in_s(int k, const ft_mod_node *nodes, const unsigned char *dep)
 }
 
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
-                               int debug, int grads)
+                               int debug, int grads, int call)
 {
     const int n = ft_attn_mods_nodes_count(m);
     const ft_mod_node *nodes = ft_attn_mods_graph(m);
@@ -621,6 +640,12 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
      * scaled units, rounded up to a float): FwdRows::um_capped */
     put(&b, "    static constexpr bool has_bound = %s;\n    static constexpr float bound = %.9ef;\n",
         bounded ? "true" : "false", bounded ? (double)nextafterf((float)top, INFINITY) : 0.0);
+    /* whether the kernels keep the built-in score variants (mod_acc_with)
+     * and dropout's code: a call without them compiles without them (the
+     * Lua softcap's dK/dV kernel spilled 72 bytes with both, 4 without) */
+    put(&b, "    static constexpr bool builtin_scores = %s, dropout = %s, has_mask = %s;\n",
+        call & FT_RTC_BUILTIN_SCORES ? "true" : "false", call & FT_RTC_DROPOUT ? "true" : "false",
+        mask >= 0 ? "true" : "false");
     put(&b, "    struct Ctx {\n");
     for (int k = 0; k < n && !b.failed; k++)
         if (ctx[k])

@@ -11,10 +11,9 @@
  * head dims 65 to 128), FT_TURNS and FT_NO_TURNS (the consumer
  * warpgroups of the d 128 warp-specialised forward take turns issuing
  * their products: at any length, or never; by default from 8192 keys),
- * FT_NO_CAP_MAX (a bf16 softcap's rows keep a running maximum, as other
- * calls do, instead of taking the logits' bound softcap), FT_UM_CAP_MAX
- * (a bf16 Lua-written score whose range is narrow, such as a softcap,
- * takes its top as the rows' maximum; not yet run on a GPU);
+ * FT_NO_CAP_MAX (a bf16 softcap's rows, and those of a bf16 Lua-written
+ * score whose range is narrow, keep a running maximum, as other calls do,
+ * instead of taking the score's top as their maximum);
  * kernels/README.md says what each kernel is.
  *
  * A switch is on when ft_set_switch turned it on, off when it turned it
@@ -36,7 +35,7 @@
 static const char *const names[] = {"FT_NO_WGMMA",     "FT_NO_WS",           "FT_WS",
                                     "FT_PERSIST",      "FT_NO_PERSIST",      "FT_NO_DECODE",
                                     "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS",
-                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX",      "FT_UM_CAP_MAX"};
+                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX"};
 enum { NSWITCHES = sizeof names / sizeof names[0] };
 static atomic_int state[NSWITCHES]; /* 0: the environment's; 1: on; 2: off */
 

@@ -129,6 +129,51 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     end
   end)
 
+  -- a Lua mod's kernels are compiled for what else the call does: with the
+  -- built-in score variants' code or without, with dropout's or without
+  gpu_it("mods with built-in variants in the same call (softcap, ALiBi, dropout, causal) follow the f64 cpu: bf16 d 128 and f16 d 64, forward and backward, with a table's gradient", function()
+    local Nq = 130
+    local rel64 = randn { H, 2 * Nq }
+    local function mods_for(rel)
+      return {
+        { "relative bias + softcap + ALiBi + causal",
+          { score = function(s, b, hh, i, j) return s + rel[hh][i - j + Nq] end },
+          { softcap = 3, causal = true } },
+        { "prefix-LM mask + tanh score + dropout",
+          { score = function(s) return (s * 0.5):tanh() * 2 end,
+            mask = function(b, hh, i, j) return ft.any(j:le(i), j:le(17)) end },
+          { dropout_p = 0.15, seed = 11, offset = 2 } },
+        { "a score of -inf (log 0), doubled, + ALiBi + dropout",
+          { score = function(s, b, hh, i, j) return (s + ft.where(j:le(i), 1, 0):log()) * 2 end },
+          { dropout_p = 0.1, seed = 3 } },
+      }
+    end
+    local cpu_cases, gpu_cases = mods_for(rel64), mods_for(rel64:float():cuda())
+    for _, c in ipairs { { "bf16", 128 }, { "f16", 64 } } do
+      local dtype, d = c[1], c[2]
+      local q, k, v, dout = randn { 1, Nq, H, d }, randn { 1, Nq, Hk, d }, randn { 1, Nq, Hk, d },
+          randn { 1, Nq, H, d }
+      local function g(t) return t:to(dtype):cuda() end
+      for n, case in ipairs(gpu_cases) do
+        local label = ("%s, %s, d %d"):format(case[1], dtype, d)
+        local copts = h.merge({ mods = ft.attention_mods(cpu_cases[n][2]), impl = "tiled" }, case[3])
+        local gopts = h.merge({ mods = ft.attention_mods(case[2]) }, case[3])
+        if n == 3 then
+          copts.alibi_slopes, gopts.alibi_slopes = slopes64, slopes64:float():cuda()
+        end
+        local want, got = run(q, k, v, dout, copts), run(g(q), g(k), g(v), g(dout), gopts)
+        assert_close(label, got, want, CPU[dtype])
+        assert.are.equal(#want.grads, #got.grads, label)
+        for t = 1, #want.grads do
+          local scale = ft.max_abs_diff(want.grads[t], want.grads[t] * 0)
+          local diff = ft.max_abs_diff(cpu64(got.grads[t]), want.grads[t])
+          assert.is_true(scale > 0 and diff == diff and diff <= CPU[dtype] * scale,
+            ("%s: gradient %d off by %g (scale %g)"):format(label, t, diff, scale))
+        end
+      end
+    end
+  end)
+
   gpu_it("block masks made on CUDA: the tiles counted on the GPU, and the same results with the kernels skipping the tiles outside the mask's band (tiles of 64 x 64 and of 48 x 80)", function()
     local Nq = 200
     local doc64 = ft.tensor((function()

@@ -44,6 +44,12 @@ describe("attention mods written in Lua (cpu)", function()
             return (s / 2):tanh() * 2 - slopes[hh] * (i + Nk - Nq - j)
           end,
           mask = function(b, hh, i, j) return j:le(i + Nk - Nq) end } },
+      -- a score of -inf (log 0) times a constant: the constant's zero
+      -- derivative takes no part (-inf times 0 would make the gradients NaN)
+      { "causal as a score of -inf, doubled", { causal = true, scale = 2 / math.sqrt(d) },
+        { score = function(s, b, hh, i, j)
+            return (s + ft.where(j:le(i + Nk - Nq), 1, 0):log()) * 2
+          end } },
     }
     for _, case in ipairs(cases) do
       for _, impl in ipairs(IMPLS) do

@@ -371,7 +371,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
             const ScoreMod smod = flash_score_mod(p, b, EXT || UM::on ? hcur : 0);
             /* dropout's keep bits of st's entries */
             const uint64_t kbits =
-                EXT && p.mod.dropout ? keep_bits<NT_Q * 4, true>(p, b, hcur, j0 + kw * 16, i0) : 0;
+                EXT && flash_dropout<UM>(p) ? keep_bits<NT_Q * 4, true>(p, b, hcur, j0 + kw * 16, i0) : 0;
 
             /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys */
             float st[NT_Q][4], dpt[NT_Q][4];
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                                              [&](int k, float d0, float d1) {
                                                  float *x = &dpt[0][0] + 2 * k;
                                                  const float *dd = sD + 8 * (k / 2) + 2 * t4;
-                                                 const bool drop = p.mod.dropout;
+                                                 const bool drop = flash_dropout<UM>(p);
                                                  const float z0 = drop ? drop_factor(p, kbits, 2 * k) : 1.f;
                                                  const float z1 = drop ? drop_factor(p, kbits, 2 * k + 1) : 1.f;
                                                  if (UM::has_grad)
@@ -437,7 +437,7 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
                     const float pt = ok ? exp2f(st[n][e] * p.scale_log2 - sL[qc]) : 0.f;
                     dpt[n][e] = pt * (EXT ? dpt[n][e] : dpt[n][e] - sD[qc]);
                     /* dV takes the kept probabilities */
-                    st[n][e] = EXT && p.mod.dropout ? pt * drop_factor(p, kbits, 4 * n + e) : pt;
+                    st[n][e] = EXT && flash_dropout<UM>(p) ? pt * drop_factor(p, kbits, 4 * n + e) : pt;
                 }
             /* dV += P^T dO, dK += dS^T Q over this warp's columns */
 #pragma unroll
@@ -581,12 +581,12 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
             k1 = flash_keys(p, row[1]);
         }
         const uint64_t kbits =
-            EXT && p.mod.dropout ? keep_bits<NT_S * 4>(p, b, h, i0 + warp * 16, j0) : 0;
+            EXT && flash_dropout<UM>(p) ? keep_bits<NT_S * 4>(p, b, h, i0 + warp * 16, j0) : 0;
         if (EXT) /* as in dK/dV: S modified, g (Z dP - D) in place of dP - D */
             mod_acc_with<NT_S * 4, false, fast_tanh<T>(), UM>(smod, &s[0][0], i0 + warp * 16, j0,
                                           [&](int k, float d0, float d1) {
                                               float *x = &dp[0][0] + 2 * k;
-                                              const bool drop = p.mod.dropout;
+                                              const bool drop = flash_dropout<UM>(p);
                                               const float z0 = drop ? drop_factor(p, kbits, 2 * k) : 1.f;
                                               const float z1 = drop ? drop_factor(p, kbits, 2 * k + 1) : 1.f;
                                               x[0] = d0 * (z0 * x[0] - Dr[k % 2]);

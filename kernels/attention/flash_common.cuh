@@ -523,9 +523,18 @@ template <bool V> struct Bool {
 template <int V> struct IntC {
     static constexpr int value = V;
 };
-template <typename F> __device__ __forceinline__ void with_dropout(const FlashParams &p, F f)
+/* Whether p drops, in kernels compiled for UM (a Lua mod's kernels are
+ * compiled for the call, with dropout's code only where it drops:
+ * UM::dropout) */
+struct NoUserMod;
+template <typename UM = NoUserMod> __device__ __forceinline__ bool flash_dropout(const FlashParams &p)
 {
-    if (p.mod.dropout)
+    return UM::dropout && p.mod.dropout;
+}
+template <typename UM = NoUserMod, typename F>
+__device__ __forceinline__ void with_dropout(const FlashParams &p, F f)
+{
+    if (flash_dropout<UM>(p))
         f(Bool<true>());
     else
         f(Bool<false>());
@@ -641,6 +650,9 @@ struct NoUserMod {
     static constexpr bool on = false, has_score = false, has_grad = false, unit_grad = false;
     static constexpr bool has_bound = false; /* a Lua score's narrow range, its top */
     static constexpr float bound = 0.f;
+    static constexpr bool builtin_scores = true; /* compiled with the built-in variants */
+    static constexpr bool has_mask = false;
+    static constexpr bool dropout = true; /* compiled with dropout's code */
     struct GradState {};
     struct Ctx {};
     static __device__ __forceinline__ Ctx prepare(int, int) { return Ctx(); }
@@ -666,7 +678,9 @@ struct NoUserMod {
  * 2 k + 1 (a row's neighbours); mod_acc drops them or stores them in grad.
  * um_in (UM::has_grad): the scores the Lua-written mod took, entry by
  * entry, for UM::grad. BUILTIN false: a kernel without the built-in
- * variants (not EXT), so only UM acts. */
+ * variants (not EXT), so only UM acts; the same where UM was compiled for
+ * calls without built-in score variants (UM::builtin_scores false: a Lua
+ * softcap's dK/dV kernel spilled 92 bytes with the four kinds' code). */
 template <int N, bool KEY_ROWS, bool FAST = false, typename UM = NoUserMod, bool BUILTIN = true,
           typename Sink>
 __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int row0, int col0,
@@ -719,9 +733,16 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
                         float dx;
                         if (UM::has_grad && um_in) /* the dK/dV kernel's */
                             um_in[i] = acc[i] * m.scale;
-                        acc[i] = UM::score(uc, qi, kj, fq, fk, acc[i] * m.scale, &dx) *
-                                 m.inv_scale;
-                        d[e] *= dx;
+                        if (UM::unit_grad) /* s + g: g from s = -0 (-0 + g is g
+                                            * exactly, so the compiler drops
+                                            * the add), added in one FMA */
+                            acc[i] = fmaf(UM::score(uc, qi, kj, fq, fk, -0.f, &dx), m.inv_scale,
+                                          acc[i]);
+                        else {
+                            acc[i] = UM::score(uc, qi, kj, fq, fk, acc[i] * m.scale, &dx) *
+                                     m.inv_scale;
+                            d[e] *= dx;
+                        }
                     }
                 }
             }
@@ -729,12 +750,12 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
         }
     };
     auto run = [&](auto kind) {
-        if (UM::on && inside)
+        if (UM::has_mask && inside)
             body(kind, Bool<false>());
         else
             body(kind, Bool<true>());
     };
-    if (BUILTIN)
+    if (BUILTIN && UM::builtin_scores)
         with_mod_kind<FAST>(m, run);
     else
         run(ModKind<false, false>());

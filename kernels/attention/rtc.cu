@@ -91,7 +91,7 @@ static uint64_t library_hash()
 /* The mods' FtUserMod for kernels of dtype on device, and the table of
  * its tensors. */
 static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tensors,
-                        float *const *grads, int dtype, int device, FlashRtc **out,
+                        float *const *grads, int dtype, int call, int device, FlashRtc **out,
                         const char *func)
 {
     *out = nullptr;
@@ -120,7 +120,8 @@ static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tenso
     }
     snprintf(r->arch, sizeof r->arch, "sm_%d%d%s", prop.major, prop.minor,
              prop.major == 9 && prop.minor == 0 ? "a" : "");
-    r->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, r->debug, grads != nullptr);
+    r->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, r->debug, grads != nullptr,
+                                      call);
     if (!r->src) {
         free(r);
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory for the mods' CUDA source");
@@ -132,7 +133,9 @@ static ft_status rtc_new(const ft_attn_mods *mods, const ft_tensor *const *tenso
 extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device,
                                    FlashRtc **out, const char *func)
 {
-    return rtc_new(s->mods, s->mod_tensors, s->mod_gdev, dtype, device, out, func);
+    const int call = (s->mod.softcap > 0 || s->alibi ? FT_RTC_BUILTIN_SCORES : 0) |
+                     (s->mod.dropout > 0 ? FT_RTC_DROPOUT : 0);
+    return rtc_new(s->mods, s->mod_tensors, s->mod_gdev, dtype, call, device, out, func);
 }
 
 extern "C" void flash_rtc_free(FlashRtc *r)
@@ -458,7 +461,7 @@ extern "C" ft_status flash_rtc_block_mask(const ft_attn_mods *mods, const ft_ten
 {
     FlashRtc *rtc;
     FT_TRY(ft_cuda_use_device(device, func));
-    FT_TRY(rtc_new(mods, tensors, nullptr, FT_F32, device, &rtc, func));
+    FT_TRY(rtc_new(mods, tensors, nullptr, FT_F32, 0, device, &rtc, func));
     int B = (int)size[0], H = (int)size[1], Nq = (int)size[2], Nk = (int)size[3];
     int bq = (int)size[4], bk = (int)size[5];
     int nqb = (Nq + bq - 1) / bq, nkb = (Nk + bk - 1) / bk;
@@ -516,7 +519,7 @@ extern "C" ft_status ft_cuda_mods_compile(const ft_attn_mods *mods, int ntensors
     rtc->dry = 1, rtc->nocache = !use_cache;
     if ((passes & 4) && !ft_attn_mods_cuda_has_grad(mods, tensors))
         passes &= 3; /* no gradients: the backward of mod_grads = false */
-    rtc->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, 0, (passes & 4) != 0);
+    rtc->src = ft_attn_mods_cuda_source(mods, tensors, dtype == FT_BF16, 0, (passes & 4) != 0, 0);
     if (!rtc->src) {
         free(rtc);
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");

@@ -186,7 +186,7 @@ __device__ __forceinline__ void dq_dscores(const FlashParams &p, const ScoreMod 
                                            const FullKeys &full, int block_begin, int block_end)
 {
     if (EXT) /* S modified, and g (Z dP - D) in place of dP - D */
-        with_dropout(p, [&](auto drop) {
+        with_dropout<UM>(p, [&](auto drop) {
             const uint64_t bits = decltype(drop)::value ? keep_bits<N>(p, b, h, row0, col0) : 0;
             mod_acc_with<N, false, fast_tanh<T>(), UM>(smod, s, row0, col0, [&](int k, float d0, float d1) {
                 const float z0 = decltype(drop)::value ? drop_factor(p, bits, 2 * k) : 1.f;
@@ -307,7 +307,7 @@ template <typename T, int BM, int THREADS, bool EXT, typename UM> struct DkdvRow
         : p(p_), b(b_), wkey0(wkey0_), lane(threadIdx.x % FT_WARP), t4(lane % 4),
           full(flash_full_queries(p_, wkey0_, wkey0_ + 16)), gmod(gmod_),
           gmode(!EXT             ? 0
-                : p_.mod.dropout ? 2
+                : flash_dropout<UM>(p_) ? 2
                 : p_.mod.softcap > 0 || (UM::has_score && !UM::unit_grad) ? 1
                                                                            : 0),
           kbits(0), slope_h(-1), slope(0.f)
@@ -320,7 +320,7 @@ template <typename T, int BM, int THREADS, bool EXT, typename UM> struct DkdvRow
     {
         pin_all<BM / 2>(s);
         const bool edge = full.masks(i0, i0 + BM);
-        if (EXT && h != slope_h) {
+        if (EXT && UM::builtin_scores && h != slope_h) {
             slope = flash_alibi_slope(p, b, h);
             slope_h = h;
         }
@@ -1080,7 +1080,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
                 }
         };
         if (EXT)
-            with_dropout(p, body);
+            with_dropout<UM>(p, body);
         else
             body(Bool<false>());
         if (edge) {

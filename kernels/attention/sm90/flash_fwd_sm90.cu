@@ -188,7 +188,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
         }
         /* dropout: P V takes the kept probabilities, scaled; the sum (and
          * LSE) all of them */
-        if (EXT && p.mod.dropout)
+        if (EXT && flash_dropout<UM>(p))
             drop_acc<BC / 2>(p, b, h, s, wrow0, j0);
     }
 
