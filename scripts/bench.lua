@@ -32,8 +32,9 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
                      IMPL+SWITCH takes IMPL with a kernel switch on
                      (ft.set_switch; several: flash+FT_WS+FT_PERSIST),
                      e.g. --impl flash+FT_NO_PERSIST,flash compares the
-                     kernels in one process; the implementations of a
-                     configuration are timed one after the other
+                     kernels in one process; the implementations and
+                     variants of a configuration are timed one after the
+                     other
   --dtype LIST       f16, bf16, f32 (default f16,bf16 | f32)
   --hdim LIST        head dims (default 64,128 | 64)
   --seqlen LIST      sequence lengths (default 1024,4096,16384 | 256,1024)
@@ -52,6 +53,11 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
   --width N          heads = width / head dim (default 2048 | 256)
   --warmup N         untimed runs before the timed ones (default 5 | 1)
   --reps N           timed runs, of which the median counts (default 20 | 5)
+  --rounds N         times each configuration's implementations and
+                     variants N times over, in the opposite order every
+                     other round, and takes each row's median round, so
+                     that a drift of the clock over the run favours none
+                     of them (default 1); the check runs in the first
   --reference FILE   ratios against this CSV's flash and cudnn rows,
                      e.g. --reference bench/sdpa-h200.csv
   --csv FILE         the results as CSV (default bench-results.csv)
@@ -100,12 +106,12 @@ end
 local GPU_DEFAULTS = {
   impl = "flash", dtype = "f16,bf16", hdim = "64,128", seqlen = "1024,4096,16384",
   causal = "false,true", pass = "fwd,bwd", tokens = "16384", width = "2048", warmup = "5", reps = "20",
-  variant = "none",
+  variant = "none", rounds = "1",
 }
 local CPU_DEFAULTS = {
   impl = "tiled,naive", dtype = "f32", hdim = "64", seqlen = "256,1024",
   causal = "false,true", pass = "fwd,bwd", tokens = "2048", width = "256", warmup = "1", reps = "5",
-  variant = "none",
+  variant = "none", rounds = "1",
 }
 local VALUED = { device = true, reference = true, csv = true, plot = true }
 for k in pairs(GPU_DEFAULTS) do VALUED[k] = true end
@@ -242,6 +248,7 @@ local tokens = list("tokens", "a positive integer", positive_int)[1]
 local width = list("width", "a positive integer", positive_int)[1]
 local warmup = list("warmup", "an integer >= 0", nonneg_int)[1]
 local reps = list("reps", "a positive integer", positive_int)[1]
+local rounds = list("rounds", "a positive integer", positive_int)[1]
 
 
 -- ---- flashtile, and the GPU when the run needs one ------------------------------
@@ -745,28 +752,51 @@ if on_gpu then
   io.stderr:write("warming up\n")
   pcall(measure_switched, impls[1], dtypes[1], hdims[1], seqlens[1], causals[1], passes[1], variants[1])
 end
--- the implementations of one configuration one after the other, so that
--- their ratio is taken at the same moment of the run
-for _, var in ipairs(variants) do
-  for _, dtype in ipairs(dtypes) do
-    for _, d in ipairs(hdims) do
-      for _, causal in ipairs(causals) do
-        for _, pass in ipairs(passes) do
-          for _, N in ipairs(seqlens) do
-            for _, impl in ipairs(impls) do
+-- the implementations and variants of one configuration one after the
+-- other, so that their ratios are taken at the same moment of the run;
+-- with --rounds, over again in the opposite order, each row's median
+-- round kept (the check in the first round only)
+local function median_round(list)
+  local ok = {}
+  for _, r in ipairs(list) do
+    if r.error then return r end
+    ok[#ok + 1] = r
+  end
+  table.sort(ok, function(a, b) return a.ms < b.ms end)
+  local r = ok[math.floor((#ok + 1) / 2)]
+  local first = list[1]
+  first.ms, first.tflops, first.rounds = r.ms, r.tflops, #list
+  return first
+end
+for _, dtype in ipairs(dtypes) do
+  for _, d in ipairs(hdims) do
+    for _, causal in ipairs(causals) do
+      for _, pass in ipairs(passes) do
+        for _, N in ipairs(seqlens) do
+          local cells = {} -- (variant, impl) in order, each with its rounds
+          for _, var in ipairs(variants) do
+            for _, impl in ipairs(impls) do cells[#cells + 1] = { var = var, impl = impl, got = {} } end
+          end
+          for round = 1, rounds do
+            opts.check = given.check and round == 1
+            for n = 1, #cells do
+              local c = cells[round % 2 == 1 and n or #cells + 1 - n]
+              local var, impl = c.var, c.impl
               local ok_row, row = pcall(measure_switched, impl, dtype, d, N, causal, pass, var)
               if not ok_row then
                 local B, H = shape_of(d, N, var)
                 row = { impl = impl, dtype = dtype, d = d, N = N, causal = causal, pass = pass,
                         B = B, H = H, variant = var.label, error = tostring(row) }
               end
-              rows[#rows + 1] = row
-              io.stderr:write(("[%d/%d] %s %s %s d=%d N=%d causal=%s %s: %s\n"):format(#rows, total,
+              c.got[#c.got + 1] = row
+              io.stderr:write(("[%d/%d%s] %s %s %s d=%d N=%d causal=%s %s: %s\n"):format(
+                #rows + n, total, rounds > 1 and (", round %d"):format(round) or "",
                 var.label, impl, dtype, d, N, tostring(causal), pass,
                 row.error and ("FAILED " .. row.error)
                   or ("%.3f ms, %s TFLOP/s"):format(row.ms, fmt_tflops(row.tflops, 1))))
             end
           end
+          for _, c in ipairs(cells) do rows[#rows + 1] = median_round(c.got) end
         end
       end
     end

@@ -111,6 +111,7 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
         { "--reps", "option '--reps' needs a value" },
         { "--hdim 64,x --device cpu", "--hdim: 'x' is not a positive integer" },
         { "--reps 0 --device cpu", "--reps: '0' is not a positive integer" },
+        { "--rounds 0 --device cpu", "--rounds: '0' is not a positive integer" },
         { "--warmup 1.5 --device cpu", "--warmup: '1.5' is not an integer >= 0" },
         { "--causal yes --device cpu", "--causal: 'yes' is not true or false" },
         { "--pass both --device cpu", "--pass: 'both' is not fwd or bwd" },
@@ -137,7 +138,7 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       local csv, svg = work .. "/r.csv", work .. "/r.svg"
       local out, status = lua(clone .. "/scripts/bench.lua",
         "--device cpu --dtype f32 --hdim 16 --seqlen 32,64 --causal true --pass fwd,bwd --impl tiled,naive"
-        .. " --tokens 64 --width 32 --warmup 0 --reps 1 --csv " .. quote(csv) .. " --plot " .. quote(svg),
+        .. " --tokens 64 --width 32 --warmup 0 --reps 1 --rounds 2 --csv " .. quote(csv) .. " --plot " .. quote(svg),
         { dir = work })
       assert.are.equal(0, status, out)
       assert.is_nil(out:find("FAILED", 1, true), out)
