@@ -194,6 +194,7 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
     s->mod_scratch = NULL, s->mod_scratch_per_thread = 0;
     s->mod_gacc = NULL, s->mod_gbuf = NULL, s->mod_gbuf_per_task = 0, s->mod_goff = NULL;
     s->mod_gdev = NULL;
+    s->mask_is_band = 0;
     if (p->mods) {
         if (p->mod_ntensors > 0 && !p->mod_tensors)
             return ft_fail(FT_ERR_ARGUMENT, func, ap, "mod_tensors is NULL");
@@ -214,15 +215,33 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         FT_TRY(ft_attn_block_mask_check(p->block_mask, p->mods, func, ap, q->device, s->B, s->H,
                                         s->Nq, s->Nk, s->block_q, s->block_k));
         s->block_mask = p->block_mask;
-        int64_t left, right;
+        int64_t left, right, in_left, in_right;
         if (ft_attn_block_mask_band(p->block_mask, &left, &right)) {
             /* every pair the mask keeps lies in the band: as a window, it
              * lets the flash kernels skip the tiles outside (the mask is
              * still applied inside); none kept: only the diagonal, which
              * the mask hides too */
+            /* and where every pair of the band is kept too (its inner
+             * band, where every row keeps every key, holds it: the block
+             * mask evaluated every pair), the band is the mask: a Lua
+             * causal or window mask runs as the built-in one */
+            s->mask_is_band = left >= 0 && right >= 0 &&
+                              ft_attn_block_mask_inner(p->block_mask, &in_left, &in_right) &&
+                              in_left >= left && in_right >= right;
             left = left < 0 ? 0 : left, right = right < 0 ? 0 : right;
             m->left = m->left < 0 || left < m->left ? left : m->left;
             m->right = m->right < 0 || right < m->right ? right : m->right;
+            /* a side that reaches every key of every row is no bound (row
+             * i sees keys from i + Nk - Nq - left: key 0 for every row when
+             * left >= Nk - 1; up to the last when right >= Nq - 1), and a
+             * band with no left bound ending at the diagonal is the causal
+             * mask (the kernels order its tiles longest first) */
+            if (m->left >= s->Nk - 1)
+                m->left = -1;
+            if (m->right >= s->Nq - 1)
+                m->right = -1;
+            if (m->left < 0 && m->right == 0)
+                s->causal = 1;
         }
     }
     /* The flash kernels run every variant (slopes and sinks in other

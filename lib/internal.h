@@ -348,6 +348,10 @@ typedef struct ft_attn_shape {
     const ft_tensor *const *mod_tensors;
     int *mod_fault;              /* set when a mod read out of range */
     const ft_attn_block_mask *block_mask; /* or NULL (tiled cpu path) */
+    /* the mods' mask keeps exactly the pairs of its band (its block mask,
+     * made on CUDA, says so): the band, as a window, is the whole mask,
+     * which the kernels then never evaluate */
+    int mask_is_band;
     double *mod_scratch;         /* the interpreter's, per thread (cpu) */
     size_t mod_scratch_per_thread;
     /* The captured tensors' gradients (backward, cpu): per tensor slot a
@@ -433,12 +437,13 @@ int ft_attn_mods_root(const ft_attn_mods *m, int which);
  * float tensor's value read into that tensor's f32 gradient (atomics), with
  * has_grad true when some read has one; call: what else the call does
  * (FT_RTC_BUILTIN_SCORES: built-in score variants, softcap or ALiBi;
- * FT_RTC_DROPOUT), whose code kernels compiled without it leave out
- * (FtUserMod::builtin_scores, dropout). NULL when out of memory; the
+ * FT_RTC_DROPOUT; FT_RTC_MASK_IS_BAND: the mask is its band, which the
+ * call takes as a window), whose code kernels compiled without it leave
+ * out (FtUserMod::builtin_scores, dropout, has_mask). NULL when out of memory; the
  * caller frees it. On CUDA a call's mods read at most FT_RTC_MAX_TENSORS
  * tensors of at most 4 dims. */
 #define FT_RTC_MAX_TENSORS 8
-enum { FT_RTC_BUILTIN_SCORES = 1, FT_RTC_DROPOUT = 2 };
+enum { FT_RTC_BUILTIN_SCORES = 1, FT_RTC_DROPOUT = 2, FT_RTC_MASK_IS_BAND = 4 };
 char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *tensors, int fast,
                                int debug, int grads, int call);
 /* Whether some read of a float tensor feeds the score (so that the
@@ -451,6 +456,14 @@ ft_status ft_attn_mods_cuda_check_tensors(const char *func, int arg, int ntensor
 /* Whether the graph's score function is more than s itself (a mask
  * alone runs in the kernels' plain instantiations). */
 int ft_attn_mods_cuda_has_score(const ft_attn_mods *m);
+/* Whether the call's mods are a mask alone that is its band
+ * (s->mask_is_band): the window the band gave the call is the whole mod,
+ * and the flash kernels run as for a call without mods, with no kernel
+ * compiled for them. */
+static inline int ft_attn_mods_band_only(const ft_attn_shape *s)
+{
+    return s->mods && s->mask_is_band && !ft_attn_mods_cuda_has_score(s->mods);
+}
 int ft_attn_mods_read_tensor(const ft_attn_mods *m, int k);
 size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width, int with_reads);
 void ft_attn_mods_eval_row(const ft_attn_mods *m, const ft_tensor *const *tensors, int64_t b,

@@ -689,7 +689,7 @@ extern "C" ft_status ft_attention_backward_flash_cuda(const ft_attn_shape *s,
                        "mods on CUDA run in the tensor-core kernels: f16 or bf16, head_dim a "
                        "multiple of 8, rows on 16 bytes");
     FlashRtc *rtc = nullptr; /* mods: the kernels compiled for them (rtc.cu) */
-    if (s->mods)
+    if (s->mods && !ft_attn_mods_band_only(s))
         FT_TRY(flash_rtc_new(s, q->dtype, q->device.index, &rtc, func));
     /* LSE contiguous f32; D and the sm90 kernels' LSE in log2 units in
      * work, laid out as LSE */

@@ -750,7 +750,7 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
         }
     };
     auto run = [&](auto kind) {
-        if (UM::has_mask && inside)
+        if (!UM::has_mask || inside)
             body(kind, Bool<false>());
         else
             body(kind, Bool<true>());

@@ -456,11 +456,13 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
     const ft_tensor *ts[4] = {q, k, v, out};
     const bool mma = (q->dtype == FT_F16 || q->dtype == FT_BF16) && s->d % 8 == 0 &&
                      flash_rows_aligned(ts, 4);
-    if (s->mods) { /* the tensor-core kernels compiled for them (rtc.cu) */
-        if (!mma)
-            return ft_fail(FT_ERR_UNSUPPORTED, "ft_attention_forward", 1,
-                           "mods on CUDA run in the tensor-core kernels: f16 or bf16, "
-                           "head_dim a multiple of 8, rows on 16 bytes");
+    if (s->mods && !mma)
+        return ft_fail(FT_ERR_UNSUPPORTED, "ft_attention_forward", 1,
+                       "mods on CUDA run in the tensor-core kernels: f16 or bf16, "
+                       "head_dim a multiple of 8, rows on 16 bytes");
+    /* mods: the tensor-core kernels compiled for them (rtc.cu); a mask
+     * alone that is its band needs none */
+    if (s->mods && !ft_attn_mods_band_only(s)) {
         FlashRtc *rtc = nullptr;
         FT_TRY(flash_rtc_new(s, q->dtype, q->device.index, &rtc, "ft_attention_forward"));
         /* the forward kernels apply a mod without their EXT state (the

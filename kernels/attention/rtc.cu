@@ -134,7 +134,8 @@ extern "C" ft_status flash_rtc_new(const ft_attn_shape *s, int dtype, int device
                                    FlashRtc **out, const char *func)
 {
     const int call = (s->mod.softcap > 0 || s->alibi ? FT_RTC_BUILTIN_SCORES : 0) |
-                     (s->mod.dropout > 0 ? FT_RTC_DROPOUT : 0);
+                     (s->mod.dropout > 0 ? FT_RTC_DROPOUT : 0) |
+                     (s->mask_is_band ? FT_RTC_MASK_IS_BAND : 0);
     return rtc_new(s->mods, s->mod_tensors, s->mod_gdev, dtype, call, device, out, func);
 }
 
