@@ -446,7 +446,8 @@ end
 -- dQ; "both"; grads = false: the backward of mod_grads = false, which
 -- skips the gradients of the float tensors the mods read) for that dtype,
 -- head dim and architecture, for calls without the built-in softcap,
--- ALiBi or dropout (a call with them compiles its kernels at first use)
+-- ALiBi or dropout and without a block mask whose band is the mask (a
+-- call with them compiles its kernels at first use)
 -- ("sm_90a": Hopper's kernels; "sm_80", "sm_89"...: the mma.sync ones),
 -- without a GPU if need be, into the disk cache (cache = false: compile
 -- even if there); returns how many it compiled. Fills the cache ahead of
