@@ -342,8 +342,12 @@ static void emit_deriv(strbuf *b, int k, int seed, const ft_mod_node *nodes,
      * derivative's term too) */
     put(b, "        const float d%d = ", k);
 #define D(q) (ty[q] == T_FLOAT && dep[q] ? "d" : "0.f*"), q
-    const int za = a < 0 || !(ty[a] == T_FLOAT && dep[a]);
-    const int zb = c2 < 0 || !(ty[c2] == T_FLOAT && dep[c2]);
+    /* za, zb: operand a's, b's derivative is 0 (arithmetic nodes only,
+     * whose a and b are nodes: a read's are a tensor and an index list) */
+    const int arith = x->op == FT_MOD_ADD || x->op == FT_MOD_SUB || x->op == FT_MOD_MUL ||
+                      x->op == FT_MOD_DIV || x->op == FT_MOD_MOD;
+    const int za = !arith || a < 0 || !(ty[a] == T_FLOAT && dep[a]);
+    const int zb = !arith || c2 < 0 || !(ty[c2] == T_FLOAT && dep[c2]);
     const int binary = x->op == FT_MOD_ADD || x->op == FT_MOD_SUB || x->op == FT_MOD_MUL;
     if (!dep[k] || (binary && za && zb)) {
         put(b, "0.f");
