@@ -439,7 +439,7 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
      * never. */
     const bool bound_max = !ft_switch("FT_NO_CAP_MAX") && p.dtype == FT_BF16 && !p.sink;
     p.cap_max = bound_max && p.cap2 > 0.f && p.cap > 0.f && p.mod.softcap <= 34 && !p.alibi &&
-                !s->mods;
+                (!s->mods || ft_attn_mods_band_only(s)); /* a mask that is its band: no mod */
     /* the same for a Lua-written score whose range lib/mods.c finds at most
      * 69 wide (a Lua softcap of at most 34: the kernels compiled for it know
      * the top): a Lua softcap 30's forward 1.12x-1.20x (bf16, d 128, H200,
