@@ -456,13 +456,14 @@ ft_status ft_attn_mods_cuda_check_tensors(const char *func, int arg, int ntensor
 /* Whether the graph's score function is more than s itself (a mask
  * alone runs in the kernels' plain instantiations). */
 int ft_attn_mods_cuda_has_score(const ft_attn_mods *m);
-/* Whether the call's mods are a mask alone that is its band
- * (s->mask_is_band): the window the band gave the call is the whole mod,
- * and the flash kernels run as for a call without mods, with no kernel
- * compiled for them. */
+/* Whether the call's mods change nothing that its window does not: no
+ * score function, and no mask or one that is its band (s->mask_is_band:
+ * the window the band gave the call is the whole mask). The flash kernels
+ * then run as for a call without mods, with no kernel compiled for them. */
 static inline int ft_attn_mods_band_only(const ft_attn_shape *s)
 {
-    return s->mods && s->mask_is_band && !ft_attn_mods_cuda_has_score(s->mods);
+    return s->mods && !ft_attn_mods_cuda_has_score(s->mods) &&
+           (s->mask_is_band || ft_attn_mods_root(s->mods, 1) < 0);
 }
 int ft_attn_mods_read_tensor(const ft_attn_mods *m, int k);
 size_t ft_attn_mods_scratch(const ft_attn_mods *m, int64_t width, int with_reads);

@@ -174,7 +174,7 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     end
   end)
 
-  gpu_it("block masks made on CUDA: the tiles counted on the GPU, and the same results with the kernels skipping the tiles outside the mask's band (tiles of 64 x 64 and of 48 x 80)", function()
+  gpu_it("block masks made on CUDA: the tiles counted on the GPU, and the same results with the kernels skipping the tiles outside the mask's band (tiles of 64 x 64 and of 48 x 80); mods that change nothing run as calls without them", function()
     local Nq = 200
     local doc64 = ft.tensor((function()
       local t = {}
@@ -206,6 +206,20 @@ describe("attention mods written in Lua on CUDA #gpu", function()
           and { mask = function(b, hh, i, j) return ft.all(doc64[i]:eq(doc64[j]), j:le(i)) end } or case[2])
         local cbm = ft.block_mask(cpu_mods, B, H, Nq, Nq, { block_q = tiles[1], block_k = tiles[2] })
         assert.are.same({ cbm:counts() }, { bm:counts() }, label)
+      end
+    end
+    -- mods that change nothing run the kernels of a call without them: the
+    -- same bits (an empty mod; a causal mask with its block mask, its band)
+    local cm = ft.attention_mods(cases[1][2])
+    local pairs_ = {
+      { "an empty mod", { mods = ft.attention_mods { score = function(s) return s end } }, {} },
+      { "a causal mask that is its band",
+        { mods = cm, block_mask = ft.block_mask(cm, B, H, Nq, Nq, { device = "cuda" }) }, { causal = true } },
+    }
+    for _, pr in ipairs(pairs_) do
+      local got, want = run(g(q), g(k), g(v), g(dout), pr[2]), run(g(q), g(k), g(v), g(dout), pr[3])
+      for _, f in ipairs(FIELDS) do
+        assert.are.equal(0, ft.max_abs_diff(cpu64(got[f]), cpu64(want[f])), pr[1] .. ": " .. f)
       end
     end
     -- causal over 200 x 200 in 64 x 64 tiles: 6 hidden, 4 on the diagonal, 6 whole, per (b, h)

@@ -439,7 +439,7 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
      * never. */
     const bool bound_max = !ft_switch("FT_NO_CAP_MAX") && p.dtype == FT_BF16 && !p.sink;
     p.cap_max = bound_max && p.cap2 > 0.f && p.cap > 0.f && p.mod.softcap <= 34 && !p.alibi &&
-                (!s->mods || ft_attn_mods_band_only(s)); /* a mask that is its band: no mod */
+                (!s->mods || ft_attn_mods_band_only(s)); /* mods that change nothing */
     /* the same for a Lua-written score whose range lib/mods.c finds at most
      * 69 wide (a Lua softcap of at most 34: the kernels compiled for it know
      * the top): a Lua softcap 30's forward 1.12x-1.20x (bf16, d 128, H200,
@@ -460,8 +460,9 @@ extern "C" ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s,
         return ft_fail(FT_ERR_UNSUPPORTED, "ft_attention_forward", 1,
                        "mods on CUDA run in the tensor-core kernels: f16 or bf16, "
                        "head_dim a multiple of 8, rows on 16 bytes");
-    /* mods: the tensor-core kernels compiled for them (rtc.cu); a mask
-     * alone that is its band needs none */
+    /* mods: the tensor-core kernels compiled for them (rtc.cu); none for
+     * mods that change nothing but the window (an empty mod; a mask alone
+     * that is its band) */
     if (s->mods && !ft_attn_mods_band_only(s)) {
         FlashRtc *rtc = nullptr;
         FT_TRY(flash_rtc_new(s, q->dtype, q->device.index, &rtc, "ft_attention_forward"));
