@@ -348,8 +348,7 @@ static void emit_deriv(strbuf *b, int k, int seed, const ft_mod_node *nodes,
                       x->op == FT_MOD_DIV || x->op == FT_MOD_MOD;
     const int za = !arith || a < 0 || !(ty[a] == T_FLOAT && dep[a]);
     const int zb = !arith || c2 < 0 || !(ty[c2] == T_FLOAT && dep[c2]);
-    const int binary = x->op == FT_MOD_ADD || x->op == FT_MOD_SUB || x->op == FT_MOD_MUL;
-    if (!dep[k] || (binary && za && zb)) {
+    if (!dep[k] || (arith && za && zb)) {
         put(b, "0.f");
     } else if (seed < 0 ? x->op == FT_MOD_S : k == seed) {
         put(b, "1.f");
