@@ -849,8 +849,9 @@ end
 local st = on_gpu and ft.cuda.mods_stats()
 if st and st.compiles + st.disk_loads > 0 then
   io.stderr:write(("mods: %d kernels compiled (NVRTC) in %.1f s, the last in %.2f s; %d loaded from "
-    .. "the disk cache in %.3f s, the last in %.3f s; %d taken from memory\n"):format(st.compiles,
-    st.compile_s, st.last_compile_s, st.disk_loads, st.load_s, st.last_load_s, st.memory_hits))
+    .. "the disk cache in %.2f ms, the last in %.2f ms; %d taken from memory\n"):format(st.compiles,
+    st.compile_s, st.last_compile_s, st.disk_loads, st.load_s * 1e3, st.last_load_s * 1e3,
+    st.memory_hits))
 end
 print(("\n%s, %s, %s"):format(device_name, os.date("!%Y-%m-%d"),
   opts.reference and ("ratios against " .. opts.reference) or "no reference file"))

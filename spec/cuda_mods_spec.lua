@@ -253,7 +253,7 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     local compiles, loads, load_s = out:match("^(%d+) (%d+) (%S+)")
     assert.are.equal("0", compiles, out)
     assert.are.equal("1", loads, out)
-    assert.is_true(tonumber(load_s) < 0.5, out)
+    assert.is_true(tonumber(load_s) < 0.05, out) -- the bar: a cached mod loads in under 50 ms
   end)
 
   gpu_it("bad uses are clear errors: f32, the naive impl, deterministic gradients of read tensors, a cpu tensor read", function()

@@ -377,6 +377,15 @@ static ft_status rtc_kernel(const FlashRtc *rtc, const char *file, const char *n
     free(code);
     if (ce == cudaSuccess)
         ce = cudaLibraryGetKernel(&e.kernel, e.lib, names[0]);
+    if (ce == cudaSuccess) { /* loads the module onto the device now (CUDA loads lazily), so
+                                the time counted is the whole load */
+        void *g = nullptr;
+        size_t gb = 0;
+        cudaFuncAttributes fa;
+        ce = cudaLibraryGetGlobal(&g, &gb, e.lib, names[1]);
+        if (ce == cudaSuccess)
+            ce = cudaFuncGetAttributes(&fa, (const void *)e.kernel);
+    }
     if (ce != cudaSuccess) {
         cudaGetLastError();
         if (cached) /* a stale or damaged file: compile afresh */
