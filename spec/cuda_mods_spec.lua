@@ -256,6 +256,29 @@ describe("attention mods written in Lua on CUDA #gpu", function()
     assert.is_true(tonumber(load_s) < 0.05, out) -- the bar: a cached mod loads in under 50 ms
   end)
 
+  gpu_it("a read out of range: with FT_MODS_DEBUG=1 a clear error at the call, and the session goes on", function()
+    -- the index comes from a tensor, so only the kernel's bounds check can see it
+    local script = [==[
+      local ft = require "flashtile"
+      local N = 64
+      local q = ft.randn({ 1, N, 2, 64 }, { dtype = "bf16", device = "cuda", seed = 3 })
+      local bias = ft.randn({ N }, { device = "cuda", seed = 4 })
+      local t = {}
+      for n = 1, N do t[n] = n end
+      t[40] = N + 7
+      local idx = ft.tensor(t, { dtype = "i32" }):cuda()
+      local bad = ft.attention_mods { score = function(s, b, hh, i, j) return s + bias[idx[j]] end }
+      local ok, e = pcall(ft.attention, q, q, q, { mods = bad })
+      io.write(tostring(ok), "\n", tostring(e), "\n")
+      local good = ft.attention_mods { score = function(s, b, hh, i, j) return s + bias[j] end }
+      io.write("after ", tostring(ft.is_tensor((ft.attention(q, q, q, { mods = good })))), "\n")
+    ]==]
+    local out = h.run_lua(script, { FT_MODS_DEBUG = "1" })
+    assert.is_truthy(out:find("^false\n"), out)
+    assert.is_truthy(out:find("out of range", 1, true), out)
+    assert.is_truthy(out:find("after true", 1, true), out)
+  end)
+
   gpu_it("bad uses are clear errors: f32, the naive impl, deterministic gradients of read tensors, a cpu tensor read", function()
     local q32 = ft.randn({ 1, 16, 2, 64 }, { device = "cuda", seed = 1 })
     local q = q32:to("bf16")

@@ -373,9 +373,10 @@ function h.assert_error(fn, ...)
 end
 
 --- Runs a Lua script in a new process of the interpreter running this
--- spec, with this spec's module paths; returns its output (stdout and
+-- spec, with this spec's module paths and the variables of env (a table
+-- of names to strings, optional) set; returns its output (stdout and
 -- stderr).
-function h.run_lua(script)
+function h.run_lua(script, env)
   local path = os.tmpname()
   local f = assert(io.open(path, "w"))
   f:write(script)
@@ -386,7 +387,11 @@ function h.run_lua(script)
     while arg[i - 1] do i = i - 1 end
     lua = arg[i]
   end
-  local cmd = ("LUA_PATH=%q LUA_CPATH=%q %q %q 2>&1"):format(package.path, package.cpath, lua, path)
+  local vars = {}
+  for name, value in pairs(env or {}) do vars[#vars + 1] = ("%s=%q"):format(name, value) end
+  table.sort(vars)
+  local cmd = ("%s LUA_PATH=%q LUA_CPATH=%q %q %q 2>&1"):format(table.concat(vars, " "),
+    package.path, package.cpath, lua, path)
   local p = assert(io.popen(cmd))
   local out = p:read("*a")
   p:close()
