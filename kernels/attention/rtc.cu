@@ -375,6 +375,7 @@ static ft_status rtc_kernel(const FlashRtc *rtc, const char *file, const char *n
     e.key = key;
     cudaError_t ce = cudaLibraryLoadData(&e.lib, code, nullptr, nullptr, 0, nullptr, nullptr, 0);
     free(code);
+    const bool loaded = ce == cudaSuccess;
     if (ce == cudaSuccess)
         ce = cudaLibraryGetKernel(&e.kernel, e.lib, names[0]);
     if (ce == cudaSuccess) { /* loads the module onto the device now (CUDA loads lazily), so
@@ -388,6 +389,8 @@ static ft_status rtc_kernel(const FlashRtc *rtc, const char *file, const char *n
     }
     if (ce != cudaSuccess) {
         cudaGetLastError();
+        if (loaded) /* a library without the kernel or its globals is not kept */
+            cudaLibraryUnload(e.lib);
         if (cached) /* a stale or damaged file: compile afresh */
             remove(path);
         return ft_fail(FT_ERR_DEVICE, func, 0, "mods: loading the kernel compiled for %s failed: %s",
