@@ -17,12 +17,11 @@
  *           with ALiBi slope m (per batch and head), x -= m |i + shift - j|.
  *   sink    a logit per head that joins each row's softmax denominator
  *           without a value row: LSE = log(sum_j e^x_ij + e^sink).
- *   dropout P_ij is kept, scaled by 1 / (1 - p), when word j % 4 of
- *           Philox 4x32-10 under key {seed low, seed high} at counter
- *           {j / 4, i, b * H + h, offset | 2^31} is >= floor(p * 2^32):
- *           the same bit on every device and every tiling. Bit 31 of the
- *           last word keeps the stream apart from ft_rand's (whose counter
- *           words 2 and 3 are zero).
+ *   dropout P_ij is kept, scaled by 1 / (1 - p), when a 32-bit random
+ *           number u_ij of (seed, offset, b, h, i, j) is >= floor(p * 2^32)
+ *           (ft_drop_keep below: two Philox 4x32-10 calls, the second
+ *           only for 1 score in 256): the same bit on every device and
+ *           every tiling.
  */
 #ifndef FT_ATTN_MOD_H
 #define FT_ATTN_MOD_H
@@ -135,16 +134,56 @@ static inline FT_HOST_DEVICE double ft_mod_score_grad(const ft_attn_mod *m, doub
     return 1.0;
 }
 
+/* Dropout's random number u_ij, 32 bits, is drawn in two parts, so that a
+ * GPU makes one Philox call for sixteen scores and not four:
+ *   primary   Philox 4x32-10 at counter {j / 16, i, bh, offset | 2^31}:
+ *             byte j % 16 of its 16 output bytes (byte k: bits 8 (k % 4)
+ *             .. + 7 of word k / 4) is u's top 8 bits;
+ *   secondary Philox 4x32-10 at counter {j / 4, i | 2^31, bh,
+ *             offset | 2^31}: the top 24 bits of word j % 4 are u's low
+ *             24 bits.
+ * P_ij is kept when u >= floor(p 2^32), a full 32-bit comparison (the keep
+ * rate is exact), but the secondary call is made only when the top byte
+ * equals the threshold's (1 score in 256): otherwise the byte decides.
+ * Both under key {seed low, seed high}; bh = b H + h. Word 1 tells the two
+ * apart (i < 2^31); bit 31 of word 3, both from ft_rand's stream (whose
+ * words 2 and 3 are zero). */
+static inline FT_HOST_DEVICE ft_philox4 ft_drop_primary(uint64_t seed, uint32_t offset,
+                                                        uint32_t bh, uint32_t i, uint32_t j)
+{
+    const uint32_t counter[4] = {j >> 4, i, bh, offset | 0x80000000u};
+    const uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    return ft_philox4x32_10(counter, key);
+}
+
+static inline FT_HOST_DEVICE ft_philox4 ft_drop_secondary(uint64_t seed, uint32_t offset,
+                                                          uint32_t bh, uint32_t i, uint32_t j)
+{
+    const uint32_t counter[4] = {j >> 2, i | 0x80000000u, bh, offset | 0x80000000u};
+    const uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    return ft_philox4x32_10(counter, key);
+}
+
+/* Whether dropout keeps (i, j) of bh with threshold floor(p 2^32). */
+static inline FT_HOST_DEVICE int ft_drop_keep(uint64_t seed, uint32_t offset, uint32_t threshold,
+                                              uint32_t bh, uint32_t i, uint32_t j)
+{
+    const ft_philox4 w = ft_drop_primary(seed, offset, bh, i, j);
+    const uint32_t top = (w.v[(j >> 2) & 3] >> 8 * (j & 3)) & 0xffu, t = threshold >> 24;
+    if (top != t)
+        return top > t;
+    const ft_philox4 s = ft_drop_secondary(seed, offset, bh, i, j);
+    return (t << 24 | s.v[j & 3] >> 8) >= threshold;
+}
+
 /* Whether dropout keeps P_ij of batch b and head h (H heads). */
 static inline FT_HOST_DEVICE int ft_mod_keep(const ft_attn_mod *m, int64_t b, int64_t H,
                                              int64_t h, int64_t i, int64_t j)
 {
     if (!m->dropout)
         return 1;
-    const uint32_t counter[4] = {(uint32_t)(j >> 2), (uint32_t)i, (uint32_t)(b * H + h),
-                                 m->offset | 0x80000000u};
-    const uint32_t key[2] = {(uint32_t)m->seed, (uint32_t)(m->seed >> 32)};
-    return ft_philox4x32_10(counter, key).v[j & 3] >= m->drop_threshold;
+    return ft_drop_keep(m->seed, m->offset, m->drop_threshold, (uint32_t)(b * H + h),
+                        (uint32_t)i, (uint32_t)j);
 }
 
 #endif

@@ -235,6 +235,60 @@ describe("attention variants on CUDA #gpu", function()
     end
   end)
 
+  -- The flash kernels' own keep bits, read off exactly: with v the identity
+  -- (keys j's value is e_j), out[i][j] = P_ij Z_ij, zero exactly where
+  -- dropped; with dO the identity too, dV[j][i] = (P Z)_ij, which the dK/dV
+  -- kernels' keys-as-rows bits give; with k the identity and dO all ones,
+  -- dQ[i][j] = scale P_ij (Z_ij - D_i) is positive exactly where kept
+  -- (D_i < 1 / (1 - p) unless a row keeps every key). q is random.
+  gpu_it("the flash kernels drop exactly the mask's entries (forward, dK/dV, dQ)", function()
+    local function eye(B, N, H, d)
+      local r = h.zeros4(B, N, H, d)
+      for b = 1, B do for i = 1, N do for hh = 1, H do r[b][i][hh][i] = 1 end end end
+      return ft.tensor(r)
+    end
+    local function read(t) return t:cpu():float():totable() end
+    for _, c in ipairs { { "bf16", 128, 128, 128 }, { "f16", 128, 64, 128 }, { "bf16", 64, 64, 64 } } do
+      local dtype, d, Nq, Nk = c[1], c[2], c[3], c[4]
+      local B, H = 2, 4
+      local function g(t) return t:to(dtype):cuda() end
+      for _, o in ipairs { { dropout_p = 0.3, seed = 11, offset = 3 }, { dropout_p = 0.5, seed = 2 ^ 33 + 1 } } do
+        local what = ("%s d %d %dx%d p %g"):format(dtype, d, Nq, Nk, o.dropout_p)
+        local mask = ft.attention_dropout_mask(B, H, Nq, Nk, o):totable()
+        local q = g(randn { B, Nq, H, d })
+        local opts = copy(o, { impl = "flash" })
+        -- forward and dK/dV
+        local id_k, id_q = g(eye(B, Nk, H, d)), g(eye(B, Nq, H, d))
+        local kr = g(randn { B, Nk, H, d })
+        local out, lse = ft.attention(q, kr, id_k, opts)
+        local _, _, dv = ft.attention_backward(id_q, q, kr, id_k, out, lse, opts)
+        -- dQ
+        local ones = g(ft.ones({ B, Nq, H, d }, { dtype = "f64" }))
+        local out2, lse2 = ft.attention(q, id_k, id_k, opts)
+        local dq = ft.attention_backward(ones, q, id_k, id_k, out2, lse2, opts)
+        local O, DV, DQ = read(out), read(dv), read(dq)
+        local bad, kept = 0, 0
+        for b = 1, B do
+          for hh = 1, H do
+            for i = 1, Nq do
+              for j = 1, Nk do
+                local keep = mask[b][hh][i][j] > 0
+                if keep then kept = kept + 1 end
+                if (O[b][i][hh][j] ~= 0) ~= keep or (DV[b][j][hh][i] ~= 0) ~= keep or
+                    (DQ[b][i][hh][j] > 0) ~= keep then
+                  bad = bad + 1
+                end
+              end
+            end
+          end
+        end
+        local n = B * H * Nq * Nk
+        assert.are.equal(0, bad, what .. ": entries the kernels drop otherwise than the mask")
+        assert.is_true(kept > 0 and kept < n, what)
+      end
+    end
+  end)
+
   gpu_it("f64 slopes and f64 or strided sinks reach the flash kernels (as f32), for auto and flash alike", function()
     local q, k, v = randn { 2, 40, 4, 32 }, randn { 2, 50, 2, 32 }, randn { 2, 50, 2, 32 }
     local dout = randn { 2, 40, 4, 32 }

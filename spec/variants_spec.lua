@@ -327,7 +327,7 @@ describe("attention variants (cpu)", function()
       assert_close(out, want, 1e-12, "out")
     end)
 
-    it("follows the documented Philox counter, bit for bit", function()
+    it("follows the documented Philox counters, bit for bit", function()
       if not h.has_int64 then
         pending("needs 64-bit integers (Lua 5.3 or later) to compute Philox in Lua")
         return
@@ -335,7 +335,7 @@ describe("attention variants (cpu)", function()
       -- Philox 4x32-10 written out in Lua, from the description in
       -- lib/attn_mod.h; loaded from a string, since Lua 5.1 and 5.2 cannot
       -- parse the integer operators
-      local philox_in_lua = assert((loadstring or load)([[
+      local rule_in_lua = assert((loadstring or load)([[
         local M32 = 0xffffffff
         local function mulhilo(a, b)
           local p = a * b -- wraps modulo 2^64: the low 64 bits are exact
@@ -351,27 +351,34 @@ describe("attention variants (cpu)", function()
           end
           return c
         end
-        -- word j % 4 of the block of (seed, offset, bh, i, j)
+        -- u of (seed, offset, bh, i, j): byte j % 16 of the primary call on
+        -- top, the top 24 bits of word j % 4 of the secondary below
         return function(seed, offset, bh, i, j)
-          local words = philox({ j >> 2, i, bh, offset | 0x80000000 },
-            { seed & M32, seed >> 32 })
-          return words[(j & 3) + 1]
+          local key = { seed & M32, seed >> 32 }
+          local words = philox({ j >> 4, i, bh, offset | 0x80000000 }, key)
+          local top = (words[((j >> 2) & 3) + 1] >> (8 * (j & 3))) & 0xff
+          local low = philox({ j >> 2, i | 0x80000000, bh, offset | 0x80000000 }, key)
+          return (top << 24) | (low[(j & 3) + 1] >> 8)
         end
       ]]))()
-      local p, seed, offset, H = 0.3, 0x123456789, 5, 3
+      local p, seed, offset, H, Nq, Nk = 0.3, 0x123456789, 5, 3, 24, 70
       local threshold = math.floor(p * 2 ^ 32)
-      local mask = ft.attention_dropout_mask(2, H, 6, 10, { dropout_p = p, seed = seed, offset = offset })
+      local mask = ft.attention_dropout_mask(2, H, Nq, Nk, { dropout_p = p, seed = seed, offset = offset })
+      local ties = 0
       for b = 0, 1 do
         for hh = 0, H - 1 do
-          for i = 0, 5 do
-            for j = 0, 9 do
-              local keep = philox_in_lua(seed, offset, b * H + hh, i, j) >= threshold
-              assert.are.equal(keep, mask:get(b + 1, hh + 1, i + 1, j + 1) > 0,
+          for i = 0, Nq - 1 do
+            for j = 0, Nk - 1 do
+              local u = rule_in_lua(seed, offset, b * H + hh, i, j)
+              if u >> 24 == threshold >> 24 then ties = ties + 1 end
+              assert.are.equal(u >= threshold, mask:get(b + 1, hh + 1, i + 1, j + 1) > 0,
                 ("b %d h %d i %d j %d"):format(b, hh, i, j))
             end
           end
         end
       end
+      -- the secondary words decided some of them (about 1 in 256 of 10080)
+      assert.is_true(ties >= 10, ("only %d scores took the secondary words"):format(ties))
     end)
   end)
 end)

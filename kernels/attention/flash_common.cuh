@@ -503,15 +503,60 @@ __host__ __device__ inline bool flash_extended(const FlashParams &p)
     return flash_score_modified(p) || p.mod.dropout || p.cu_q || p.user_mod;
 }
 
-/* Dropout (lib/attn_mod.h's rule, as ft_mod_keep): the Philox words of
- * query i's keys 4 (j / 4) .. 4 (j / 4) + 3 in batch b, head h. */
-__device__ __forceinline__ ft_philox4 flash_drop_words(const FlashParams &p, int b, int h, int i,
-                                                       int j)
+/* Dropout (lib/attn_mod.h's rule, ft_drop_keep) sixteen scores at a time:
+ * the keep bits (bit k: key j16 + k, j16 % 16 == 0) of query i from one
+ * primary call, and in *tie the keys whose top byte equals the
+ * threshold's, which the secondary words decide (drop_untie). Four bytes
+ * at a time: a byte x is above t = 128 th + tl when bit 7 of x & u (th =
+ * 1) or of x | u (th = 0) is set, u = (x | 128) - (tl + 1) (whose bit 7
+ * says x's low seven bits are above tl; no borrow crosses bytes), and
+ * equal when x ^ t is a zero byte. */
+__device__ __forceinline__ uint32_t drop_draw16(const FlashParams &p, uint32_t bh, int i, int j16,
+                                                uint32_t *tie)
 {
-    const uint32_t counter[4] = {(uint32_t)j >> 2, (uint32_t)i, (uint32_t)(b * p.H + h),
-                                 p.mod.offset | 0x80000000u};
-    const uint32_t key[2] = {(uint32_t)p.mod.seed, (uint32_t)(p.mod.seed >> 32)};
-    return ft_philox4x32_10(counter, key);
+    const ft_philox4 w = ft_drop_primary(p.mod.seed, p.mod.offset, bh, (uint32_t)i, (uint32_t)j16);
+    const uint32_t t = p.mod.drop_threshold >> 24, H7 = 0x80808080u, L7 = 0x7f7f7f7fu;
+    const uint32_t lo = t & 0x80u ? 0u : H7; /* th = 0: x | u decides */
+    const uint32_t sub = ((t & 0x7fu) + 1) * 0x01010101u, rep = t * 0x01010101u;
+    uint32_t keep = 0, eq = 0;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const uint32_t x = w.v[q], u = (x | H7) - sub, z = x ^ rep;
+        const uint32_t gt = (x & u & H7) | ((x | u) & lo);
+        const uint32_t ze = ~(((z & L7) + L7) | z | L7);
+        /* bit 7 of bytes 0..3 to bits 28..31 (the products do not overlap) */
+        keep |= (gt * 0x00204081u) >> 28 << 4 * q;
+        eq |= (ze * 0x00204081u) >> 28 << 4 * q;
+    }
+    *tie = eq;
+    return keep;
+}
+
+/* A lane's keep bits (16 a call: call q at bits 16 q) with the ties
+ * decided: at(q, i, j16) says which query and keys call q drew. Ties come
+ * at 1 score in 256, so the loop runs about once or twice a warp. */
+template <typename At>
+__device__ __forceinline__ uint64_t drop_untie(const FlashParams &p, uint32_t bh, uint64_t keep,
+                                               uint64_t tie, At at)
+{
+    const uint32_t thr = p.mod.drop_threshold, t = thr >> 24;
+    while (__any_sync(0xffffffffu, tie != 0)) {
+        if (tie) {
+            const int e = __ffsll((long long)tie) - 1, q = e >> 4, k = e & 12;
+            int i, j16;
+            at(q, i, j16);
+            const ft_philox4 s =
+                ft_drop_secondary(p.mod.seed, p.mod.offset, bh, (uint32_t)i, (uint32_t)(j16 + k));
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const int bit = 16 * q + k + kk;
+                if (tie >> bit & 1)
+                    keep |= (uint64_t)((t << 24 | s.v[kk] >> 8) >= thr) << bit;
+            }
+            tie &= ~(0xfull << (16 * q + k));
+        }
+    }
+    return keep;
 }
 
 /* A flag fixed at compile time, and f(Bool<p's dropout>()): loops with
@@ -557,53 +602,93 @@ template <typename F> static ft_status flash_dispatch(const FlashParams &p, F f)
 /* Whether dropout keeps (i, j). */
 __device__ __forceinline__ bool flash_keep(const FlashParams &p, int b, int h, int i, int j)
 {
-    const ft_philox4 r = flash_drop_words(p, b, h, i, j);
-    const uint32_t w = j & 2 ? (j & 1 ? r.v[3] : r.v[2]) : (j & 1 ? r.v[1] : r.v[0]);
-    return w >= p.mod.drop_threshold;
+    return ft_drop_keep(p.mod.seed, p.mod.offset, p.mod.drop_threshold, (uint32_t)(b * p.H + h),
+                        (uint32_t)i, (uint32_t)j);
 }
 
 /* Dropout's keep bits of an accumulator fragment in mod_acc's layout: bit
- * i for entry i (N <= 64). Rows queries: one Philox call gives a query's
- * four keys 4 (j / 4) .. + 3, which two neighbouring lanes hold (t even and
- * odd), two each, for rows g and g + 8: so the even lane draws row g, the
- * odd one row g + 8, and each hands the other the bits of its half (one
- * call a pair of lanes and a row, every word used). KEY_ROWS (rows keys,
- * the dK/dV kernels): one call an entry. A rolled loop, one call at a
- * time: unrolled, the calls' registers were live together and the kernels
- * spilled. Every lane of the warp calls it. */
+ * e for entry e = 4 n + 2 r + c (row g + 8 r, column 8 n + 2 t4 + c; N <=
+ * 64). A call (drop_draw16) gives one query's sixteen keys, which 8 (rows
+ * queries) or 16 (KEY_ROWS: rows keys, the dK/dV kernels) entries of the
+ * fragment hold, spread over 4 or 8 lanes: each lane draws its share of
+ * the calls, decides its ties, and shuffles hand every lane the bits of
+ * its entries. One call sixteen entries, every byte used. The calls are a
+ * rolled loop: unrolled, their registers were live together and the
+ * kernels spilled. Every lane of the warp calls it; rows queries need
+ * col0 % 16 == 0, KEY_ROWS row0 % 16 == 0. */
 template <int N, bool KEY_ROWS = false>
 __device__ __forceinline__ uint64_t keep_bits(const FlashParams &p, int b, int h, int row0,
                                               int col0)
 {
-    static_assert(N <= 64, "one word of keep bits");
+    static_assert(N <= 64 && N % 4 == 0, "one word of keep bits, whole groups of eight columns");
     const int lane = threadIdx.x % FT_WARP, g = lane / 4, t4 = lane % 4;
-    uint64_t bits = 0;
+    const uint32_t bh = (uint32_t)(b * p.H + h);
+    uint64_t keep = 0, tie = 0, bits = 0;
     if (KEY_ROWS) {
+        /* A query's calls: the warp's 16 keys, bits g and g + 8 for each of
+         * the 8 lanes of its t4. The Y = N / 2 columns y (query 8 (y / 2) +
+         * 2 t4 + y % 2) of a t4: lane g draws y = g + 8 q in call q. */
+        constexpr int Y = N / 2, CALLS = (Y + 7) / 8;
+        auto at = [&](int q, int &i, int &j16) {
+            const int y = g + 8 * q;
+            i = col0 + 8 * (y >> 1) + 2 * t4 + (y & 1), j16 = row0;
+        };
 #pragma unroll 1
-        for (int k = 0; k < N / 2; k++) {
-            const int row = row0 + g + 8 * (k % 2), col = col0 + 8 * (k / 2) + 2 * t4;
-            const uint32_t two = (uint32_t)flash_keep(p, b, h, col, row) |
-                                 (uint32_t)flash_keep(p, b, h, col + 1, row) << 1;
-            bits |= (uint64_t)two << (2 * k);
+        for (int q = 0; q < CALLS; q++) {
+            int i, j16;
+            at(q, i, j16);
+            uint32_t t;
+            keep |= (uint64_t)drop_draw16(p, bh, i, j16, &t) << 16 * q;
+            if (g + 8 * q < Y)
+                tie |= (uint64_t)t << 16 * q;
         }
-        return bits;
-    }
-    const int r = t4 & 1; /* the row this lane draws */
-    const uint32_t thr = p.mod.drop_threshold;
+        keep = drop_untie(p, bh, keep, tie, at);
+#pragma unroll
+        for (int w = 0; w < (CALLS + 1) / 2; w++) { /* calls 2 w and 2 w + 1 */
+            const uint32_t mine = (uint32_t)(keep >> 32 * w);
+#pragma unroll
+            for (int gs = 0; gs < 8; gs++) { /* lane (gs, t4) drew y = gs + 8 q */
+                const uint32_t x = __shfl_sync(0xffffffffu, mine, 4 * gs + t4) >> g & 0x01010101u;
+                /* keys g, g + 8 of call 2 w (bits 0, 8) and 2 w + 1 (16, 24)
+                 * to entries 0, 2 and 16, 18 past 4 n + c of call 2 w's y */
+                const uint32_t y = (x & 0x00010001u) | (x >> 6 & 0x00040004u);
+                bits |= (uint64_t)y << (32 * w + 4 * (gs >> 1) + (gs & 1));
+            }
+        }
+    } else {
+        /* A row's calls: 16 keys, 2 t4, 2 t4 + 1, 8 + 2 t4, 9 + 2 t4 for
+         * each lane of its quad. The quad's 2 G calls (row half r, group
+         * gi): lane t4 draws (r, gi) = (ci % 2, ci / 2), ci = 4 q + t4. */
+        constexpr int G = (N + 7) / 8, CALLS = (2 * G + 3) / 4;
+        auto at = [&](int q, int &i, int &j16) {
+            const int ci = 4 * q + t4;
+            i = row0 + g + 8 * (ci & 1), j16 = col0 + 16 * (ci >> 1);
+        };
 #pragma unroll 1
-    for (int n = 0; n < N / 4; n++) {
-        const int col = col0 + 8 * n + 2 * t4;
-        const ft_philox4 w = flash_drop_words(p, b, h, row0 + g + 8 * r, col);
-        const bool hi = col & 2; /* this lane's keys are words 2, 3 (else 0, 1) */
-        const uint32_t mine = (uint32_t)((hi ? w.v[2] : w.v[0]) >= thr) |
-                              (uint32_t)((hi ? w.v[3] : w.v[1]) >= thr) << 1;
-        const uint32_t other = (uint32_t)((hi ? w.v[0] : w.v[2]) >= thr) |
-                               (uint32_t)((hi ? w.v[1] : w.v[3]) >= thr) << 1;
-        const uint32_t got = __shfl_xor_sync(0xffffffffu, other, 1); /* row 1 - r, my keys */
-        bits |= (uint64_t)mine << (2 * (2 * n + r));
-        bits |= (uint64_t)got << (2 * (2 * n + (r ^ 1)));
+        for (int q = 0; q < CALLS; q++) {
+            int i, j16;
+            at(q, i, j16);
+            uint32_t t;
+            keep |= (uint64_t)drop_draw16(p, bh, i, j16, &t) << 16 * q;
+            if ((4 * q + t4) >> 1 < G)
+                tie |= (uint64_t)t << 16 * q;
+        }
+        keep = drop_untie(p, bh, keep, tie, at);
+#pragma unroll
+        for (int w = 0; w < (CALLS + 1) / 2; w++) {
+            const uint32_t mine = (uint32_t)(keep >> 32 * w);
+#pragma unroll
+            for (int s = 0; s < 4; s++) { /* lane s drew (s % 2, 4 w + s / 2), then gi + 2 */
+                const uint32_t x =
+                    __shfl_sync(0xffffffffu, mine, (lane & ~3) | s) >> 2 * t4 & 0x03030303u;
+                /* pairs at bits 0, 8 (call 2 w) and 16, 24 (2 w + 1) to
+                 * entries 0, 4 and 16, 20 past 8 gi + 2 r */
+                const uint32_t y = (x & 0x00030003u) | (x >> 4 & 0x00300030u);
+                bits |= (uint64_t)y << (8 * (4 * w + (s >> 1)) + 2 * (s & 1));
+            }
+        }
     }
-    return bits;
+    return N == 64 ? bits : bits & ((1ull << N) - 1);
 }
 
 /* Entry i's dropout factor: 1 / (1 - p) where kept, else 0. */
