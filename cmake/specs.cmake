@@ -101,8 +101,7 @@ endfunction()
 # maximum grows by 2^8, at every head dim, and the one that rescales at
 # every new maximum (by default: head dims 65 to 128 the first;
 # lib/switches.c); FT_NO_CAP_MAX=1 the forward of a bf16 softcap, built-in
-# or a narrow Lua score, with a running maximum; FT_NO_FMA_EXP2=1 the bf16
-# softcap's forward with every exponential on the special-function unit.
+# or a narrow Lua score, with a running maximum.
 if(FT_CUDA_ENABLED)
   ft_spec_again(mma FT_NO_WGMMA)
   ft_spec_again(ws FT_WS)
@@ -112,7 +111,6 @@ if(FT_CUDA_ENABLED)
   ft_spec_again(lazy FT_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   ft_spec_again(nolazy FT_NO_LAZY_RESCALE cuda_attention_spec cuda_variants_spec)
   ft_spec_again(nocap FT_NO_CAP_MAX cuda_variants_spec cuda_mods_spec)
-  ft_spec_again(nofmaexp2 FT_NO_FMA_EXP2 cuda_variants_spec)
 endif()
 
 # ---- embedding hosts -------------------------------------------------------------

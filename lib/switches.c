@@ -13,9 +13,7 @@
  * their products: at any length, or never; by default from 8192 keys),
  * FT_NO_CAP_MAX (a bf16 softcap's rows, and those of a bf16 Lua-written
  * score whose range is narrow, keep a running maximum, as other calls do,
- * instead of taking the score's top as their maximum), FT_NO_FMA_EXP2 (a
- * bf16 softcap's Hopper forward takes every exponential on the
- * special-function unit, none on the FMA units);
+ * instead of taking the score's top as their maximum);
  * kernels/README.md says what each kernel is.
  *
  * A switch is on when ft_set_switch turned it on, off when it turned it
@@ -37,7 +35,7 @@
 static const char *const names[] = {"FT_NO_WGMMA",     "FT_NO_WS",           "FT_WS",
                                     "FT_PERSIST",      "FT_NO_PERSIST",      "FT_NO_DECODE",
                                     "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS",
-                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX",      "FT_NO_FMA_EXP2"};
+                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX"};
 enum { NSWITCHES = sizeof names / sizeof names[0] };
 static atomic_int state[NSWITCHES]; /* 0: the environment's; 1: on; 2: off */
 

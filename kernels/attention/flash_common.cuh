@@ -80,9 +80,6 @@ struct FlashParams {
      * maximum (FwdRows::capped); um_cap: a Lua score's top, where its
      * range is narrow (FwdRows::um_capped) */
     int cap_max, um_cap;
-    /* a bf16 softcap's Hopper forward (FwdRows::capped) takes 2 of each 8
-     * of its exponentials on the FMA units (ex2_fma) */
-    int fma_ex2;
 };
 #define LAZY_MAX_LOG2 8.f /* P up to 2^8 in between: bf16 and f16 hold it, f32 sums it */
 
@@ -367,36 +364,6 @@ __device__ __forceinline__ float ex2(float x)
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-/* 2^x on the FMA units, no special-function instruction: x = n + f with n
- * = round(x) (by adding 1.5 2^23, whose low mantissa bits then hold n) and
- * |f| <= 1/2; 2^f by a cubic (relative error 1.0e-4, against bf16's
- * rounding of P, 2^-9 = 2.0e-3; coefficients fitted for the smallest
- * largest relative error with 2^0 = 1 exactly), times 2^n built in its
- * exponent field. x at or below -127 (-inf: a masked score) gives 0
- * exactly, NaN gives NaN (max.NaN keeps it), as ex2 does. Nine
- * instructions on the FMA and ALU pipes where ex2 takes one of the
- * special-function unit's (4 lanes a clock a scheduler against the FMA
- * pipe's 32). A bf16 softcap's forward, two special-function operations a
- * score (tanh, exp2), takes a quarter of its exponentials here (ex2_mix);
- * where the issue slots, not that unit, are the limit (plain attention,
- * the backward) the extra instructions cost more than they save
- * (kernels/README.md, "The exponentials on the FMA units"). */
-__device__ __forceinline__ float ex2_fma(float x)
-{
-    asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x)); /* -127 */
-    const float t = __fadd_rn(x, 12582912.f);
-    const float f = __fsub_rn(x, __fsub_rn(t, 12582912.f));
-    const float q = fmaf(fmaf(fmaf(5.500895903e-2f, f, 2.422113746e-1f), f, 6.932829698e-1f), f, 1.f);
-    return q * __uint_as_float((__float_as_uint(t) << 23) + 0x3f800000u);
-}
-
-/* 2^x for entry k of a fragment's loop: on the FMA units (ex2_fma) for
- * POLY of every 8 consecutive entries, else ex2. POLY 0: ex2 always. */
-template <int POLY> __device__ __forceinline__ float ex2_mix(float x, int k)
-{
-    return (k % 8) < POLY ? ex2_fma(x) : ex2(x);
 }
 
 /* The score modifications of lib/attn_mod.h (softcap, then ALiBi) on the

@@ -328,11 +328,6 @@ FlashParams flash_params(const ft_attn_shape *s, const ft_tensor *q, const ft_te
     p.um_left = p.um_right = -1;
     if (s->mods && s->block_mask && ft_attn_block_mask_inner(s->block_mask, &il, &ir))
         p.um_left = (int)il, p.um_right = (int)ir; /* at most INT32_MAX */
-    /* FwdRows::capped's exponentials, 2 of 8 on the FMA units: a bf16
-     * softcap 30's forward 1.00x-1.10x (d 128, H200, 2026-12-03, against
-     * FT_NO_FMA_EXP2 in one run); plain attention, whose softmax is not
-     * bound by the special-function unit, ran 0.82x-1.01x with it */
-    p.fma_ex2 = p.dtype == FT_BF16 && !ft_switch("FT_NO_FMA_EXP2");
     return p;
 }
 

@@ -157,12 +157,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
             if (fixed_max()) { /* capped: s holds t, the logit m t */
                 const float ms = m[r] * sl2;
                 alpha[r] = 1.f;
-                /* tanh and exp2 a score bound the special-function unit:
-                 * a quarter of the exponentials go to the FMA units */
-                if (capped() && p.fma_ex2)
-                    exp_row<2>(s, r, ms, ms);
-                else
-                    exp_row(s, r, capped() ? ms : sl2, ms);
+                exp_row(s, r, capped() ? ms : sl2, ms);
                 continue;
             }
             /* four partial maxima and sums: shorter dependency chains */
@@ -199,7 +194,6 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
 
     /* row r's P = 2^(s es - ms) in place, and its sum (this thread's
      * share; the quad adds up at the end) into l, rescaled by alpha */
-    template <int POLY = 0>
     __device__ __forceinline__ void exp_row(float *s, int r, float es, float ms)
     {
         /* four partial sums: shorter dependency chains */
@@ -209,7 +203,7 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float &v = s[4 * n + 2 * r + e];
-                v = ex2_mix<POLY>(fmaf(v, es, -ms), 2 * n + e);
+                v = ex2(fmaf(v, es, -ms));
                 if (!ONES)
                     sum4[(2 * n + e) % 4] += v;
             }
