@@ -104,11 +104,16 @@ static ft_status check_head_vector(const char *func, int ap, const char *name,
     }
     const int per_head = t->ndim == 1 && t->shape[0] == H;
     const int per_batch = allow_batch && t->ndim == 2 && t->shape[0] == B && t->shape[1] == H;
-    if (!per_head && !per_batch)
-        return ft_fail(FT_ERR_ARGUMENT, func, ap, "%s must be [heads]%s = [%lld]%s, got %s",
-                       name, allow_batch ? " or [batch, heads]" : "", (long long)H,
-                       allow_batch ? " or [batch, heads]" : "",
+    if (!per_head && !per_batch) {
+        char want[96];
+        if (allow_batch)
+            snprintf(want, sizeof want, "[heads] or [batch, heads] = {%lld} or {%lld, %lld}",
+                     (long long)H, (long long)B, (long long)H);
+        else
+            snprintf(want, sizeof want, "[heads] = {%lld}", (long long)H);
+        return ft_fail(FT_ERR_ARGUMENT, func, ap, "%s must be %s, got %s", name, want,
                        ft_format_shape(sa, sizeof sa, t->ndim, t->shape));
+    }
     return FT_OK;
 }
 
@@ -173,8 +178,11 @@ static ft_status check_variant(const char *func, int ap, const ft_tensor *q,
         return ft_fail(FT_ERR_ARGUMENT, func, ap,
                        "window_right must be 0 or -1 with causal (causal is window_right = 0), "
                        "got %lld", (long long)p->window_right);
-    m->left = p->window_left;
-    m->right = s->causal ? 0 : p->window_right;
+    /* a window at least Nq + Nk wide on a side reaches every key of every
+     * sequence (each at most Nq by Nk): no bound there, which also keeps
+     * i + Nk - Nq +- window within int64 (lib/attn_mod.h) */
+    m->left = p->window_left >= s->Nq + s->Nk ? -1 : p->window_left;
+    m->right = s->causal ? 0 : p->window_right >= s->Nq + s->Nk ? -1 : p->window_right;
     if (!(p->softcap >= 0) || !isfinite(p->softcap))
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "softcap must be 0 (off) or positive, got %g",
                        p->softcap);
@@ -272,10 +280,14 @@ static ft_status read_offsets(const char *func, int ap, const char *name, const 
                               int64_t total, int64_t **out, int64_t *count, int64_t *longest)
 {
     FT_TRY(ft_check_tensor(func, ap, t));
-    if (t->dtype != FT_I32 || t->ndim != 1 || t->shape[0] < 1)
+    if (t->dtype != FT_I32 || t->ndim != 1)
         return ft_fail(FT_ERR_ARGUMENT, func, ap,
                        "%s must be a 1-d i32 tensor [batch + 1], got %s with %d dims", name,
                        ft_dtype_name(t->dtype), t->ndim);
+    if (t->shape[0] < 1)
+        return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                       "%s is empty: it holds batch + 1 offsets, the first 0 (a call of no "
+                       "sequence is {0})", name);
     int64_t n = 0, *v = NULL;
     FT_TRY(ft_read_i32(func, ap, name, t, &v, &n));
     ft_status st = FT_OK;
@@ -286,9 +298,10 @@ static ft_status read_offsets(const char *func, int ap, const char *name, const 
     for (int64_t b = 1; st == FT_OK && b < n; b++) {
         if (v[b] < v[b - 1])
             st = ft_fail(FT_ERR_ARGUMENT, func, ap,
-                         "%s must never decrease, but [%lld] = %lld is below [%lld] = %lld",
-                         name, (long long)b, (long long)v[b], (long long)(b - 1),
-                         (long long)v[b - 1]);
+                         "%s must never decrease, but offset %lld comes after %lld "
+                         "(sequence %lld of %lld would be %lld long)",
+                         name, (long long)v[b], (long long)v[b - 1], (long long)b,
+                         (long long)(n - 1), (long long)(v[b] - v[b - 1]));
         else if (v[b] - v[b - 1] > *longest)
             *longest = v[b] - v[b - 1];
     }
@@ -421,6 +434,11 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
     if (varlen) {
         FT_TRY(check_varlen(func, aq, ap, q, k, p, s));
     } else {
+        if (p->max_seqlen_q || p->max_seqlen_k)
+            return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                           "max_seqlen_q and max_seqlen_k belong to a varlen call (q, k, v "
+                           "packed [tokens, heads, head_dim] with cu_seqlens_q/k), got %lld "
+                           "and %lld", (long long)p->max_seqlen_q, (long long)p->max_seqlen_k);
         s->B = q->shape[0], s->Nq = q->shape[1], s->H = q->shape[2], s->d = q->shape[3];
         s->Nk = k->shape[1], s->Hk = k->shape[2];
     }
@@ -476,10 +494,13 @@ static ft_status check_qkv(const char *func, int aq, int ap, const ft_tensor *q,
         return ft_fail(FT_ERR_ARGUMENT, func, ap, "scale must be finite, got %g", p->scale);
     s->scale = attn_scale(p->scale, s->d);
     s->causal = p->causal != 0;
-    if (p->block_q < 0 || p->block_q > MAX_BLOCK || p->block_k < 0 || p->block_k > MAX_BLOCK)
-        return ft_fail(FT_ERR_ARGUMENT, func, ap,
-                       "block sizes must be 1 to %d (0: default), got block_q %lld, block_k %lld",
-                       MAX_BLOCK, (long long)p->block_q, (long long)p->block_k);
+    for (int i = 0; i < 2; i++) {
+        const int64_t b = i ? p->block_k : p->block_q;
+        if (b < 0 || b > MAX_BLOCK)
+            return ft_fail(FT_ERR_ARGUMENT, func, ap,
+                           "%s must be 1 to %d (or left unset: the default), got %lld",
+                           i ? "block_k" : "block_q", MAX_BLOCK, (long long)b);
+    }
     if (cuda && (p->block_q || p->block_k))
         return ft_fail(FT_ERR_UNSUPPORTED, func, ap,
                        "block_q and block_k set the cpu's tiles; the CUDA kernels choose "

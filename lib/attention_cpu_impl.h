@@ -239,14 +239,15 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
         ACC *P = S + i * Nk, *o = O + i * d;
         ACC m = sink, l = 0;
         for (int64_t j = 0; j < Nk; j++)
-            m = P[j] > m ? P[j] : m;
+            m = NAN_MAX(P[j], m);
         memset(o, 0, (size_t)d * sizeof *o);
         if (m == (ACC)-INFINITY) { /* no visible key, no sink */
             lse_store(lse, b, h, i, -INFINITY);
             continue;
         }
         for (int64_t j = 0; j < Nk; j++) {
-            P[j] = ACC_EXP(P[j] - m);
+            /* a hidden key adds nothing, whatever m is (a NaN sink's) */
+            P[j] = P[j] == (ACC)-INFINITY ? 0 : ACC_EXP(P[j] - m);
             l += P[j];
         }
         if (sink != (ACC)-INFINITY) /* the sink joins the sum, not the output */
@@ -301,9 +302,9 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
             ACC *p = P + i * Nk, *dp = dP + i * Nk, *g = SG + i * Nk;
             ACC m = sink, l = 0, D = 0;
             for (int64_t j = 0; j < Nk; j++)
-                m = p[j] > m ? p[j] : m;
+                m = NAN_MAX(p[j], m);
             for (int64_t j = 0; j < Nk; j++) {
-                p[j] = m == (ACC)-INFINITY ? 0 : ACC_EXP(p[j] - m);
+                p[j] = p[j] == (ACC)-INFINITY ? 0 : ACC_EXP(p[j] - m);
                 l += p[j];
             }
             if (sink != (ACC)-INFINITY)
@@ -312,7 +313,7 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
              * D = sum P dP = rowsum(dO * O). */
             for (int64_t j = 0; j < Nk; j++) {
                 const ACC z = (ACC)keep_scale(s, b, h, i, j);
-                p[j] = (ACC)round_input(s, l > 0 ? p[j] / l : 0);
+                p[j] = (ACC)round_input(s, l > 0 || l != l ? p[j] / l : 0);
                 dp[j] = (ACC)round_input(s, dp[j]) * z;
                 D += p[j] * dp[j];
             }
@@ -403,7 +404,7 @@ static void FN(tiled_forward)(const ft_attn_shape *s, const ft_tensor *q,
     }
     for (int64_t r = 0; r < nr; r++) {
         ACC *o = O + r * d;
-        if (l[r] > 0) {
+        if (l[r] > 0 || l[r] != l[r]) { /* NaN: a NaN score or sink, NaN out */
             for (int64_t j = 0; j < d; j++)
                 o[j] /= l[r];
             lse_store(lse, b, h, i0 + r, (double)m[r] + log((double)l[r]));

@@ -697,7 +697,7 @@ describe("attention (cpu)", function()
         end, { "bad argument #4", "option 'offset' must be 0 to 2^31 - 1" } },
       { "alibi_slopes of the wrong length", function()
           return A(q4, k4, v4, { alibi_slopes = ft.randn({ 3 }, { seed = 3 }) })
-        end, { "bad argument #4", "alibi_slopes must be [heads] or [batch, heads] = [4] or [batch, heads], got {3}" } },
+        end, { "bad argument #4", "alibi_slopes must be [heads] or [batch, heads] = {4} or {2, 4}, got {3}" } },
       { "an integer sink", function()
           return A(q4, k4, v4, { sink = ft.zeros({ 4 }, { dtype = "i32" }) })
         end, { "bad argument #4", "sink must be f32 or f64, got i32" } },
@@ -718,7 +718,14 @@ describe("attention (cpu)", function()
           local cu = ft.tensor({ 0, 3, 2, 5 }, { dtype = "i32" })
           return A(q4:select(1, 1), k4:select(1, 1), v4:select(1, 1),
             { cu_seqlens_q = cu, cu_seqlens_k = cu })
-        end, { "bad argument #4", "cu_seqlens_q must never decrease, but [2] = 2 is below [1] = 3" } },
+        end, { "bad argument #4", "cu_seqlens_q must never decrease, but offset 2 comes after 3 (sequence 2 of 3 would be -1 long)" } },
+      { "empty cu_seqlens", function()
+          return A(q4:select(1, 1), k4:select(1, 1), v4:select(1, 1),
+            { cu_seqlens_q = ft.empty({ 0 }, { dtype = "i32" }), cu_seqlens_k = ft.empty({ 0 }, { dtype = "i32" }) })
+        end, { "bad argument #4", "cu_seqlens_q is empty: it holds batch + 1 offsets, the first 0" } },
+      { "max_seqlen without cu_seqlens", function()
+          return A(q4, k4, v4, { max_seqlen_q = -5 })
+        end, { "bad argument #4", "max_seqlen_q and max_seqlen_k belong to a varlen call" } },
       { "max_seqlen below the longest sequence", function()
           return A(q4:select(1, 1), k4:select(1, 1), v4:select(1, 1),
             { cu_seqlens_q = ft.tensor({ 0, 1, 5 }, { dtype = "i32" }),
@@ -744,7 +751,10 @@ describe("attention (cpu)", function()
         end, { "bad argument #4", "option 'block_k' must be an integer" } },
       { "block_q too big", function()
           return A(q4, k4, v4, { block_q = 5000 })
-        end, { "bad argument #4", "block sizes must be 1 to 4096" } },
+        end, { "bad argument #4", "block_q must be 1 to 4096 (or left unset: the default), got 5000" } },
+      { "block_k too big", function()
+          return A(q4, k4, v4, { block_q = 64, block_k = 4097 })
+        end, { "bad argument #4", "block_k must be 1 to 4096 (or left unset: the default), got 4097" } },
       { "options not a table", function()
           return A(q4, k4, v4, "causal")
         end, { "bad argument #4", "table expected" } },

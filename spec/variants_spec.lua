@@ -214,6 +214,83 @@ describe("attention variants (cpu)", function()
     end
   end)
 
+  describe("a window side that reaches every key is no bound", function()
+    -- math.maxinteger once overflowed i + Nk - Nq + window (no key seen)
+    local huge = math.maxinteger or 2 ^ 53
+    local shapes = { { B = 1, Nq = 3, Nk = 7, H = 2, Hk = 1, d = 4 }, { B = 1, Nq = 7, Nk = 3, H = 2, Hk = 2, d = 4 } }
+    for _, impl in ipairs(IMPLS) do
+      for _, c in ipairs(shapes) do
+        it(("%s, Nq %d, Nk %d, forward and backward"):format(impl, c.Nq, c.Nk), function()
+          local q, k, v, dout = inputs(c)
+          local wide = c.Nq + c.Nk
+          local cases = {
+            { { window_left = huge }, {} },
+            { { window_right = huge }, {} },
+            { { window_left = huge, window_right = huge }, {} },
+            { { window_left = wide, window_right = wide - 1 }, {} },
+            { { causal = true, window_left = huge }, { causal = true } },
+            { { window_left = 1, window_right = huge }, { window_left = 1 } },
+          }
+          for _, case in ipairs(cases) do
+            local got = run(q, k, v, dout, copy(case[1], { impl = impl }))
+            local want = run(q, k, v, dout, copy(case[2], { impl = impl }))
+            for _, f in ipairs { "out", "lse", "dq", "dk", "dv" } do
+              assert_close(got[f], want[f]:totable(), 1e-14, describe_opts(case[1]) .. " " .. f)
+            end
+          end
+        end)
+      end
+    end
+  end)
+
+  describe("NaN in, NaN out (as PyTorch's softmax), not a row that sees no key", function()
+    local function is_nan(x) return x ~= x end
+    for _, dtype in ipairs({ "f64", "f32" }) do
+      for _, impl in ipairs(IMPLS) do
+        it(impl .. ", " .. dtype, function()
+          local c = { B = 1, Nq = 4, Nk = 6, H = 2, Hk = 2, d = 4 }
+          local q, k, v, dout = inputs(c, dtype)
+          local o = { impl = impl, block_q = 2, block_k = 4 }
+          if impl == "naive" then o.block_q, o.block_k = nil, nil end
+          local clean_out, clean_lse = ft.attention(q, k, v, o)
+          -- a NaN in query 2 of head 1: that row is NaN, every other the same
+          local qn = q:clone()
+          qn:set(1, 2, 1, 3, 0 / 0)
+          local out, lse = ft.attention(qn, k, v, o)
+          local O, L, CO, CL = out:totable(), lse:totable(), clean_out:totable(), clean_lse:totable()
+          for i = 1, c.Nq do
+            for hh = 1, c.H do
+              local bad = i == 2 and hh == 1
+              assert.are.equal(bad, is_nan(L[1][hh][i]), ("lse row %d head %d"):format(i, hh))
+              for e = 1, c.d do
+                if bad then
+                  assert.is_true(is_nan(O[1][i][hh][e]))
+                else
+                  assert.are.equal(CO[1][i][hh][e], O[1][i][hh][e])
+                end
+              end
+              if not bad then assert.are.equal(CL[1][hh][i], L[1][hh][i]) end
+            end
+          end
+          local dq = ft.attention_backward(dout, qn, k, v, out, lse, o)
+          assert.is_true(is_nan(dq:totable()[1][2][1][1]), "dq of the NaN row")
+          -- a NaN key (seen by every query) and a NaN sink: whole heads NaN
+          local kn = k:clone()
+          kn:set(1, 5, 2, 1, 0 / 0)
+          local _, lk = ft.attention(q, kn, v, o)
+          local sink = ft.tensor({ 0.5, 0 / 0 }, { dtype = dtype })
+          local _, ls = ft.attention(q, k, v, h.merge(o, { sink = sink }))
+          for i = 1, c.Nq do
+            assert.is_false(is_nan(lk:totable()[1][1][i]))
+            assert.is_true(is_nan(lk:totable()[1][2][i]), "the NaN key's head")
+            assert.is_false(is_nan(ls:totable()[1][1][i]))
+            assert.is_true(is_nan(ls:totable()[1][2][i]), "the NaN sink's head")
+          end
+        end)
+      end
+    end
+  end)
+
   describe("variable-length batches", function()
     local function cu(t) return ft.tensor(t, { dtype = "i32" }) end
 
