@@ -257,6 +257,18 @@ describe("attention mods written in Lua (cpu)", function()
       ok, e = pcall(ft.block_mask, {}, 1, 1, 4, 4)
       assert.is_false(ok)
       assert.is_truthy(tostring(e):find("must be made by ft.attention_mods", 1, true), tostring(e))
+      -- sizes: named as ft.block_mask takes them
+      for _, case in ipairs {
+        { { 1, 2, 6.5, 6 }, "ft.block_mask: Nq must be a whole number, got 6.5" },
+        { { 1, "x", 6, 6 }, "ft.block_mask: H must be a whole number, got string" },
+        { { 1, 2, 6, 6, { block_k = 0.5 } }, "ft.block_mask: block_k must be a whole number, got 0.5" },
+        { { -1, 2, 6, 6 }, "ft.block_mask: sizes must be 0 to 2^31 - 1, got -1" },
+        { { 1, 2, 6, 6, { block_q = 0 } }, "ft.block_mask: block sizes must be 1 to 4096" },
+      } do
+        ok, e = pcall(ft.block_mask, m, h.unpack(case[1]))
+        assert.is_false(ok)
+        assert.is_truthy(tostring(e):find(case[2], 1, true), tostring(e))
+      end
     end)
   end)
 

@@ -435,8 +435,21 @@ end
 
 function M.block_mask(mods, B, H, Nq, Nk, opts)
   opts = check_mods_call("ft.block_mask", mods, opts, { "block_q", "block_k", "device" })
-  local data = core.attention_block_mask(mods.graph, mods.tensors, B, H, Nq, Nk,
-    opts.block_q or 128, opts.block_k or 128, opts.device)
+  local sizes = { B, H, Nq, Nk, opts.block_q or 128, opts.block_k or 128 }
+  local names = { "B", "H", "Nq", "Nk", "block_q", "block_k" }
+  for i = 1, 6 do
+    local v = sizes[i]
+    if type(v) ~= "number" or v ~= math.floor(v) then
+      error(("ft.block_mask: %s must be a whole number, got %s"):format(names[i],
+        type(v) == "number" and tostring(v) or type(v)), 2)
+    end
+  end
+  -- the C side's errors under this function's name
+  local ok, data = pcall(core.attention_block_mask, mods.graph, mods.tensors, B, H, Nq, Nk,
+    sizes[5], sizes[6], opts.device)
+  if not ok then
+    error((tostring(data):gsub("^attention_block_mask:", "ft.block_mask:")), 2)
+  end
   return setmetatable({ data = data, mods = mods, shape = { B, H, Nq, Nk } }, BlockMask)
 end
 
