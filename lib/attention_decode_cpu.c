@@ -120,7 +120,7 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
                 const int64_t r = x % M;                                                      \
                 T *sr = s + x * DEC_BLOCK, mx = m[r];                                         \
                 for (int64_t jj = 0; jj < nb; jj++)                                           \
-                    mx = sr[jj] > mx ? sr[jj] : mx;                                           \
+                    mx = sr[jj] > mx || sr[jj] != sr[jj] ? sr[jj] : mx; /* NaN stays */       \
                 const T use = mx == -INFINITY ? 0 : mx, alpha = EXP(m[r] - use);              \
                 T sum = 0;                                                                    \
                 for (int64_t jj = 0; jj < nb; jj++) {                                         \
@@ -177,24 +177,24 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
             T best = -INFINITY;                                                               \
             for (int64_t s = 0; s < chunks; s++) {                                            \
                 const T *p = parts + s * stride;                                                 \
-                const T ls = p[M * d + M + r] > 0 ? p[M * d + r] + LOG(p[M * d + M + r])      \
-                                                  : (T)-INFINITY;                             \
-                best = ls > best ? ls : best;                                                 \
+                const T lc = p[M * d + M + r]; /* 0: a chunk of no key; NaN: of a NaN */     \
+                const T ls = lc != 0 ? p[M * d + r] + LOG(lc) : (T)-INFINITY;                 \
+                best = ls > best || ls != ls ? ls : best;                                     \
             }                                                                                 \
             T total = 0;                                                                      \
             for (int64_t s = 0; s < chunks; s++) {                                            \
                 const T *p = parts + s * stride;                                                 \
-                if (p[M * d + M + r] > 0)                                                     \
+                if (p[M * d + M + r] != 0)                                                    \
                     total += EXP(p[M * d + r] + LOG(p[M * d + M + r]) - best);                \
             }                                                                                 \
-            const T lse = total > 0 ? best + LOG(total) : (T)-INFINITY;                       \
+            const T lse = total != 0 ? best + LOG(total) : (T)-INFINITY;                      \
             T *out = (T *)ft_elem_ptr(a->out, b * a->out->stride[0] + i * a->out->stride[1] + \
                                                   h * a->out->stride[2]);                     \
             for (int64_t c = 0; c < d; c++)                                                   \
                 out[c] = 0;                                                                   \
-            for (int64_t s = 0; s < chunks && total > 0; s++) {                               \
+            for (int64_t s = 0; s < chunks && total != 0; s++) {                              \
                 const T *p = parts + s * stride;                                                 \
-                if (!(p[M * d + M + r] > 0))                                                  \
+                if (p[M * d + M + r] == 0)                                                    \
                     continue;                                                                 \
                 /* e^(m + log l - lse) / l: the chunk's share of the row */                   \
                 const T w = EXP(p[M * d + r] - lse);                                          \

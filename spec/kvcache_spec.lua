@@ -159,6 +159,28 @@ describe("attention over a KV cache", function()
     assert.are.equal(-math.huge, lse:max())
   end)
 
+  it("on the cpu a NaN query row is NaN (out and LSE), not a row that sees no key; the other rows keep their values", function()
+    for _, dtype in ipairs { "f32", "f64" } do
+      local q = randn({ 1, 1, 4, 8 }, dtype)
+      local kc, vc = nan_cache(1, 900, 2, 8, { 700 }, dtype), randn({ 1, 900, 2, 8 }, dtype)
+      local opts = { cache_seqlens = i32 { 700 }, causal = true }
+      local out, lse = ft.attention(q, kc, vc, opts)
+      local qn = q:clone()
+      qn:set(1, 1, 2, 3, 0 / 0)
+      local out2, lse2 = ft.attention(qn, kc, vc, opts)
+      local L, L2, O, O2 = lse:totable(), lse2:totable(), out:totable(), out2:totable()
+      for hh = 1, 4 do
+        if hh == 2 then
+          assert.is_true(L2[1][hh][1] ~= L2[1][hh][1], dtype .. " lse of the NaN row")
+          assert.is_true(O2[1][1][hh][1] ~= O2[1][1][hh][1], dtype .. " out of the NaN row")
+        else
+          assert.are.equal(L[1][hh][1], L2[1][hh][1])
+          assert.are.equal(O[1][1][hh][1], O2[1][1][hh][1])
+        end
+      end
+    end
+  end)
+
   it("paged caches (page pools with block_table, page numbers from 1, shuffled pages) give the contiguous result, with k_new across page boundaries", function()
     for _, ps in ipairs { 16, 4 } do
       local B, H, Hk, d, maxp = 3, 4, 2, 16, 5
