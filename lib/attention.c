@@ -664,6 +664,21 @@ static void shape_free(ft_attn_shape *s)
     s->cu_q = s->cu_k = NULL;
 }
 
+ft_status ft_attention_check_like(const char *func, const ft_tensor *q, const ft_tensor *k,
+                                  const ft_tensor *v, int64_t Nk, const ft_attn_params *p)
+{
+    ft_tensor kv[2] = {*k, *v};
+    for (int i = 0; i < 2; i++)
+        kv[i].shape[0] = q->shape[0], kv[i].shape[1] = Nk;
+    ft_attn_params one = *p;
+    one.cache_seqlens = one.k_new = one.v_new = one.block_table = NULL;
+    ft_attn_shape s;
+    memset(&s, 0, sizeof s);
+    const ft_status st = check_qkv(func, 1, 4, q, &kv[0], &kv[1], &one, &s);
+    shape_free(&s);
+    return st;
+}
+
 /* Rows r0 .. r0 + n - 1 of a varlen tensor [total, heads, d] as the
  * [1, n, heads, d] tensor of a one-sequence call: a view on the stack,
  * never freed. */

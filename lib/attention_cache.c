@@ -76,7 +76,14 @@ typedef struct {
     int64_t B, capacity, page_size; /* page_size 0: not paged */
     int64_t Nnew, max_pages;
     int64_t *lens, *table;          /* host copies */
+    int base;                       /* the index base of the messages */
 } cache_call;
+
+static int cmp_i64(const void *a, const void *b)
+{
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
 
 /* Row r of sequence b's keys: its batch entry (or page) and row there. */
 static void locate(const cache_call *c, int64_t b, int64_t r, int64_t *entry, int64_t *row)
@@ -88,6 +95,37 @@ static void locate(const cache_call *c, int64_t b, int64_t r, int64_t *entry, in
         *entry = b;
         *row = r;
     }
+}
+
+/* Whether the rows a paged call appends (lens[b] .. lens[b] + Nnew - 1 of
+ * each sequence) are all different rows of the pool: a page shared by two
+ * sequences, or listed twice in one, would take two writes. */
+static ft_status check_writes_once(const char *func, const cache_call *c)
+{
+    int64_t n = 0, *slot = malloc((size_t)(c->B * c->Nnew * 3 + 1) * sizeof *slot);
+    if (!slot)
+        return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t r = c->lens[b]; r < c->lens[b] + c->Nnew; r++, n++) {
+            int64_t page, row;
+            locate(c, b, r, &page, &row);
+            slot[3 * n] = page * c->page_size + row, slot[3 * n + 1] = b,
+                     slot[3 * n + 2] = page;
+        }
+    qsort(slot, (size_t)n, 3 * sizeof *slot, cmp_i64); /* by the first of three */
+    ft_status st = FT_OK;
+    for (int64_t i = 1; st == FT_OK && i < n; i++)
+        if (slot[3 * i] == slot[3 * (i - 1)])
+            st = ft_fail(FT_ERR_ARGUMENT, func, 4,
+                         "block_table: row %lld of page %lld would take two of the new keys "
+                         "(sequences %lld and %lld): a page the new keys go into must belong to "
+                         "one sequence, once",
+                         (long long)(slot[3 * i] % c->page_size + c->base),
+                         (long long)(slot[3 * i + 2] + c->base),
+                         (long long)(slot[3 * (i - 1) + 1] + c->base),
+                         (long long)(slot[3 * i + 1] + c->base));
+    free(slot);
+    return st;
 }
 
 /* Writes new[b] into the cache after sequence b's keys, one piece per
@@ -341,6 +379,7 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
     if (st == FT_OK && paged)
         st = read_ints(func, 4, "block_table", p->block_table, 2, tshape, &c.table);
     const int base = p->block_table_base;
+    c.base = base;
     for (int64_t i = 0; st == FT_OK && paged && i < c.B * c.max_pages; i++)
         c.table[i] -= base; /* 0-based from here on */
     for (int64_t b = 0; st == FT_OK && b < c.B; b++) {
@@ -361,6 +400,17 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
                              (long long)(pg + base), base, (long long)k->shape[0] - 1 + base);
         }
     }
+    /* the attention's own checks (heads, head_dim, scale, variants, impl)
+     * before anything is written, so a refused call leaves the caches as
+     * they were; and no cache row written twice (two sequences appending
+     * into one page) */
+    int64_t longest = 0;
+    for (int64_t b = 0; st == FT_OK && b < c.B; b++)
+        longest = c.lens[b] + c.Nnew > longest ? c.lens[b] + c.Nnew : longest;
+    if (st == FT_OK)
+        st = ft_attention_check_like(func, q, k, v, longest, p);
+    if (st == FT_OK && paged && c.Nnew > 0)
+        st = check_writes_once(func, &c);
     int on_device = 0; /* the split-KV kernel, which appends as it reads */
 #ifdef FT_HAVE_CUDA
     on_device = st == FT_OK && decode_kernel_takes(q, k, v, &c, p);

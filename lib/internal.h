@@ -400,6 +400,12 @@ typedef struct {
     double scale;
 } ft_decode_cpu;
 ft_status ft_attention_decode_cpu(const ft_decode_cpu *a);
+/* attention.c: every check a plain call of q against keys [B, Nk, kv_heads,
+ * d] laid out as k's and v's (dtype, device, row strides) makes, with p's
+ * variants: what a KV cache call checks before it writes the new rows, Nk
+ * its longest sequence after them. */
+ft_status ft_attention_check_like(const char *func, const ft_tensor *q, const ft_tensor *k,
+                                  const ft_tensor *v, int64_t Nk, const ft_attn_params *p);
 /* attention_cache.c: ft_attention_forward with a KV cache (p->cache_seqlens
  * set). */
 ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_tensor *q,

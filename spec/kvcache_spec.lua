@@ -281,6 +281,46 @@ describe("attention over a KV cache", function()
       "no backward")
   end)
 
+  it("checks what plain attention checks before it appends: a refused call leaves the caches as they were", function()
+    for _, dtype in ipairs { "f32", "f64", "f16" } do
+      local kc, vc = randn({ 2, 10, 2, 8 }, dtype), randn({ 2, 10, 2, 8 }, dtype)
+      local kc0, vc0 = kc:clone(), vc:clone()
+      local kn, vn = randn({ 2, 1, 2, 8 }, dtype), randn({ 2, 1, 2, 8 }, dtype)
+      local base = { cache_seqlens = i32 { 3, 5 }, k_new = kn, v_new = vn, causal = true }
+      for _, case in ipairs {
+        { randn({ 2, 1, 3, 8 }, dtype), {}, "k/v heads (2) must divide q heads (3)" },
+        { randn({ 2, 1, 3, 8 }, dtype), { softcap = 5 }, "k/v heads (2) must divide q heads (3)" },
+        { randn({ 2, 1, 2, 8 }, dtype), { scale = 0 / 0 }, "scale must be finite" },
+        { randn({ 2, 1, 2, 8 }, dtype), { window_left = -7 }, "window_left and window_right must be -1" },
+        { randn({ 2, 1, 2, 8 }, dtype), { alibi_slopes = ft.ones({ 5 }) }, "alibi_slopes must be [heads]" },
+        { randn({ 2, 1, 2, 8 }, dtype), { sink = ft.ones({ 7 }) }, "sink must be [heads] = {2}, got {7}" },
+        { randn({ 2, 1, 2, 8 }, dtype), { impl = "flash" }, "impl 'flash' runs on CUDA tensors" },
+      } do
+        h.assert_error(function() ft.attention(case[1], kc, vc, h.merge(base, case[2])) end, case[3])
+        assert.are.equal(0, ft.max_abs_diff(kc, kc0), dtype .. " " .. case[3])
+        assert.are.equal(0, ft.max_abs_diff(vc, vc0), dtype .. " " .. case[3])
+      end
+    end
+    -- zero kv heads: an error, not a division by zero
+    h.assert_error(function()
+      ft.attention(randn { 1, 1, 2, 8 }, randn { 1, 6, 0, 8 }, randn { 1, 6, 0, 8 }, { cache_seqlens = i32 { 2 } })
+    end, "k/v heads (0) must divide q heads (2)")
+  end)
+
+  it("refuses a paged call whose new keys would land twice on one row (a page two sequences append into)", function()
+    local pool = ft.zeros({ 4, 4, 2, 8 }, { dtype = "f64" })
+    local kn, vn = randn { 2, 1, 2, 8 }, randn { 2, 1, 2, 8 }
+    h.assert_error(function()
+      ft.attention(randn { 2, 1, 2, 8 }, pool, pool:clone(), { cache_seqlens = i32 { 1, 1 }, causal = true,
+        block_table = i32 { { 1, 2 }, { 1, 3 } }, k_new = kn, v_new = vn })
+    end, "block_table: row 2 of page 1 would take two of the new keys (sequences 1 and 2)")
+    assert.are.equal(0, pool:abs():max())
+    -- sharing a page that only holds old keys is reading, and allowed
+    local out = ft.attention(randn { 2, 1, 2, 8 }, pool, pool:clone(), { cache_seqlens = i32 { 4, 4 }, causal = true,
+      block_table = i32 { { 1, 2 }, { 1, 3 } }, k_new = kn, v_new = vn })
+    assert.are.same({ 2, 1, 2, 8 }, out.shape)
+  end)
+
   gpu_it("on CUDA, the split-KV kernel: 1 to 64 query rows, GQA groups of 1 to 8, ragged lengths with NaN past them, any number of splits, lengths on the host or the device, against the CPU in f64; paged (pages of 28 rows, in reverse order, the table on the host) gives the same bits and appends into the right pages", function()
     for n, case in ipairs {
       { Nq = 1, H = 32, Hk = 8, d = 128, splits = 0 }, { Nq = 1, H = 8, Hk = 8, d = 64, splits = 3 },

@@ -55,6 +55,9 @@ describe("nn for decoding", function()
       end
     end
     assert.is_true(ft.max_abs_diff(r:rotate(y, 5, true), x) < 1e-14)
+    for _, bad in ipairs { 1.5, -1, "2" } do
+      h.assert_error(function() r:rotate(x, bad) end, "nn.Rotary:rotate: pos0 (the first row's position) must be a whole number >= 0")
+    end
   end)
 
   it("Rotary's backward and MultiheadAttention{rotary = true}'s against finite differences", function()

@@ -919,8 +919,13 @@ function Rotary:rotate(x, pos0, inverse)
     error(("nn.Rotary: x must be [batch, seqlen, heads, %d], got %s"):format(
       self.head_dim, ft.is_tensor(x) and shape_string(x.shape) or type(x)), 2)
   end
+  pos0 = pos0 or 0
+  if type(pos0) ~= "number" or pos0 ~= math.floor(pos0) or pos0 < 0 then
+    error(("nn.Rotary:rotate: pos0 (the first row's position) must be a whole number >= 0, got %s")
+      :format(tostring(pos0)), 2)
+  end
   local half = self.head_dim / 2
-  local cos, sin = self:table_for(x:size(2), pos0 or 0, x)
+  local cos, sin = self:table_for(x:size(2), pos0, x)
   local shape = { x:size(1), x:size(2), x:size(3), half }
   cos, sin = cos:expand(shape), sin:expand(shape)
   if inverse then sin = -sin end
