@@ -165,6 +165,8 @@ function gen.run(opts)
   o.weights = o.weights or "tiny.safetensors"
   o.device = o.device or (ft.cuda.is_available() and "cuda" or "cpu")
   o.samples = o.samples or 4
+  local okd, derr = pcall(ft.zeros, { 1 }, { device = o.device })
+  if not okd then error(("generate: --device %s: %s"):format(o.device, tostring(derr)), 0) end
   local f = io.open(o.weights, "rb")
   if f then
     f:close()
@@ -173,7 +175,11 @@ function gen.run(opts)
     gen.trainer().run({ steps = o.steps or 200, control = false, device = o.device, save = o.weights,
                         log_every = 0 })
   end
-  local model, mo = gen.load(o.weights, o.device)
+  local okl, model, mo = pcall(gen.load, o.weights, o.device)
+  if not okl then
+    local msg = tostring(model)
+    error(msg:find("^generate:") and msg or ("generate: --weights %s: %s"):format(o.weights, msg), 0)
+  end
   print(("model: %s (%d parameters) on %s; temperature %s, top-k %s, top-p %s"):format(
     o.weights, model:n_parameters(), o.device, tostring(o.temperature or 0),
     tostring(o.top_k or "all"), tostring(o.top_p or 1)))
@@ -207,4 +213,8 @@ function gen.run(opts)
 end
 
 if as_library then return gen end
-gen.run(cli)
+local ran, err = pcall(gen.run, cli)
+if not ran then
+  io.stderr:write(tostring(err), "\n")
+  os.exit(1)
+end
