@@ -76,6 +76,7 @@ typedef struct {
     int64_t B, capacity, page_size; /* page_size 0: not paged */
     int64_t Nnew, max_pages;
     int64_t *lens, *table;          /* host copies */
+    int64_t longest;                /* the longest sequence after the append */
     int base;                       /* the index base of the messages */
 } cache_call;
 
@@ -102,28 +103,28 @@ static void locate(const cache_call *c, int64_t b, int64_t r, int64_t *entry, in
  * sequences, or listed twice in one, would take two writes. */
 static ft_status check_writes_once(const char *func, const cache_call *c)
 {
-    int64_t n = 0, *slot = malloc((size_t)(c->B * c->Nnew * 3 + 1) * sizeof *slot);
+    /* pairs (pool row, sequence), sorted by the pool row */
+    int64_t n = 0, *slot = malloc((size_t)(c->B * c->Nnew * 2 + 1) * sizeof *slot);
     if (!slot)
         return ft_fail(FT_ERR_NOMEM, func, 0, "out of memory");
     for (int64_t b = 0; b < c->B; b++)
         for (int64_t r = c->lens[b]; r < c->lens[b] + c->Nnew; r++, n++) {
             int64_t page, row;
             locate(c, b, r, &page, &row);
-            slot[3 * n] = page * c->page_size + row, slot[3 * n + 1] = b,
-                     slot[3 * n + 2] = page;
+            slot[2 * n] = page * c->page_size + row, slot[2 * n + 1] = b;
         }
-    qsort(slot, (size_t)n, 3 * sizeof *slot, cmp_i64); /* by the first of three */
+    qsort(slot, (size_t)n, 2 * sizeof *slot, cmp_i64); /* by the first of each pair */
     ft_status st = FT_OK;
     for (int64_t i = 1; st == FT_OK && i < n; i++)
-        if (slot[3 * i] == slot[3 * (i - 1)])
+        if (slot[2 * i] == slot[2 * (i - 1)])
             st = ft_fail(FT_ERR_ARGUMENT, func, 4,
                          "block_table: row %lld of page %lld would take two of the new keys "
                          "(sequences %lld and %lld): a page the new keys go into must belong to "
                          "one sequence, once",
-                         (long long)(slot[3 * i] % c->page_size + c->base),
-                         (long long)(slot[3 * i + 2] + c->base),
-                         (long long)(slot[3 * (i - 1) + 1] + c->base),
-                         (long long)(slot[3 * i + 1] + c->base));
+                         (long long)(slot[2 * i] % c->page_size + c->base),
+                         (long long)(slot[2 * i] / c->page_size + c->base),
+                         (long long)(slot[2 * (i - 1) + 1] + c->base),
+                         (long long)(slot[2 * i + 1] + c->base));
     free(slot);
     return st;
 }
@@ -235,10 +236,7 @@ static ft_status decode_on_device(const cache_call *c, const ft_tensor *q, const
     const int64_t ntable = c->page_size ? B * c->max_pages : 0;
     const int inline_lens = !ntable && B <= FT_DECODE_INLINE; /* nothing to upload */
     const int64_t nints = inline_lens ? 0 : B + ntable;
-    int64_t longest = 0;
-    for (int64_t b = 0; b < B; b++)
-        if (c->lens[b] + c->Nnew > longest)
-            longest = c->lens[b] + c->Nnew;
+    const int64_t longest = c->longest;
     const int splits = ft_attention_decode_splits_cuda(q, k->shape[2], longest, (int)p->num_splits);
     int32_t *h = malloc((size_t)(nints > 0 ? nints : 1) * sizeof *h);
     if (!h)
@@ -384,6 +382,7 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
         c.table[i] -= base; /* 0-based from here on */
     for (int64_t b = 0; st == FT_OK && b < c.B; b++) {
         const int64_t n = c.lens[b] + c.Nnew;
+        c.longest = n > c.longest ? n : c.longest;
         if (c.lens[b] < 0 || n > c.capacity)
             st = ft_fail(FT_ERR_ARGUMENT, func, 4,
                          "cache_seqlens[%lld] = %lld%s: the cache holds %lld rows",
@@ -404,11 +403,8 @@ ft_status ft_attention_cache_forward(ft_tensor **out, ft_tensor **lse, const ft_
      * before anything is written, so a refused call leaves the caches as
      * they were; and no cache row written twice (two sequences appending
      * into one page) */
-    int64_t longest = 0;
-    for (int64_t b = 0; st == FT_OK && b < c.B; b++)
-        longest = c.lens[b] + c.Nnew > longest ? c.lens[b] + c.Nnew : longest;
     if (st == FT_OK)
-        st = ft_attention_check_like(func, q, k, v, longest, p);
+        st = ft_attention_check_like(func, q, k, v, c.longest, p);
     if (st == FT_OK && paged && c.Nnew > 0)
         st = check_writes_once(func, &c);
     int on_device = 0; /* the split-KV kernel, which appends as it reads */

@@ -154,11 +154,6 @@ static int scratch_add(int64_t *n, int64_t a, int64_t b)
  * time), and the same bits whatever the thread count. */
 #define FT_LANES 16
 
-/* The larger of x and m, NaN once either is: a row with a NaN score (or
- * a NaN sink) has a NaN maximum, so its output and LSE are NaN, as
- * PyTorch's softmax gives, not a row that sees no key. */
-#define NAN_MAX(x, m) ((x) > (m) || (x) != (x) ? (x) : (m))
-
 /* The largest of m and x[0 .. n) (NaN if any is). */
 FT_ROW_CLONES
 static float max_row_f32(const float *x, int64_t n, float m)
@@ -169,18 +164,18 @@ static float max_row_f32(const float *x, int64_t n, float m)
     int64_t c = 0;
     for (; c + FT_LANES <= n; c += FT_LANES)
         for (int u = 0; u < FT_LANES; u++)
-            acc[u] = NAN_MAX(x[c + u], acc[u]);
+            acc[u] = FT_NAN_MAX(x[c + u], acc[u]);
     for (; c < n; c++)
-        m = NAN_MAX(x[c], m);
+        m = FT_NAN_MAX(x[c], m);
     for (int u = 0; u < FT_LANES; u++)
-        m = NAN_MAX(acc[u], m);
+        m = FT_NAN_MAX(acc[u], m);
     return m;
 }
 
 static double max_row_f64(const double *x, int64_t n, double m)
 {
     for (int64_t c = 0; c < n; c++)
-        m = NAN_MAX(x[c], m);
+        m = FT_NAN_MAX(x[c], m);
     return m;
 }
 

@@ -239,7 +239,7 @@ static void FN(naive_forward)(const ft_attn_shape *s, const ft_tensor *q,
         ACC *P = S + i * Nk, *o = O + i * d;
         ACC m = sink, l = 0;
         for (int64_t j = 0; j < Nk; j++)
-            m = NAN_MAX(P[j], m);
+            m = FT_NAN_MAX(P[j], m);
         memset(o, 0, (size_t)d * sizeof *o);
         if (m == (ACC)-INFINITY) { /* no visible key, no sink */
             lse_store(lse, b, h, i, -INFINITY);
@@ -302,7 +302,7 @@ static void FN(naive_backward)(const ft_attn_shape *s, const ft_tensor *dout,
             ACC *p = P + i * Nk, *dp = dP + i * Nk, *g = SG + i * Nk;
             ACC m = sink, l = 0, D = 0;
             for (int64_t j = 0; j < Nk; j++)
-                m = NAN_MAX(p[j], m);
+                m = FT_NAN_MAX(p[j], m);
             for (int64_t j = 0; j < Nk; j++) {
                 p[j] = p[j] == (ACC)-INFINITY ? 0 : ACC_EXP(p[j] - m);
                 l += p[j];

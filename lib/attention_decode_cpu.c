@@ -120,7 +120,7 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
                 const int64_t r = x % M;                                                      \
                 T *sr = s + x * DEC_BLOCK, mx = m[r];                                         \
                 for (int64_t jj = 0; jj < nb; jj++)                                           \
-                    mx = sr[jj] > mx || sr[jj] != sr[jj] ? sr[jj] : mx; /* NaN stays */       \
+                    mx = FT_NAN_MAX(sr[jj], mx);                                              \
                 const T use = mx == -INFINITY ? 0 : mx, alpha = EXP(m[r] - use);              \
                 T sum = 0;                                                                    \
                 for (int64_t jj = 0; jj < nb; jj++) {                                         \
@@ -179,7 +179,7 @@ static const char *key_row(const ft_decode_cpu *a, const ft_tensor *t, int64_t b
                 const T *p = parts + s * stride;                                                 \
                 const T lc = p[M * d + M + r]; /* 0: a chunk of no key; NaN: of a NaN */     \
                 const T ls = lc != 0 ? p[M * d + r] + LOG(lc) : (T)-INFINITY;                 \
-                best = ls > best || ls != ls ? ls : best;                                     \
+                best = FT_NAN_MAX(ls, best);                                                  \
             }                                                                                 \
             T total = 0;                                                                      \
             for (int64_t s = 0; s < chunks; s++) {                                            \

@@ -377,6 +377,12 @@ int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const 
                               const ft_tensor *v, ft_tensor *out, ft_tensor *lse, ft_status *st);
 #endif
 
+/* The larger of x and m, NaN once either is: a softmax row with a NaN
+ * score (or a NaN sink) has a NaN maximum, so its output and LSE are NaN,
+ * as PyTorch's softmax gives, not those of a row that sees no key (the
+ * CPU's attention and decoding). */
+#define FT_NAN_MAX(x, m) ((x) > (m) || (x) != (x) ? (x) : (m))
+
 /* Loops the compiler vectorises, compiled also for AVX-512 and AVX2 and
  * chosen at load time from the CPU (x86-64 with GCC; elsewhere the
  * baseline only): the CPU attention's row work and decoding. */

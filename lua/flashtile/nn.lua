@@ -920,7 +920,7 @@ function Rotary:rotate(x, pos0, inverse)
       self.head_dim, ft.is_tensor(x) and shape_string(x.shape) or type(x)), 2)
   end
   pos0 = pos0 or 0
-  if type(pos0) ~= "number" or pos0 ~= math.floor(pos0) or pos0 < 0 then
+  if not is_integer(pos0) or pos0 < 0 then
     error(("nn.Rotary:rotate: pos0 (the first row's position) must be a whole number >= 0, got %s")
       :format(tostring(pos0)), 2)
   end
