@@ -134,6 +134,61 @@ describe("attention on CUDA #gpu", function()
     assert.is_true(lse:get(1, 1, 31) > -math.huge)
   end)
 
+  gpu_it("NaN in, NaN out (as PyTorch and the CPU): a NaN query row is NaN (out, LSE, dq), a NaN key makes NaN the rows that see it; every other row keeps its bits (flash, each kernel family; naive)", function()
+    local B, Nq, Nk, H, Hk = 1, 200, 300, 4, 2
+    local function nan_rows(out, lse, bad)
+      local O, L = out:cpu():float():totable(), lse:cpu():totable()
+      for i = 1, Nq do
+        for hh = 1, H do
+          local want = bad(i, hh)
+          assert.are.equal(want, L[1][hh][i] ~= L[1][hh][i], ("lse row %d head %d"):format(i, hh))
+          assert.are.equal(want, O[1][i][hh][1] ~= O[1][i][hh][1], ("out row %d head %d"):format(i, hh))
+        end
+      end
+    end
+    local function same_rows(a, b, bad)
+      local x, y = a:cpu():float():totable(), b:cpu():float():totable()
+      for i = 1, Nq do
+        for hh = 1, H do
+          if not bad(i, hh) then
+            assert.are.same(x[1][i][hh], y[1][i][hh], ("row %d head %d"):format(i, hh))
+          end
+        end
+      end
+    end
+    for _, c in ipairs {
+      { "bf16", 128, {} }, { "f16", 64, { causal = true } }, { "bf16", 256, { causal = true } },
+      { "bf16", 128, { softcap = 30 } }, { "f16", 36, {} }, { "f32", 64, { causal = true } },
+    } do
+      local dtype, d, opts = c[1], c[2], c[3]
+      local q, k, v, dout = inputs(B, Nq, Nk, H, Hk, d)
+      local function g(t) return t:to(dtype):cuda() end
+      for _, impl in ipairs { "flash", "naive" } do
+        local o = h.merge(opts, { impl = impl })
+        local where = ("%s d %d %s %s"):format(dtype, d, impl, opts.causal and "causal" or opts.softcap and "softcap" or "")
+        local out0, lse0 = ft.attention(g(q), g(k), g(v), o)
+        -- every score of query 50, head 3 is NaN
+        local qn = q:clone()
+        qn:set(1, 50, 3, 5, 0 / 0)
+        local out, lse = ft.attention(g(qn), g(k), g(v), o)
+        local function bad_q(i, hh) return i == 50 and hh == 3 end
+        nan_rows(out, lse, bad_q)
+        same_rows(out0, out, bad_q)
+        local dq = ft.attention_backward(g(dout), g(qn), g(k), g(v), out, lse, o)
+        local DQ = dq:cpu():float():totable()
+        assert.is_true(DQ[1][50][3][1] ~= DQ[1][50][3][1], where .. ": dq of the NaN row")
+        assert.is_true(DQ[1][49][3][1] == DQ[1][49][3][1], where .. ": dq of another row")
+        -- key 250 of kv head 1 (query heads 1 and 2) is NaN: the rows that see it
+        local kn = k:clone()
+        kn:set(1, 250, 1, 7, 0 / 0)
+        local outk, lsek = ft.attention(g(q), g(kn), g(v), o)
+        local function bad_k(i, hh) return hh <= 2 and (not opts.causal or i + Nk - Nq >= 250) end
+        nan_rows(outk, lsek, bad_k)
+        same_rows(out0, outk, bad_k)
+      end
+    end
+  end)
+
   gpu_it("deterministic: the backward gives bitwise-identical gradients run after run", function()
     local q, k, v, dout = inputs(2, 300, 300, 4, 2, 128)
     local opts = { causal = true, deterministic = true }

@@ -181,6 +181,38 @@ describe("attention over a KV cache", function()
     end
   end)
 
+  gpu_it("on CUDA, the split-KV kernel: a NaN query row is NaN (out and LSE), a NaN key makes NaN the heads that see it, whatever the splits; the other rows keep their bits", function()
+    for _, dtype in ipairs { "bf16", "f16" } do
+      for _, splits in ipairs { 0, 1, 5 } do
+        local function g(t) return t:to(dtype):cuda() end
+        local q = randn({ 1, 1, 32, 128 })
+        local kc, vc = nan_cache(1, 4000, 8, 128, { 3000 }), randn({ 1, 4000, 8, 128 })
+        local opts = { cache_seqlens = i32 { 3000 }, causal = true, num_splits = splits }
+        local out, lse = ft.attention(g(q), g(kc), g(vc), opts)
+        local qn, kn = q:clone(), kc:clone()
+        qn:set(1, 1, 6, 3, 0 / 0)   -- query head 6
+        kn:set(1, 1500, 2, 9, 0 / 0) -- a key of kv head 2: query heads 5 to 8
+        local out2, lse2 = ft.attention(g(qn), g(kc), g(vc), opts)
+        local out3, lse3 = ft.attention(g(q), g(kn), g(vc), opts)
+        local O, L = out:cpu():float():totable(), lse:cpu():totable()
+        for _, r in ipairs { { out2, lse2, function(hh) return hh == 6 end },
+                             { out3, lse3, function(hh) return hh >= 5 and hh <= 8 end } } do
+          local O2, L2 = r[1]:cpu():float():totable(), r[2]:cpu():totable()
+          for hh = 1, 32 do
+            local where = ("%s splits %d head %d"):format(dtype, splits, hh)
+            if r[3](hh) then
+              assert.is_true(L2[1][hh][1] ~= L2[1][hh][1], where .. ": lse")
+              assert.is_true(O2[1][1][hh][1] ~= O2[1][1][hh][1], where .. ": out")
+            else
+              assert.are.equal(L[1][hh][1], L2[1][hh][1], where)
+              assert.are.same(O[1][1][hh], O2[1][1][hh], where)
+            end
+          end
+        end
+      end
+    end
+  end)
+
   it("paged caches (page pools with block_table, page numbers from 1, shuffled pages) give the contiguous result, with k_new across page boundaries", function()
     for _, ps in ipairs { 16, 4 } do
       local B, H, Hk, d, maxp = 3, 4, 2, 16, 5

@@ -116,11 +116,11 @@ __device__ __forceinline__ float merge_weights(const DecodeParams &p, int64_t ro
     float mx = -INFINITY;
     for (int s = lane; s < S; s += FT_WARP) {
         w[s] = __ldcg(p.part_lse + s * plane + row);
-        mx = fmaxf(mx, w[s]);
+        mx = max_nan(mx, w[s]);
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2)
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
     for (int s = lane; s < S; s += FT_WARP) {
         w[s] = mx == -INFINITY ? 0.f : expf(w[s] - mx);
@@ -129,10 +129,10 @@ __device__ __forceinline__ float merge_weights(const DecodeParams &p, int64_t ro
 #pragma unroll
     for (int o = 16; o > 0; o /= 2)
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = sum != 0.f ? 1.f / sum : 0.f;
     for (int s = lane; s < S; s += FT_WARP)
         w[s] *= inv;
-    return sum > 0.f ? mx + logf(sum) : -INFINITY;
+    return sum != 0.f ? mx + logf(sum) : -INFINITY; /* NaN stays NaN */
 }
 
 /* Columns c .. c + 3 of row `row` (d % 8 == 0): sum_s w[s] O_s, the loads
@@ -311,11 +311,11 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
                 for (int e = 0; e < 2; e++) {
                     float &x = s[n][2 * r + e];
                     x = j0 + n * 8 + t4 * 2 + e < kend[r] ? x * p.scale_log2 : -INFINITY;
-                    mx = fmaxf(mx, x);
+                    mx = max_nan(mx, x);
                 }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[r], mx), m_use = m_new == -INFINITY ? 0.f : m_new;
+            mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = max_nan(m[r], mx), m_use = m_new == -INFINITY ? 0.f : m_new;
             const float alpha = ex2(m[r] - m_use);
             float sum = 0.f;
 #pragma unroll
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
         const int row = idx / p.d, c = idx % p.d, rr = r0 + row;
         float mt = -INFINITY;
         for (int w = 0; w < WK; w++)
-            mt = fmaxf(mt, sm[w * ROWS + row]);
+            mt = max_nan(mt, sm[w * ROWS + row]);
         const float mu = mt == -INFINITY ? 0.f : mt;
         float lt = 0.f, ot = 0.f;
         for (int w = 0; w < WK; w++) {
@@ -396,8 +396,8 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
             lt += sl[w * ROWS + row] * f;
             ot += so[(w * ROWS + row) * SLD + c] * f;
         }
-        const float val = lt > 0.f ? ot / lt : 0.f;
-        const float lse = lt > 0.f ? (mu + log2f(lt)) / FT_LOG2E : -INFINITY;
+        const float val = lt != 0.f ? ot / lt : 0.f; /* NaN stays NaN */
+        const float lse = lt != 0.f ? (mu + log2f(lt)) / FT_LOG2E : -INFINITY;
         const int i = rr / p.G, h = hk * p.G + rr % p.G;
         const int64_t stat = ((int64_t)b * p.H + h) * p.Nq + i;
         if (p.splits == 1) {

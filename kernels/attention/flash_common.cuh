@@ -358,6 +358,22 @@ static ft_status flash_launch(FlashRtc *rtc, const char *file, Kernel kernel, Na
 }
 #endif /* __CUDACC_RTC__ */
 
+/* The larger of a and b, NaN when either is (max.NaN, sm_80 and later: one
+ * instruction, as fmaxf). A row's running maximum takes it, so a row with a
+ * NaN score has a NaN maximum and NaN output and LSE, as PyTorch's softmax
+ * and the CPU's FT_NAN_MAX give, not those of a row that sees no key
+ * (fmaxf drops NaN: a row of NaN scores kept the maximum -inf). */
+__device__ __forceinline__ float max_nan(float a, float b)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    float y;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+#else
+    return a != a || b != b ? a + b : fmaxf(a, b);
+#endif
+}
+
 /* ex2.approx: 2^x in one MUFU instruction (2^-inf = 0). */
 __device__ __forceinline__ float ex2(float x)
 {

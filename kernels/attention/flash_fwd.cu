@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
             s = smod.apply(s, smod.pos(row), (float)j, &unused);
         }
         s *= p.scale_log2;
-        const float m_new = fmaxf(m, s);
+        const float m_new = max_nan(m, s);
         const float alpha = exp2f(m - m_new), pj = exp2f(s - m_new);
         l = l * alpha + pj;
         /* dropout: O takes the kept probabilities, the sum all of them */
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
         m = m_new;
     }
     const int64_t oo = row_offset(p.out, b, row, h);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l != 0.f ? 1.f / l : 0.f; /* NaN stays NaN */
 #pragma unroll
     for (int t = 0; t < FT_SIMT_MAX_COLS; t++) {
         const int c = lane + FT_WARP * t;
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(SIMT_WARPS * FT_WARP) flash_fwd_simt_kernel(Fl
     }
     if (lane == 0)
         p.lse[flash_stat(p, b, h) + row] =
-            l > 0.f ? (m + log2f(l)) / FT_LOG2E : -INFINITY;
+            l != 0.f ? (m + log2f(l)) / FT_LOG2E : -INFINITY;
 }
 #endif
 
@@ -207,11 +207,11 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
                         v *= p.scale_log2;
                         if (edge && keys.hides(j0 + n * 8 + t4 * 2 + e))
                             v = -INFINITY;
-                        mx = fmaxf(mx, v);
+                        mx = max_nan(mx, v);
                     }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m[mt][r], mx);
+                mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = max_nan(m[mt][r], mx);
                 /* all masked so far: keep everything at zero without NaNs */
                 const float m_use = m_new == -INFINITY ? 0.f : m_new;
                 const float alpha = exp2f(m[mt][r] - m_use);

@@ -66,7 +66,7 @@ __device__ __forceinline__ void store_out_row(const FlashParams &p, int b, int h
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     if (row >= p.Nq)
         return;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = sum != 0.f ? 1.f / sum : 0.f; /* NaN stays NaN */
     T *out = reinterpret_cast<T *>(p.out.data) + row_offset(p.out, b, row, h);
 #pragma unroll
     for (int n = 0; n < NT_O; n++) {
@@ -77,7 +77,7 @@ __device__ __forceinline__ void store_out_row(const FlashParams &p, int b, int h
     }
     if (t4 == 0)
         p.lse[flash_stat(p, b, h) + row] =
-            sum > 0.f ? (m_log2 + log2f(sum)) / FT_LOG2E : -INFINITY;
+            sum != 0.f ? (m_log2 + log2f(sum)) / FT_LOG2E : -INFINITY;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p)

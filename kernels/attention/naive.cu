@@ -72,13 +72,20 @@ __device__ inline double load_elem(const void *p, int64_t i, int dtype)
     }
 }
 
+/* x where it is larger than m or NaN, else m (the CPU's FT_NAN_MAX). */
+template <typename T> __device__ __forceinline__ T nan_max(T x, T m)
+{
+    return x > m || x != x ? x : m;
+}
+
 /* The sum (or max) of v over the warp, returned to every lane. The max
- * keeps the first operand on NaN, as the CPU's `x > m ? x : m` does. */
+ * keeps NaN, as the CPU's FT_NAN_MAX does: a row with a NaN score has a NaN
+ * maximum, so its output and LSE are NaN. */
 template <typename T> __device__ T warp_reduce(T v, bool is_max)
 {
     for (int o = 16; o > 0; o >>= 1) {
         const T w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? (w > v ? w : v) : v + w;
+        v = is_max ? nan_max(w, v) : v + w;
     }
     return v;
 }
@@ -95,7 +102,7 @@ __device__ T block_reduce(T v, bool is_max, T *shared)
     __syncthreads();
     v = shared[0];
     for (int w = 1; w < (int)(blockDim.x >> 5); w++)
-        v = is_max ? (shared[w] > v ? shared[w] : v) : v + shared[w];
+        v = is_max ? nan_max(shared[w], v) : v + shared[w];
     return v;
 }
 
@@ -161,10 +168,10 @@ softmax_rows(T *S, void *P_lo, int lo_dtype, T *Pd, T *SG, T *lse, int drop_in_S
                 SG[r * Nk + j] = (T)ft_mod_score_grad(&nm.m, (double)v);
             if (modified)
                 row[j] = v = (T)ft_mod_score(&nm.m, slope, Nq, Nk, x.i, j, (double)v);
-            m = v > m ? v : m;
+            m = nan_max(v, m);
         }
         m = block_reduce(m, true, shared);
-        m = sink > m ? sink : m;
+        m = nan_max(sink, m);
         const bool empty = m == (T)-INFINITY; /* no visible key, no sink */
         T l = 0;
         if (!empty)

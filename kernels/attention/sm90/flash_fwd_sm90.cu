@@ -166,11 +166,11 @@ template <typename T, int D, int DK, int BC, bool EXT, typename UM> struct FwdRo
             for (int n = 0; n < NT_S; n++)
 #pragma unroll
                 for (int e = 0; e < 2; e++)
-                    mx4[(2 * n + e) % 4] = fmaxf(mx4[(2 * n + e) % 4], s[4 * n + 2 * r + e]);
-            float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3])) + dr[r];
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            float m_new = fmaxf(m[r], mx);
+                    mx4[(2 * n + e) % 4] = max_nan(mx4[(2 * n + e) % 4], s[4 * n + 2 * r + e]);
+            float mx = max_nan(max_nan(mx4[0], mx4[1]), max_nan(mx4[2], mx4[3])) + dr[r];
+            mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            float m_new = max_nan(m[r], mx);
             /* lazy: the old maximum stays while the new one is within
              * LAZY_MAX_LOG2 of it (the sum and O keep their scale), once a
              * score has set it: a row's first keys take their own maximum
