@@ -291,6 +291,7 @@ int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const 
     cache_call c = {0};
     c.B = s->B;
     c.capacity = s->Nk;
+    c.longest = s->Nk; /* the splits are cut from it */
     ft_attn_params p;
     ft_attn_params_init(&p);
     p.causal = s->causal;

@@ -72,8 +72,9 @@ __device__ inline double load_elem(const void *p, int64_t i, int dtype)
     }
 }
 
-/* x where it is larger than m or NaN, else m (the CPU's FT_NAN_MAX). */
-template <typename T> __device__ __forceinline__ T nan_max(T x, T m)
+/* The larger of x and m, NaN when either is (as max_nan in flash_common.cuh
+ * and the CPU's FT_NAN_MAX); f32 and f64. */
+template <typename T> __device__ __forceinline__ T max_nan(T x, T m)
 {
     return x > m || x != x ? x : m;
 }
@@ -85,7 +86,7 @@ template <typename T> __device__ T warp_reduce(T v, bool is_max)
 {
     for (int o = 16; o > 0; o >>= 1) {
         const T w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? nan_max(w, v) : v + w;
+        v = is_max ? max_nan(w, v) : v + w;
     }
     return v;
 }
@@ -102,7 +103,7 @@ __device__ T block_reduce(T v, bool is_max, T *shared)
     __syncthreads();
     v = shared[0];
     for (int w = 1; w < (int)(blockDim.x >> 5); w++)
-        v = is_max ? nan_max(shared[w], v) : v + shared[w];
+        v = is_max ? max_nan(shared[w], v) : v + shared[w];
     return v;
 }
 
@@ -168,10 +169,10 @@ softmax_rows(T *S, void *P_lo, int lo_dtype, T *Pd, T *SG, T *lse, int drop_in_S
                 SG[r * Nk + j] = (T)ft_mod_score_grad(&nm.m, (double)v);
             if (modified)
                 row[j] = v = (T)ft_mod_score(&nm.m, slope, Nq, Nk, x.i, j, (double)v);
-            m = nan_max(v, m);
+            m = max_nan(v, m);
         }
         m = block_reduce(m, true, shared);
-        m = nan_max(sink, m);
+        m = max_nan(sink, m);
         const bool empty = m == (T)-INFINITY; /* no visible key, no sink */
         T l = 0;
         if (!empty)
