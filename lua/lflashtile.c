@@ -3039,6 +3039,8 @@ FT_API int luaopen_flashtile_core(lua_State *L)
         lua_setfield(L, -2, ft_mod_op_name(op));
     }
     lua_setfield(L, -2, "mod_ops");
+    lua_pushinteger(L, FT_MOD_MAX_NODES);
+    lua_setfield(L, -2, "mod_max_nodes");
 
     /* ft.cuda, and the event metatable */
     new_class_metatable(L, EVENT_MT);

@@ -370,6 +370,17 @@ describe("attention mods written in Lua (cpu)", function()
       assert.is_truthy(tostring(e):find("a tensor of 2 dims read with 1 indices", 1, true), tostring(e))
     end)
 
+    it("functions that trace to more operations than a graph holds are an error under ft.attention_mods' name", function()
+      local ok, e = pcall(ft.attention_mods, { score = function(s)
+        local x = s
+        for _ = 1, 5000 do x = x + 1 end
+        return x
+      end })
+      assert.is_false(ok)
+      assert.is_truthy(tostring(e):find("^ft.attention_mods: the functions trace to %d+ operations"), tostring(e))
+      assert.is_truthy(tostring(e):find("at most 4096", 1, true), tostring(e))
+    end)
+
     it("a read out of range at a call is an error, and the session goes on", function()
       local bias = ft.zeros({ 5 }, { dtype = "f64" })
       local m = ft.attention_mods { score = function(s, b, hh, i, j) return s + bias[j] end }

@@ -385,6 +385,10 @@ function M.attention_mods(spec)
   local t = trace
   trace = nil
   if not ok then error(err, 2) end
+  if #t.nodes > core.mod_max_nodes or #t.indices > core.mod_max_nodes then
+    error(("ft.attention_mods: the functions trace to %d operations and %d tensor indices; "
+      .. "at most %d of each"):format(#t.nodes, #t.indices, core.mod_max_nodes), 2)
+  end
   local graph = core.attention_mods_graph(t.nodes, t.indices, #t.tensors, t.score, t.mask)
   local cpu = true
   for _, x in ipairs(t.tensors) do if x.device ~= "cpu" then cpu = false end end
