@@ -616,5 +616,43 @@ describe("nn errors", function()
       "targets must be an i64 (or i32) tensor")
     h.assert_error(function() return crit:forward(ft.randn({ 2, 3, 1 }), ft.tensor({ 1, 2 }, { dtype = "i64" })) end,
       "logits {2, 3, 1} must be [N, classes]")
+    local gone = ft.randn({ 2, 3 })
+    gone:free()
+    h.assert_error(function() return lin:forward(gone) end, "nn.Linear: input has been freed")
+  end)
+
+  it("bad calls of backward are clear errors naming the module, and the module works after them", function()
+    local x = ft.randn({ 2, 3 }, { seed = 5 })
+    local modules = {
+      { nn.Linear(3, 2), "nn.Linear", { 2, 2 } },
+      { nn.GELU(), "nn.GELU", { 2, 3 } },
+      { nn.LayerNorm(3), "nn.LayerNorm", { 2, 3 } },
+      { nn.Sequential(nn.Linear(3, 4), nn.SiLU()), "nn.Sequential", { 2, 4 } },
+      { nn.Residual(nn.Linear(3, 3)), "nn.Residual", { 2, 3 } },
+    }
+    for _, c in ipairs(modules) do
+      local m, name, out_shape = c[1], c[2], c[3]
+      h.assert_error(function() return m:backward(x, ft.randn(out_shape)) end,
+        name .. ": backward before forward")
+      m:forward(x)
+      h.assert_error(function() return m:backward(x) end, name .. ": grad_output must be a tensor, got nil")
+      h.assert_error(function() return m:backward(x, ft.randn({ 5, 7 })) end,
+        name .. ": grad_output {5, 7} must have the output's shape")
+      h.assert_error(function() return m:backward(x, ft.randn(out_shape, F64)) end,
+        name .. ": grad_output is f64", "but the")
+      local gone = ft.randn(out_shape)
+      gone:free()
+      h.assert_error(function() return m:backward(x, gone) end, name .. ": grad_output has been freed")
+      local g = m:backward(x, ft.ones(out_shape))
+      assert.are.same({ 2, 3 }, g.shape)
+    end
+    local mha = nn.MultiheadAttention { dim = 4, heads = 2 }
+    local xa = ft.randn({ 1, 3, 4 })
+    h.assert_error(function() return mha:backward(xa, ft.randn({ 1, 3, 4 })) end,
+      "nn.MultiheadAttention: backward before forward")
+    mha:forward(xa)
+    h.assert_error(function() return mha:backward(xa, ft.randn({ 1, 4, 4 })) end,
+      "nn.MultiheadAttention: grad_output {1, 4, 4} must have the output's shape {1, 3, 4}")
+    assert.are.same({ 1, 3, 4 }, mha:backward(xa, ft.ones({ 1, 3, 4 })).shape)
   end)
 end)

@@ -435,21 +435,45 @@ local function describe_children(self, flow)
 end
 
 --- Checks that x is a float tensor of this module's dtype and device.
-function Module:check_input(x, what)
-  what = what or "input"
+function Module:check_input(x, what, level)
+  what, level = what or "input", level or 3
   if not ft.is_tensor(x) then
-    error(("%s: %s must be a tensor, got %s"):format(self.__typename, what, type(x)), 3)
+    error(("%s: %s must be a tensor, got %s"):format(self.__typename, what, type(x)), level)
+  end
+  if x.dtype == nil then
+    error(("%s: %s has been freed"):format(self.__typename, what), level)
   end
   if not is_float(x) then
-    error(("%s: %s must be a float tensor, got %s"):format(self.__typename, what, x.dtype), 3)
+    error(("%s: %s must be a float tensor, got %s"):format(self.__typename, what, x.dtype), level)
   end
   local dtype, device = self:type()
   if dtype and x.dtype ~= dtype then
     error(("%s: %s is %s but the parameters are %s (convert one: module:to(%q) or x:to(%q))")
-      :format(self.__typename, what, x.dtype, dtype, x.dtype, dtype), 3)
+      :format(self.__typename, what, x.dtype, dtype, x.dtype, dtype), level)
   end
   if device and x.device ~= device then
-    error(("%s: %s is on %s but the parameters are on %s"):format(self.__typename, what, x.device, device), 3)
+    error(("%s: %s is on %s but the parameters are on %s"):format(self.__typename, what, x.device,
+      device), level)
+  end
+end
+
+--- Before a backward(input, grad_output): forward has run, and grad_output
+-- is a float tensor of the output's shape (and the parameters' dtype and
+-- device), so that a mistake at the REPL is an error naming the module,
+-- not one from deep inside it.
+function Module:check_backward(grad_output)
+  if not ft.is_tensor(self.output) then
+    error(("%s: backward before forward: run forward(input) first, then "
+      .. "backward(input, grad_output)"):format(self.__typename), 3)
+  end
+  self:check_input(grad_output, "grad_output", 4)
+  if grad_output.dtype ~= self.output.dtype or grad_output.device ~= self.output.device then
+    error(("%s: grad_output is %s on %s but the output is %s on %s"):format(self.__typename,
+      grad_output.dtype, grad_output.device, self.output.dtype, self.output.device), 3)
+  end
+  if shape_string(grad_output.shape) ~= shape_string(self.output.shape) then
+    error(("%s: grad_output %s must have the output's shape %s"):format(self.__typename,
+      shape_string(grad_output.shape), shape_string(self.output.shape)), 3)
   end
 end
 
@@ -472,6 +496,7 @@ function Identity:forward(input)
 end
 
 function Identity:backward(input, grad_output)
+  self:check_backward(grad_output)
   self.grad_input = grad_output
   return grad_output
 end
@@ -520,6 +545,7 @@ function Linear:forward(input)
 end
 
 function Linear:backward(input, grad_output)
+  self:check_backward(grad_output)
   local x = input:reshape(-1, self.in_features)             -- [M, in]
   local g = grad_output:reshape(-1, self.out_features)      -- [M, out]
   accumulate(self.grad_weight, ft.matmul(g:transpose(), x)) -- [out, in]
@@ -543,6 +569,7 @@ function GELU:forward(x)
 end
 
 function GELU:backward(x, grad_output)
+  self:check_backward(grad_output)
   local x2 = x * x
   local t = ((x + x2 * x * GELU_A) * GELU_C):tanh()
   -- d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3a x^2)
@@ -561,6 +588,7 @@ function SiLU:forward(x)
 end
 
 function SiLU:backward(x, grad_output)
+  self:check_backward(grad_output)
   local s = x:sigmoid()
   -- d/dx = s (1 + x (1 - s))
   self.grad_input = grad_output * s * (x * (1 - s) + 1)
@@ -599,6 +627,7 @@ function RMSNorm:forward(x)
 end
 
 function RMSNorm:backward(x, grad_output)
+  self:check_backward(grad_output)
   local xhat, g = self.xhat, grad_output
   accumulate(self.grad_weight, (g * xhat):reshape(-1, self.dim):sum(1))
   -- dx = rstd (dxhat - xhat mean(dxhat xhat))
@@ -639,6 +668,7 @@ function LayerNorm:forward(x)
 end
 
 function LayerNorm:backward(x, grad_output)
+  self:check_backward(grad_output)
   local xhat, g = self.xhat, grad_output
   local g2 = g:reshape(-1, self.dim)
   accumulate(self.grad_weight, (g * xhat):reshape(-1, self.dim):sum(1))
@@ -703,6 +733,7 @@ function Embedding:forward(ids)
 end
 
 function Embedding:backward(ids, grad_output)
+  self:check_backward(grad_output)
   self.grad_weight:index_add(1, self:flat_ids(ids), grad_output:reshape(-1, self.dim))
   self.grad_input = nil
   return nil
@@ -743,6 +774,7 @@ function PositionalEmbedding:forward(x)
 end
 
 function PositionalEmbedding:backward(x, grad_output)
+  self:check_backward(grad_output)
   local n = x:size(x:dim() - 1)
   local rows = self.grad_weight:narrow(1, 1, n)                      -- [n, dim]
   accumulate(rows, grad_output:reshape(-1, n, self.dim):sum(1))
@@ -783,6 +815,7 @@ function Sequential:forward(input)
 end
 
 function Sequential:backward(input, grad_output)
+  self:check_backward(grad_output)
   local g = grad_output
   for i = #self.modules, 1, -1 do
     local x = i == 1 and input or self.modules[i - 1].output
@@ -814,6 +847,7 @@ function Residual:forward(x)
 end
 
 function Residual:backward(x, grad_output)
+  self:check_backward(grad_output)
   self.grad_input = grad_output + self.modules[1]:backward(x, grad_output)
   return self.grad_input
 end
@@ -942,6 +976,7 @@ function Rotary:forward(x)
 end
 
 function Rotary:backward(x, grad_output)
+  self:check_backward(grad_output)
   self.grad_input = self:rotate(grad_output, 0, true)
   return self.grad_input
 end
@@ -1230,6 +1265,7 @@ local function pack(parts, B, N, heads, d, like)
 end
 
 function MultiheadAttention:backward(x, grad_output)
+  self:check_backward(grad_output)
   local B, N, H, Hk, d = x:size(1), x:size(2), self.heads, self.kv_heads, self.head_dim
   local dattn = self.out_proj:backward(self.attn:reshape(B, N, self.dim), grad_output)
   local dq, dk, dv, dsink
