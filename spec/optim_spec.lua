@@ -181,6 +181,19 @@ describe("optimiser errors", function()
     end)
   end
 
+  it("a param or grad freed since the optimizer was made is an error naming it at step and zero_grad", function()
+    for _, make in ipairs { optim.SGD, optim.AdamW } do
+      local p1, g1 = one_param()
+      local p2, g2 = one_param()
+      local o = make({ p1, p2 }, { g1, g2 }, { lr = 0.1 })
+      g2:free()
+      h.assert_error(function() o:step() end, ": step: grad 2 has been freed")
+      h.assert_error(function() o:zero_grad() end, ": zero_grad: grad 2 has been freed")
+      p1:free()
+      h.assert_error(function() o:step() end, ": step: param 1 has been freed")
+    end
+  end)
+
   it("errors point at the caller's line", function()
     local msg = h.error_of(function() local o = optim.SGD({ p }, { g }, { lr = 0 }); return o end)
     assert.is_truthy(msg:find("optim_spec.lua:%d+: optim.SGD"), msg)

@@ -200,6 +200,10 @@ describe("nn state_dict", function()
       "4.weight has shape {3}", "missing: 3.weight", "unexpected: extra")
     assert.are.equal(0, ft.max_abs_diff(before, b:state_dict()["4.weight"]))
     h.assert_error(function() b:load_state_dict(5) end, "load_state_dict", "table")
+    local gone = ft.zeros(10)
+    gone:free()
+    h.assert_error(function() b:load_state_dict({ ["4.bias"] = gone }, { strict = false }) end,
+      "load_state_dict: 4.bias has been freed")
     -- strict = false: only what matches is copied
     b:load_state_dict({ ["4.bias"] = ft.ones(10) }, { strict = false })
     assert.are.same(ft.ones(10):totable(), b:state_dict()["4.bias"]:totable())

@@ -362,6 +362,10 @@ function Module:load_state_dict(state, opts)
       missing[#missing + 1] = name
     elseif not ft.is_tensor(t) then
       wrong[#wrong + 1] = ("%s is a %s, not a tensor"):format(name, type(t))
+    elseif t.dtype == nil then
+      wrong[#wrong + 1] = ("%s has been freed"):format(name)
+    elseif m[field].dtype == nil then
+      wrong[#wrong + 1] = ("the module's %s has been freed"):format(name)
     elseif shape_string(t.shape) ~= shape_string(m[field].shape) then
       wrong[#wrong + 1] = ("%s has shape %s, the module's is %s"):format(
         name, shape_string(t.shape), shape_string(m[field].shape))

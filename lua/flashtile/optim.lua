@@ -113,7 +113,17 @@ Optimizer.__index = Optimizer
 
 --- Sets every grad to zero.
 function Optimizer:zero_grad()
+  self:check_alive("zero_grad")
   for _, g in ipairs(self.grads) do g:fill(0) end
+end
+
+--- Before a step: no param or grad freed since the optimizer was made
+-- (a freed one is an error naming it, not one from the arithmetic).
+function Optimizer:check_alive(what)
+  for i, p in ipairs(self.params) do
+    if p.dtype == nil then fail(self.ctx, ("%s: param %d has been freed"):format(what, i)) end
+    if self.grads[i].dtype == nil then fail(self.ctx, ("%s: grad %d has been freed"):format(what, i)) end
+  end
 end
 
 --- (cls, ctx, module, opts, spec) or (cls, ctx, params, grads, opts, spec)
@@ -125,7 +135,7 @@ local function new(cls, ctx, params, grads, opts, spec)
   end
   check_lists(ctx, params, grads)
   local self = setmetatable({}, cls)
-  self.params, self.grads = params, grads
+  self.ctx, self.params, self.grads = ctx, params, grads
   self.options = read_options(ctx, opts, spec)
   self.state = {}   -- per parameter, created at its first step
   self.t = 0        -- steps taken
@@ -149,6 +159,7 @@ function optim.SGD(params, grads, opts)
 end
 
 function SGD:step()
+  self:check_alive("step")
   local o = self.options
   self.t = self.t + 1
   for i, p in ipairs(self.params) do
@@ -179,6 +190,7 @@ function optim.AdamW(params, grads, opts)
 end
 
 function AdamW:step()
+  self:check_alive("step")
   local o = self.options
   local b1, b2 = o.betas[1], o.betas[2]
   self.t = self.t + 1
