@@ -106,6 +106,9 @@ describe("nn for decoding", function()
     h.assert_error(function() model:forward(ids(1, 2)) end, "exceed the capacity 4")
     model:train()
     h.assert_error(function() model:forward(ids(1, 1)) end, "call evaluate() first")
+    h.assert_error(function() nn.KVCache(nil, { batch = 1, capacity = 4 }) end,
+      "nn.KVCache: model must be an nn module, got nil")
+    h.assert_error(function() nn.KVCache(5, { batch = 1, capacity = 4 }) end, "got number")
     h.assert_error(function() nn.KVCache(nn.Linear(2, 2), { batch = 1, capacity = 4 }) end,
       "no MultiheadAttention")
     h.assert_error(function() nn.MultiheadAttention { dim = 6, heads = 2, rotary = true } end, "even head_dim")

@@ -1042,6 +1042,9 @@ function nn.KVCache(model, opts)
   local o = check_opts(ctx, opts or {}, { batch = false, capacity = false })
   check_count(ctx, "batch", o.batch)
   check_count(ctx, "capacity", o.capacity)
+  if type(model) ~= "table" or type(model.find) ~= "function" then
+    error(("%s: model must be an nn module, got %s"):format(ctx, type(model)), 2)
+  end
   local modules = model:find("MultiheadAttention")
   if #modules == 0 then error(ctx .. ": the model has no MultiheadAttention", 2) end
   local self = setmetatable({ batch = o.batch, capacity = o.capacity, modules = modules,
