@@ -150,6 +150,11 @@ local function zeros_like(t)
   return ft.zeros(t.shape, { dtype = t.dtype, device = t.device })
 end
 
+--- Whether tensor t has been freed (its fields read as nil then).
+local function is_freed(t)
+  return t.dtype == nil
+end
+
 --- grad += delta, in place (grad may be a view).
 local function accumulate(grad, delta)
   grad:copy(grad + delta)
@@ -362,9 +367,9 @@ function Module:load_state_dict(state, opts)
       missing[#missing + 1] = name
     elseif not ft.is_tensor(t) then
       wrong[#wrong + 1] = ("%s is a %s, not a tensor"):format(name, type(t))
-    elseif t.dtype == nil then
+    elseif is_freed(t) then
       wrong[#wrong + 1] = ("%s has been freed"):format(name)
-    elseif m[field].dtype == nil then
+    elseif is_freed(m[field]) then
       wrong[#wrong + 1] = ("the module's %s has been freed"):format(name)
     elseif shape_string(t.shape) ~= shape_string(m[field].shape) then
       wrong[#wrong + 1] = ("%s has shape %s, the module's is %s"):format(
@@ -444,7 +449,7 @@ function Module:check_input(x, what, level)
   if not ft.is_tensor(x) then
     error(("%s: %s must be a tensor, got %s"):format(self.__typename, what, type(x)), level)
   end
-  if x.dtype == nil then
+  if is_freed(x) then
     error(("%s: %s has been freed"):format(self.__typename, what), level)
   end
   if not is_float(x) then
