@@ -68,7 +68,9 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
                      8x131072 | 1x4096, 4x2048, 1x32768), the cache read in GB/s
                      against a device-to-device copy timed in the same run,
                      contiguous and paged (page size 64); takes --dtype
-                     (the first; default bf16 | f32), --warmup, --reps, --csv
+                     (the first; default bf16 | f32), --impl (each with its
+                     kernel switches, timed in turn: flash+FT_NO_DECODE,flash),
+                     --warmup, --reps, --csv
   --ring             instead: ring attention over the first two CUDA devices
                      (one process, ft.dist.init{devices = {0, 1}}) against
                      attention of the whole sequence on one; 16 heads, head
@@ -409,6 +411,8 @@ if given.decode then
   src:free(); dst:free()
   io.stderr:write(("decode on %s: copy %.0f GB/s\n"):format(name, copy_rate))
   local results = {}
+  -- --impl: each its kernel switches (flash+FT_NO_DECODE,flash), timed in turn
+  local decode_impls = given.impl and impls or { "" }
   for _, sh in ipairs(shapes) do
     local B, N = sh[1], sh[2]
     local kc = ft.randn({ B, N, Hk, d }, { dtype = dtype, device = dev, seed = 1 })
@@ -419,32 +423,44 @@ if given.decode then
     -- lengths and pages on the host: the call checks them there, with no wait on the device
     local lens = ft.full({ B }, N - 1, { dtype = "i32" })
     local a = { causal = true, cache_seqlens = lens, k_new = kn, v_new = vn }
-    local r = bench.run(function() return ft.attention(q, kc, vc, a) end, timing)
     -- the same caches as page pools, each sequence's pages in order
     local pages = ft.arange(1, B * N / PAGE + 1, { dtype = "i32" }):view(B, N / PAGE)
     local kp, vp = kc:view(B * N / PAGE, PAGE, Hk, d), vc:view(B * N / PAGE, PAGE, Hk, d)
     local ap = { causal = true, cache_seqlens = lens, k_new = kn, v_new = vn, block_table = pages }
-    local rp = bench.run(function() return ft.attention(q, kp, vp, ap) end, timing)
-    local kv = 2 * B * N * Hk * d * esize
-    local row = { B = B, N = N, ms = r.median, rate = kv / (r.median / 1e3) / 1e9,
-                  paged_ms = rp.median, paged_rate = kv / (rp.median / 1e3) / 1e9 }
-    results[#results + 1] = row
-    io.stderr:write(("B %d Nk %d: %.3f ms, %.0f GB/s; paged %.3f ms\n"):format(B, N, row.ms, row.rate, row.paged_ms))
+    for _, impl in ipairs(decode_impls) do
+      local switches = select(2, split_impl(impl))
+      for _, s in ipairs(switches) do ft.set_switch(s, true) end
+      local ok, r, rp = pcall(function()
+        return bench.run(function() return ft.attention(q, kc, vc, a) end, timing),
+          bench.run(function() return ft.attention(q, kp, vp, ap) end, timing)
+      end)
+      for _, s in ipairs(switches) do ft.set_switch(s, nil) end
+      if not ok then error(r, 0) end
+      local kv = 2 * B * N * Hk * d * esize
+      local row = { B = B, N = N, impl = impl, ms = r.median, rate = kv / (r.median / 1e3) / 1e9,
+                    paged_ms = rp.median, paged_rate = kv / (rp.median / 1e3) / 1e9 }
+      results[#results + 1] = row
+      io.stderr:write(("B %d Nk %d%s: %.3f ms, %.0f GB/s; paged %.3f ms\n"):format(B, N,
+        impl ~= "" and " " .. impl or "", row.ms, row.rate, row.paged_ms))
+    end
     kc:free(); vc:free()
   end
   print(("\n%s, %s, %s; decoding: 1 query row, %d/%d heads, head dim %d, causal; a "
     .. "device-to-device copy in the same run: %.0f GB/s (%s, read + write)"):format(name,
     os.date("!%Y-%m-%d"), dtype, H, Hk, d, copy_rate, on_gpu and "2 GiB" or "256 MiB"))
-  print("| B x Nk | ms | KV GB/s | of the copy | paged (64) ms | paged GB/s | paged / contiguous |")
-  print("| --- | --- | --- | --- | --- | --- | --- |")
+  local named = given.impl ~= nil
+  print(("| B x Nk |%s ms | KV GB/s | of the copy | paged (64) ms | paged GB/s | paged / contiguous |")
+    :format(named and " impl |" or ""))
+  print(named and "| --- | --- | --- | --- | --- | --- | --- | --- |" or "| --- | --- | --- | --- | --- | --- | --- |")
   local f = io.open(opts.csv, "w")
-  if f then f:write("B,Nk,H,Hk,d,dtype,ms,gbps,of_copy,paged_ms,paged_gbps,copy_gbps\n") end
+  if f then f:write("B,Nk,H,Hk,d,dtype,ms,gbps,of_copy,paged_ms,paged_gbps,copy_gbps,impl\n") end
   for _, r in ipairs(results) do
-    print(("| %d x %d | %.3f | %.0f | %.2f | %.3f | %.0f | %.2f |"):format(r.B, r.N, r.ms, r.rate,
-      r.rate / copy_rate, r.paged_ms, r.paged_rate, r.paged_rate / r.rate))
+    print(("| %d x %d |%s %.3f | %.0f | %.2f | %.3f | %.0f | %.2f |"):format(r.B, r.N,
+      named and " " .. r.impl .. " |" or "", r.ms, r.rate, r.rate / copy_rate, r.paged_ms, r.paged_rate,
+      r.paged_rate / r.rate))
     if f then
-      f:write(("%d,%d,%d,%d,%d,%s,%.4f,%.1f,%.3f,%.4f,%.1f,%.1f\n"):format(r.B, r.N, H, Hk, d, dtype,
-        r.ms, r.rate, r.rate / copy_rate, r.paged_ms, r.paged_rate, copy_rate))
+      f:write(("%d,%d,%d,%d,%d,%s,%.4f,%.1f,%.3f,%.4f,%.1f,%.1f,%s\n"):format(r.B, r.N, H, Hk, d, dtype,
+        r.ms, r.rate, r.rate / copy_rate, r.paged_ms, r.paged_rate, copy_rate, r.impl))
     end
   end
   if f then f:close() end

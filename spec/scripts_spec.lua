@@ -228,6 +228,14 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       assert.is_truthy(out:find("\n| 1 x 4096 | "), out)
       assert.is_truthy(out:find("\n| 4 x 2048 | "), out)
       assert.is_true(exists(work .. "/bench-results.csv"))
+      -- --impl: a row for each, its kernel switches on while it runs
+      out, status = lua(ROOT .. "/scripts/bench.lua",
+        "--device cpu --decode --warmup 0 --reps 1 --impl tiled+FT_NO_DECODE,tiled",
+        { dir = work, env = "FT_BUILD_DIR=" .. quote(BUILD) })
+      assert.are.equal(0, status, out)
+      assert.is_truthy(out:find("| B x Nk | impl | ms |", 1, true), out)
+      assert.is_truthy(out:find("\n| 1 x 4096 | tiled+FT_NO_DECODE | ", 1, true), out)
+      assert.is_truthy(out:find("\n| 1 x 4096 | tiled | ", 1, true), out)
       rmdir(work)
     end)
 
