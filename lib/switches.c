@@ -13,7 +13,9 @@
  * their products: at any length, or never; by default from 8192 keys),
  * FT_NO_CAP_MAX (a bf16 softcap's rows, and those of a bf16 Lua-written
  * score whose range is narrow, keep a running maximum, as other calls do,
- * instead of taking the score's top as their maximum);
+ * instead of taking the score's top as their maximum), FT_NO_DECODE_WS
+ * (the decoding kernel whose four warps copy and compute in turn, not the
+ * one with four more warps that only copy);
  * kernels/README.md says what each kernel is.
  *
  * A switch is on when ft_set_switch turned it on, off when it turned it
@@ -35,7 +37,7 @@
 static const char *const names[] = {"FT_NO_WGMMA",     "FT_NO_WS",           "FT_WS",
                                     "FT_PERSIST",      "FT_NO_PERSIST",      "FT_NO_DECODE",
                                     "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS",
-                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX"};
+                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX",   "FT_NO_DECODE_WS"};
 enum { NSWITCHES = sizeof names / sizeof names[0] };
 static atomic_int state[NSWITCHES]; /* 0: the environment's; 1: on; 2: off */
 

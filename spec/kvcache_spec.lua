@@ -359,6 +359,7 @@ describe("attention over a KV cache", function()
       { Nq = 4, H = 16, Hk = 2, d = 128, splits = 1 }, { Nq = 64, H = 8, Hk = 2, d = 128, splits = 0 },
       { Nq = 3, H = 4, Hk = 1, d = 256, splits = 5 }, { Nq = 1, H = 4, Hk = 4, d = 96, splits = 0 },
       { Nq = 2, H = 8, Hk = 2, d = 64, splits = 40 }, { Nq = 64, H = 8, Hk = 2, d = 128, splits = 4 },
+      { Nq = 16, H = 16, Hk = 4, d = 256, splits = 0 },
     } do
       local B, cap, PS = 3, 700, 28
       local lens = { 0, 1, cap - case.Nq }
@@ -379,6 +380,18 @@ describe("attention over a KV cache", function()
       local el = ft.max_abs_diff(lse:cpu():double(), wl)
       assert.is_true(e < 2^-6 and el < 1e-3, ("%s: out error %g, lse %g"):format(label, e, el))
       assert.is_true(same_or_nan(kg:cpu():double(), kc_c), label .. ": the appended cache")
+      -- the kernel without copying warps (FT_NO_DECODE_WS): the same bits
+      ft.set_switch("FT_NO_DECODE_WS", true)
+      local ok, out3, lse3 = pcall(ft.attention, g(q), g(kc), g(vc), { causal = true, cache_seqlens = lens_t,
+                                   k_new = g(kn), v_new = g(vn), num_splits = case.splits })
+      ft.set_switch("FT_NO_DECODE_WS", nil)
+      assert(ok, out3)
+      if case.splits > 0 then -- (the automatic count follows each kernel's occupancy)
+        assert.are.equal(0, ft.max_abs_diff(out3:cpu():double(), out:cpu():double()), label .. ": FT_NO_DECODE_WS")
+        assert.are.equal(0, ft.max_abs_diff(lse3:cpu():double(), lse:cpu():double()), label .. ": FT_NO_DECODE_WS lse")
+      else
+        assert.is_true(ft.max_abs_diff(out3:cpu():double(), want) < 2^-6, label .. ": FT_NO_DECODE_WS")
+      end
       -- paged: sequence b's page i is pool page np * B + 1 - ((b - 1) * np + i)
       local np = h.idiv(cap, PS)
       local kp = g(kc):view { B * np, PS, case.Hk, case.d }:index_select(1, ft.arange(B * np, 0, -1, { dtype = "i32" }):cuda())

@@ -10,7 +10,7 @@ local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
 local NAMES = { "FT_NO_WGMMA", "FT_NO_WS", "FT_WS", "FT_PERSIST", "FT_NO_PERSIST", "FT_NO_DECODE",
                 "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS", "FT_NO_TURNS",
-                "FT_NO_CAP_MAX" }
+                "FT_NO_CAP_MAX", "FT_NO_DECODE_WS" }
 
 describe("kernel switches", function()
   after_each(function()
@@ -79,7 +79,7 @@ describe("kernel switches", function()
     for _, opts in ipairs { { causal = false }, { causal = true, window_left = 100 }, { softcap = 20, causal = true } } do
       local want = run(opts)
       for _, name in ipairs(NAMES) do
-        if name ~= "FT_NO_DECODE" then -- no decoding kernel in these calls
+        if name ~= "FT_NO_DECODE" and name ~= "FT_NO_DECODE_WS" then -- no decoding kernel in these calls
           ft.set_switch(name, true)
           local got = run(opts)
           ft.set_switch(name, nil)

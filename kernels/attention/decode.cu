@@ -31,6 +31,40 @@
 #include <pthread.h>
 #include <string.h>
 
+/* mbarriers in shared memory (sm_80 and later; the address from
+ * smem_addr): a phase completes when `count` arrivals have come; waiters
+ * name the phase by its parity. */
+__device__ __forceinline__ void dec_bar_init(uint32_t bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void dec_bar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void dec_bar_wait(uint32_t bar, int parity)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+#else
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+#endif
+}
+/* An arrival on bar once this thread's cp.async copies so far have landed,
+ * one of the `count` the barrier was made with (.noinc). */
+__device__ __forceinline__ void dec_bar_arrive_copies(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 struct DecodeParams {
     const void *q;
     int64_t q_bs, q_rs, q_hs; /* elements */
@@ -65,7 +99,8 @@ template <int D, int WR, int NS> struct DecodeSmem {
     static constexpr int K = ROWS * LD, STAGE = 2 * DEC_BC * LD;
     /* then (paged) the page and row in it of each key of two tiles */
     static constexpr size_t pages = (size_t)(K + NS * STAGE) * 2;
-    static constexpr size_t bytes = pages + 2 * DEC_BC * sizeof(int2);
+    static constexpr size_t bars = pages + 2 * DEC_BC * sizeof(int2); /* then full[NS], empty[NS] */
+    static constexpr size_t bytes = bars + 2 * NS * 8;
 };
 
 /* Key j of sequence b: its batch entry (or page) and row there. */
@@ -168,14 +203,21 @@ __device__ __forceinline__ void merge_store(const DecodeParams &p, int64_t row, 
     out[3] = T(v.w);
 }
 
-template <typename T, int D, int WR, int NS>
-__global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(DecodeParams p)
+/* The split kernel. WS: four more warps issue the K/V copies into the
+ * ring, each stage's landing counted on a "full" mbarrier and its release
+ * by the four computing warps on an "empty" one, so the copies run ahead
+ * of the products by the whole ring and no CTA barrier stands in the loop;
+ * else every thread copies and the CTA meets twice a tile. */
+template <typename T, int D, int WR, int NS, bool WS>
+__global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_kernel(DecodeParams p)
 {
     using L = DecodeSmem<D, WR, NS>;
     constexpr int LD = L::LD, ROWS = L::ROWS, WK = DEC_WARPS / WR, KW = DEC_BC / WK;
     constexpr int NT_S = KW / 8, NT_O = D / 8, THREADS = DEC_WARPS * FT_WARP;
+    constexpr int ALL = (1 + WS) * THREADS; /* with the copying warps */
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *const sQ = reinterpret_cast<T *>(smem_raw), *const sKV = sQ + L::K;
+    const uint32_t full = smem_addr(smem_raw + L::bars), empty = full + 8 * NS;
 
     const int tid = threadIdx.x, lane = tid % FT_WARP, warp = tid / FT_WARP;
     const int g = lane / 4, t4 = lane % 4, wr = warp % WR, wk = warp / WR;
@@ -185,34 +227,27 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
     const int len0 = p.lens ? p.lens[b] : p.lens_inline[b & (FT_DECODE_INLINE - 1)];
     const int len = len0 + p.Nnew;
     const int k_lo = split * p.chunk, k_hi = min(len, k_lo + p.chunk);
-
-    /* Q rows r0 .. r0 + ROWS - 1 (zeros past M and past d) */
-    for (int idx = tid; idx < ROWS * (D / 8); idx += THREADS) {
-        const int r = idx / (D / 8), c = idx % (D / 8) * 8, rr = r0 + r;
-        const bool ok = rr < M && c < p.d;
-        const int i = ok ? rr / p.G : 0, h = hk * p.G + (ok ? rr % p.G : 0);
-        const char *src = (const char *)p.q + 2 * ((int64_t)b * p.q_bs + (int64_t)i * p.q_rs +
-                                                   (int64_t)h * p.q_hs + c);
-        cp_async_16(sQ + r * LD + c, ok ? src : (const char *)p.q, ok);
-    }
-    cp_async_commit();
     /* stage st of tile t: keys k_lo + t DEC_BC ..; rows past k_hi and
      * columns past d are zeros, never read from the cache */
     const int ntiles = k_hi > k_lo ? (k_hi - k_lo + DEC_BC - 1) / DEC_BC : 0;
-    constexpr int CPR = D / 8, RPI = THREADS / CPR; /* 16-byte chunks a row; rows a pass */
-    const int lc = (tid % CPR) * 8, lr = tid / CPR;    /* this thread's column, first row */
-    /* paged: thread r < DEC_BC looks up the place of row r of a tile a
-     * tile ahead of its copy, and leaves it in sPg[t % 2] for the copiers */
+
+    /* The copies of tile t into its stage, by copier c of THREADS (the
+     * computing threads, or as many copying ones): its 16-byte chunks, at
+     * column (c % CPR) 8 of rows c / CPR, + RPI, ...; paged, sPg[t % 2]
+     * holds where each row of tile t lies, looked up a tile ahead by copier
+     * r < DEC_BC for row r (place). */
+    constexpr int CPR = D / 8, RPI = THREADS / CPR;
     int2 *const sPg = reinterpret_cast<int2 *>(smem_raw + L::pages);
-    auto place = [&](int t) {
-        const int j = k_lo + t * DEC_BC + tid;
+    auto place = [&](int t, int c) {
+        const int j = k_lo + t * DEC_BC + c;
         return j < min(k_hi, len0) ? cache_place(p, b, j) : make_int2(0, 0);
     };
-    auto load = [&](int t) {
+    auto load = [&](int t, int c) {
         T *sk = sKV + (t % NS) * L::STAGE, *sv = sk + DEC_BC * LD;
         const int2 *pg = sPg + (t % 2) * DEC_BC;
+        const int lc = (c % CPR) * 8;
 #pragma unroll
-        for (int r = lr; r < DEC_BC; r += RPI) {
+        for (int r = c / CPR; r < DEC_BC; r += RPI) {
             const int j = k_lo + t * DEC_BC + r;
             const bool ok = j < k_hi && lc < p.d;
             const char *kr = (const char *)p.k, *vr = (const char *)p.v;
@@ -222,137 +257,202 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
             cp_async_16(sv + r * LD + lc, ok ? vr + 2 * lc : vr, ok);
         }
     };
-#pragma unroll
-    for (int t = 0; t < NS; t++) {
-        if (p.table) { /* uniform across the CTA */
-            if (tid < DEC_BC)
-                sPg[(t % 2) * DEC_BC + tid] = place(t);
-            __syncthreads();
-        }
-        if (t < NS - 1) {
-            if (t < ntiles)
-                load(t);
-            cp_async_commit();
-        }
-    }
 
-    /* the append: this split's share of the new rows into the cache,
-     * while the first tiles are on their way */
-    if (p.Nnew > 0 && rb == 0) {
-        const int n0 = max(k_lo, len0), n1 = k_hi;
-        for (int idx = tid; idx < (n1 - n0) * (D / 8); idx += THREADS) {
-            const int j = n0 + idx / (D / 8), c = idx % (D / 8) * 8;
-            if (j >= n1 || c >= p.d)
-                continue;
-            const char *kr, *vr;
-            int64_t ko, vo;
-            kv_rows(p, b, hk, len0, j, make_int2(0, 0), &kr, &vr); /* j >= len0 */
-            cache_slot(p, b, hk, j, &ko, &vo);
-            *reinterpret_cast<uint4 *>((char *)p.kw + 2 * (ko + c)) =
-                *reinterpret_cast<const uint4 *>(kr + 2 * c);
-            *reinterpret_cast<uint4 *>((char *)p.vw + 2 * (vo + c)) =
-                *reinterpret_cast<const uint4 *>(vr + 2 * c);
+    if constexpr (WS) {
+        if (tid == 0)
+            for (int st = 0; st < NS; st++) {
+                dec_bar_init(full + 8 * st, THREADS); /* each copying thread's copies */
+                dec_bar_init(empty + 8 * st, DEC_WARPS); /* a lane of each computing warp */
+            }
+        __syncthreads();
+        if (warp >= DEC_WARPS) {
+            /* The copying warps: a stage refilled as soon as the computing
+             * warps release it; the places of the next tile looked up while
+             * this one is issued (a named barrier among the copiers). */
+            const int c = tid - THREADS;
+            if (p.table) {
+                if (c < DEC_BC)
+                    sPg[c] = place(0, c);
+                asm volatile("bar.sync 2, %0;\n" ::"n"(THREADS) : "memory");
+            }
+            for (int t = 0; t < ntiles; t++) {
+                const int st = t % NS;
+                int2 next = make_int2(0, 0);
+                if (p.table && c < DEC_BC)
+                    next = place(t + 1, c);
+                if (t >= NS)
+                    dec_bar_wait(empty + 8 * st, ((t / NS) & 1) ^ 1);
+                load(t, c);
+                dec_bar_arrive_copies(full + 8 * st);
+                if (p.table) {
+                    if (c < DEC_BC)
+                        sPg[((t + 1) % 2) * DEC_BC + c] = next;
+                    asm volatile("bar.sync 2, %0;\n" ::"n"(THREADS) : "memory");
+                }
+            }
         }
     }
 
     float o[NT_O][4], m[2], l[2];
-#pragma unroll
-    for (int n = 0; n < NT_O; n++)
-        o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    m[0] = m[1] = -INFINITY;
-    l[0] = l[1] = 0.f;
-    /* the last key each of this thread's two rows sees (exclusive) */
-    int kend[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int rr = r0 + wr * 16 + g + 8 * r, i = rr / p.G;
-        kend[r] = rr >= M ? 0 : p.causal ? min(k_hi, len - p.Nq + i + 1) : k_hi;
-    }
-
-    cp_async_wait<NS - 1>(); /* Q */
-    __syncthreads();
-    uint32_t qa[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++)
-        ldmatrix_x4(qa[kk], sQ + (wr * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
-
-    for (int t = 0; t < ntiles; t++) {
-        if (t + NS - 1 < ntiles)
-            load(t + NS - 1);
+    if (!WS || warp < DEC_WARPS) {
+        /* Q rows r0 .. r0 + ROWS - 1 (zeros past M and past d) */
+        for (int idx = tid; idx < ROWS * (D / 8); idx += THREADS) {
+            const int r = idx / (D / 8), c = idx % (D / 8) * 8, rr = r0 + r;
+            const bool ok = rr < M && c < p.d;
+            const int i = ok ? rr / p.G : 0, h = hk * p.G + (ok ? rr % p.G : 0);
+            const char *src = (const char *)p.q + 2 * ((int64_t)b * p.q_bs + (int64_t)i * p.q_rs +
+                                                       (int64_t)h * p.q_hs + c);
+            cp_async_16(sQ + r * LD + c, ok ? src : (const char *)p.q, ok);
+        }
         cp_async_commit();
-        int2 next = make_int2(0, 0); /* paged: tile t + NS's places, stored below */
-        if (p.table && tid < DEC_BC)
-            next = place(t + NS);
-        cp_async_wait<NS - 1>(); /* tile t landed */
-        __syncthreads();
-        const T *sk = sKV + (t % NS) * L::STAGE + wk * KW * LD, *sv = sk + DEC_BC * LD;
-        const int j0 = k_lo + t * DEC_BC + wk * KW; /* this warp's first key */
-
-        float s[NT_S][4];
+        if constexpr (!WS) {
 #pragma unroll
-        for (int n = 0; n < NT_S; n++)
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-#pragma unroll
-            for (int nn = 0; nn < NT_S / 2; nn++) {
-                uint32_t bk[4];
-                ldmatrix_x4(bk, sk + (nn * 16 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
-                                    ((lane / 8) % 2) * 8);
-                MmaType<T>::mma(s[2 * nn], qa[kk], bk[0], bk[1]);
-                MmaType<T>::mma(s[2 * nn + 1], qa[kk], bk[2], bk[3]);
+            for (int t = 0; t < NS; t++) {
+                if (p.table) { /* uniform across the CTA */
+                    if (tid < DEC_BC)
+                        sPg[(t % 2) * DEC_BC + tid] = place(t, tid);
+                    __syncthreads();
+                }
+                if (t < NS - 1) {
+                    if (t < ntiles)
+                        load(t, tid);
+                    cp_async_commit();
+                }
             }
+        }
+
+        /* the append: this split's share of the new rows into the cache,
+         * while the first tiles are on their way */
+        if (p.Nnew > 0 && rb == 0) {
+            const int n0 = max(k_lo, len0), n1 = k_hi;
+            for (int idx = tid; idx < (n1 - n0) * (D / 8); idx += THREADS) {
+                const int j = n0 + idx / (D / 8), c = idx % (D / 8) * 8;
+                if (j >= n1 || c >= p.d)
+                    continue;
+                const char *kr, *vr;
+                int64_t ko, vo;
+                kv_rows(p, b, hk, len0, j, make_int2(0, 0), &kr, &vr); /* j >= len0 */
+                cache_slot(p, b, hk, j, &ko, &vo);
+                *reinterpret_cast<uint4 *>((char *)p.kw + 2 * (ko + c)) =
+                    *reinterpret_cast<const uint4 *>(kr + 2 * c);
+                *reinterpret_cast<uint4 *>((char *)p.vw + 2 * (vo + c)) =
+                    *reinterpret_cast<const uint4 *>(vr + 2 * c);
+            }
+        }
+
+#pragma unroll
+        for (int n = 0; n < NT_O; n++)
+            o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.f;
+        /* the last key each of this thread's two rows sees (exclusive) */
+        int kend[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            float mx = -INFINITY;
+            const int rr = r0 + wr * 16 + g + 8 * r, i = rr / p.G;
+            kend[r] = rr >= M ? 0 : p.causal ? min(k_hi, len - p.Nq + i + 1) : k_hi;
+        }
+
+        if constexpr (WS) {
+            cp_async_wait<0>(); /* Q */
+            asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+        } else {
+            cp_async_wait<NS - 1>(); /* Q */
+            __syncthreads();
+        }
+        uint32_t qa[D / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            ldmatrix_x4(qa[kk], sQ + (wr * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+
+        for (int t = 0; t < ntiles; t++) {
+            int2 next = make_int2(0, 0); /* paged: tile t + NS's places, stored below */
+            if constexpr (WS) {
+                dec_bar_wait(full + 8 * (t % NS), (t / NS) & 1);
+            } else {
+                if (t + NS - 1 < ntiles)
+                    load(t + NS - 1, tid);
+                cp_async_commit();
+                if (p.table && tid < DEC_BC)
+                    next = place(t + NS, tid);
+                cp_async_wait<NS - 1>(); /* tile t landed */
+                __syncthreads();
+            }
+            const T *sk = sKV + (t % NS) * L::STAGE + wk * KW * LD, *sv = sk + DEC_BC * LD;
+            const int j0 = k_lo + t * DEC_BC + wk * KW; /* this warp's first key */
+
+            float s[NT_S][4];
 #pragma unroll
             for (int n = 0; n < NT_S; n++)
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float &x = s[n][2 * r + e];
-                    x = j0 + n * 8 + t4 * 2 + e < kend[r] ? x * p.scale_log2 : -INFINITY;
-                    mx = max_nan(mx, x);
+            for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+                for (int nn = 0; nn < NT_S / 2; nn++) {
+                    uint32_t bk[4];
+                    ldmatrix_x4(bk, sk + (nn * 16 + lane % 8 + (lane / 16) * 8) * LD + kk * 16 +
+                                        ((lane / 8) % 2) * 8);
+                    MmaType<T>::mma(s[2 * nn], qa[kk], bk[0], bk[1]);
+                    MmaType<T>::mma(s[2 * nn + 1], qa[kk], bk[2], bk[3]);
                 }
-            mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = max_nan(m[r], mx), m_use = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = ex2(m[r] - m_use);
-            float sum = 0.f;
 #pragma unroll
-            for (int n = 0; n < NT_S; n++)
+            for (int r = 0; r < 2; r++) {
+                float mx = -INFINITY;
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float &x = s[n][2 * r + e];
-                    x = ex2(x - m_use);
-                    sum += x;
+                for (int n = 0; n < NT_S; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float &x = s[n][2 * r + e];
+                        x = j0 + n * 8 + t4 * 2 + e < kend[r] ? x * p.scale_log2 : -INFINITY;
+                        mx = max_nan(mx, x);
+                    }
+                mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = max_nan(m[r], mx), m_use = m_new == -INFINITY ? 0.f : m_new;
+                const float alpha = ex2(m[r] - m_use);
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_S; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float &x = s[n][2 * r + e];
+                        x = ex2(x - m_use);
+                        sum += x;
+                    }
+                l[r] = l[r] * alpha + sum;
+                m[r] = m_new;
+#pragma unroll
+                for (int n = 0; n < NT_O; n++) {
+                    o[n][2 * r] *= alpha;
+                    o[n][2 * r + 1] *= alpha;
                 }
-            l[r] = l[r] * alpha + sum;
-            m[r] = m_new;
+            }
 #pragma unroll
-            for (int n = 0; n < NT_O; n++) {
-                o[n][2 * r] *= alpha;
-                o[n][2 * r + 1] *= alpha;
+            for (int kk = 0; kk < KW / 16; kk++) {
+                uint32_t a[4];
+                a[0] = MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+                a[1] = MmaType<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+                a[2] = MmaType<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                a[3] = MmaType<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+                for (int dn = 0; dn < NT_O / 2; dn++) {
+                    uint32_t bv[4];
+                    ldmatrix_x4_trans(bv, sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
+                                              dn * 16 + (lane / 16) * 8);
+                    MmaType<T>::mma(o[2 * dn], a, bv[0], bv[1]);
+                    MmaType<T>::mma(o[2 * dn + 1], a, bv[2], bv[3]);
+                }
+            }
+            if constexpr (WS) {
+                __syncwarp(); /* the warp's reads of the stage are done: release it */
+                if (lane == 0)
+                    dec_bar_arrive(empty + 8 * (t % NS));
+            } else {
+                if (p.table && tid < DEC_BC)
+                    sPg[((t + NS) % 2) * DEC_BC + tid] = next;
+                __syncthreads(); /* stage t % NS is refilled next iteration */
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < KW / 16; kk++) {
-            uint32_t a[4];
-            a[0] = MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = MmaType<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = MmaType<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = MmaType<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-            for (int dn = 0; dn < NT_O / 2; dn++) {
-                uint32_t bv[4];
-                ldmatrix_x4_trans(bv, sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
-                                          dn * 16 + (lane / 16) * 8);
-                MmaType<T>::mma(o[2 * dn], a, bv[0], bv[1]);
-                MmaType<T>::mma(o[2 * dn + 1], a, bv[2], bv[3]);
-            }
-        }
-        if (p.table && tid < DEC_BC)
-            sPg[((t + NS) % 2) * DEC_BC + tid] = next;
-        __syncthreads(); /* stage t % NS is refilled next iteration */
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -367,7 +467,7 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
     const int R = min(ROWS, M - r0);
     float *so = reinterpret_cast<float *>(sKV), *sm = so + WK * ROWS * SLD, *sl = sm + WK * ROWS;
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
+    for (int r = 0; r < 2 && (!WS || warp < DEC_WARPS); r++) {
         float sum = l[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -384,7 +484,7 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
                 make_float2(o[n][2 * r], o[n][2 * r + 1]);
     }
     __syncthreads();
-    for (int idx = tid; idx < R * p.d; idx += THREADS) {
+    for (int idx = tid; idx < R * p.d; idx += ALL) {
         const int row = idx / p.d, c = idx % p.d, rr = r0 + row;
         float mt = -INFINITY;
         for (int w = 0; w < WK; w++)
@@ -428,7 +528,7 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
         return;
     __threadfence();
     float *const w = reinterpret_cast<float *>(sKV); /* [rows][splits] */
-    for (int r = warp; r < R; r += DEC_WARPS) {
+    for (int r = warp; r < R; r += ALL / FT_WARP) {
         const int rr = r0 + r, i = rr / p.G, h = hk * p.G + rr % p.G;
         const int64_t stat = ((int64_t)b * p.H + h) * p.Nq + i;
         const float lse = merge_weights(p, stat, w + r * p.splits, lane);
@@ -436,7 +536,7 @@ __global__ void __launch_bounds__(DEC_WARPS *FT_WARP) decode_split_kernel(Decode
             p.lse[stat] = lse;
     }
     __syncthreads();
-    for (int idx = tid; idx < R * (p.d / 4); idx += THREADS) {
+    for (int idx = tid; idx < R * (p.d / 4); idx += ALL) {
         const int r = idx / (p.d / 4), c = idx % (p.d / 4) * 4, rr = r0 + r;
         const int64_t stat = ((int64_t)b * p.H + hk * p.G + rr % p.G) * p.Nq + rr / p.G;
         merge_store<T>(p, stat, c, merge_cols4(p, stat, w + r * p.splits, c));
@@ -474,25 +574,28 @@ template <typename T> __global__ void __launch_bounds__(128) decode_merge_kernel
 /* ---- launch ---- */
 
 /* Stages of the K/V ring: as many as let two CTAs share an SM at head dims
- * up to 128 (d 64: 6 x 18 KB, d 128: 3 x 35 KB), three at 256 (one CTA).
- * Measured at d 128 (H200, bench --decode): one CTA of 6 stages an SM read
- * the cache at 0.53-0.65 of the copy rate, three CTAs of 2 stages at
- * 0.63-0.93, two of 3 stages at 0.67-0.97: the CTAs that wait on their
- * tiles in turn matter more than the bytes in flight. */
-template <int D> struct DecodeStages {
-    static constexpr int value = D == 64 ? 6 : 3;
+ * up to 128 with 16 rows (d 64: 6 x 18 KB, d 128: 3 x 35 KB); at 256, three
+ * (one CTA), two with 64 rows (Q's 33 KB more would pass the 227 KB a CTA
+ * may have). Measured at d 128 (H200, bench --decode, the kernel without
+ * the copying warp): one CTA of 6 stages an SM read the cache at 0.53-0.65
+ * of the copy rate, three CTAs of 2 stages at 0.63-0.93, two of 3 stages at
+ * 0.67-0.97: the CTAs that wait on their tiles in turn matter more than the
+ * bytes in flight. */
+template <int D, int WR> struct DecodeStages {
+    static constexpr int value = D == 64 ? 6 : D == 128 || WR == 1 ? 3 : 2;
 };
 
-/* The kernel for a head dim and row grouping, its shared-memory limit
- * raised once per device. */
-template <typename T, int D, int WR> struct DecodeKernel {
-    static constexpr int NS = DecodeStages<D>::value;
+/* The kernel for a head dim and row grouping, with the copying warp (WS)
+ * or without, its shared-memory limit raised once per device. */
+template <typename T, int D, int WR, bool WS> struct DecodeKernel {
+    static constexpr int NS = DecodeStages<D, WR>::value, THREADS = (1 + WS) * DEC_WARPS * FT_WARP;
     using L = DecodeSmem<D, WR, NS>;
+    static_assert(L::bytes <= 227 * 1024, "a CTA's shared memory");
     static ft_status get(void (**k)(DecodeParams), const char *func)
     {
         static unsigned long long ready = 0; /* a bit per device */
         int dev = 0;
-        *k = decode_split_kernel<T, D, WR, NS>;
+        *k = decode_split_kernel<T, D, WR, NS, WS>;
         cudaGetDevice(&dev);
         const unsigned long long bit = dev < 64 ? 1ull << dev : 0;
         if (!(ready & bit)) {
@@ -514,7 +617,7 @@ template <typename T, int D, int WR> struct DecodeKernel {
         void (*k)(DecodeParams);
         int n = 1;
         if (get(&k, func) != FT_OK ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, DEC_WARPS * FT_WARP, L::bytes) !=
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, THREADS, L::bytes) !=
                 cudaSuccess || n < 1)
             n = 1;
         cudaGetLastError();
@@ -531,12 +634,18 @@ static int decode_row_blocks(int M)
     return M <= 16 ? 1 : (M + 63) / 64;
 }
 
-/* Calls fn(TypeOf<T>, IntC<D>, IntC<WR>) for the call's dtype, padded head
- * dim and row grouping (WR as decode_row_blocks counts). */
+/* Calls fn(K()) with K the DecodeKernel of the call's dtype, padded head
+ * dim, row grouping (WR as decode_row_blocks counts) and copying warp (WS,
+ * unless FT_NO_DECODE_WS is on). */
 template <typename F> static ft_status decode_dispatch(int dtype, int d, int M, F fn)
 {
+    const bool ws = ft_switch("FT_NO_DECODE_WS") != 1;
     auto rows = [&](auto type, auto dd) {
-        return M <= 16 ? fn(type, dd, IntC<1>()) : fn(type, dd, IntC<4>());
+        using T = typename decltype(type)::type;
+        constexpr int D = decltype(dd)::value;
+        if (M <= 16)
+            return ws ? fn(DecodeKernel<T, D, 1, true>()) : fn(DecodeKernel<T, D, 1, false>());
+        return ws ? fn(DecodeKernel<T, D, 4, true>()) : fn(DecodeKernel<T, D, 4, false>());
     };
     auto dims = [&](auto type) {
         return d <= 64 ? rows(type, IntC<64>()) : d <= 128 ? rows(type, IntC<128>())
@@ -566,9 +675,8 @@ extern "C" int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, i
     /* CTAs that run at once: SMs x CTAs an SM holds */
     const int sms = flash_sm_count(q->device.index);
     int per_sm = 1;
-    decode_dispatch(q->dtype, d, M, [&](auto type, auto dd, auto wr) {
-        using K = DecodeKernel<typename decltype(type)::type, decltype(dd)::value, decltype(wr)::value>;
-        per_sm = K::per_sm("ft_attention_forward");
+    decode_dispatch(q->dtype, d, M, [&](auto kernel) {
+        per_sm = decltype(kernel)::per_sm("ft_attention_forward");
         return FT_OK;
     });
     const int64_t slots = (int64_t)sms * (per_sm > 0 ? per_sm : 1);
@@ -666,13 +774,11 @@ extern "C" ft_status ft_attention_decode_cuda(const ft_decode_cuda *a)
     const int64_t row_blocks = decode_row_blocks(M);
     if (p.splits > 1 && p.splits <= DEC_FUSED_MAX)
         FT_TRY(decode_tickets(q->device.index, (size_t)(p.B * p.Hk * row_blocks), &p.tickets, func));
-    ft_status st = decode_dispatch(q->dtype, p.d, M, [&](auto type, auto dd, auto wr) {
-        constexpr int WR = decltype(wr)::value;
-        using K = DecodeKernel<typename decltype(type)::type, decltype(dd)::value, WR>;
+    ft_status st = decode_dispatch(q->dtype, p.d, M, [&](auto kernel) {
+        using K = decltype(kernel);
         void (*kern)(DecodeParams);
         FT_TRY(K::get(&kern, func));
-        static_assert(WR == 1 || WR == 4, "row blocks of 16 or 64");
-        kern<<<dim3((unsigned)(p.splits * row_blocks), p.Hk, p.B), DEC_WARPS * FT_WARP, K::L::bytes>>>(p);
+        kern<<<dim3((unsigned)(p.splits * row_blocks), p.Hk, p.B), K::THREADS, K::L::bytes>>>(p);
         return ft_cuda_check_launch(func, __FILE__, __LINE__);
     });
     if (st == FT_OK && p.splits > 1 && !p.tickets) {
