@@ -70,7 +70,9 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
                      contiguous and paged (page size 64); takes --dtype
                      (the first; default bf16 | f32), --impl (each with its
                      kernel switches, timed in turn: flash+FT_NO_DECODE,flash),
-                     --warmup, --reps, --csv
+                     --warmup, --reps, --csv, and on cuda --splits LIST (the
+                     decoding kernel's num_splits, 0: chosen from the shape;
+                     default 0), a row each
   --ring             instead: ring attention over the first two CUDA devices
                      (one process, ft.dist.init{devices = {0, 1}}) against
                      attention of the whole sequence on one; 16 heads, head
@@ -115,7 +117,7 @@ local CPU_DEFAULTS = {
   causal = "false,true", pass = "fwd,bwd", tokens = "2048", width = "256", warmup = "1", reps = "5",
   variant = "none", rounds = "1",
 }
-local VALUED = { device = true, reference = true, csv = true, plot = true }
+local VALUED = { device = true, reference = true, csv = true, plot = true, splits = true }
 for k in pairs(GPU_DEFAULTS) do VALUED[k] = true end
 
 local given = { check = true }
@@ -154,6 +156,7 @@ do
   end
 end
 
+if given.splits and not given.decode then die(2, "--splits goes with --decode") end
 local device = given.device or "cuda"
 if device ~= "cpu" and device ~= "cuda" and not device:match("^cuda:%d+$") then
   die(2, "--device must be cuda, cuda:N or cpu, got '%s'", device)
@@ -413,6 +416,17 @@ if given.decode then
   local results = {}
   -- --impl: each its kernel switches (flash+FT_NO_DECODE,flash), timed in turn
   local decode_impls = given.impl and impls or { "" }
+  local splits = { 0 }
+  if given.splits then
+    if not on_gpu then die(2, "--splits: the CPU's decoding chunks come from the shape (num_splits is the CUDA kernel's)") end
+    splits = {}
+    for x in given.splits:gmatch("[^,]+") do
+      local n = nonneg_int(x)
+      if not n or n > 4096 then die(2, "--splits: '%s' is not an integer from 0 to 4096", x) end
+      splits[#splits + 1] = n
+    end
+    if #splits == 0 then die(2, "--splits needs at least one value") end
+  end
   for _, sh in ipairs(shapes) do
     local B, N = sh[1], sh[2]
     local kc = ft.randn({ B, N, Hk, d }, { dtype = dtype, device = dev, seed = 1 })
@@ -428,39 +442,45 @@ if given.decode then
     local kp, vp = kc:view(B * N / PAGE, PAGE, Hk, d), vc:view(B * N / PAGE, PAGE, Hk, d)
     local ap = { causal = true, cache_seqlens = lens, k_new = kn, v_new = vn, block_table = pages }
     for _, impl in ipairs(decode_impls) do
-      local switches = select(2, split_impl(impl))
-      for _, s in ipairs(switches) do ft.set_switch(s, true) end
-      local ok, r, rp = pcall(function()
-        return bench.run(function() return ft.attention(q, kc, vc, a) end, timing),
-          bench.run(function() return ft.attention(q, kp, vp, ap) end, timing)
-      end)
-      for _, s in ipairs(switches) do ft.set_switch(s, nil) end
-      if not ok then error(r, 0) end
-      local kv = 2 * B * N * Hk * d * esize
-      local row = { B = B, N = N, impl = impl, ms = r.median, rate = kv / (r.median / 1e3) / 1e9,
-                    paged_ms = rp.median, paged_rate = kv / (rp.median / 1e3) / 1e9 }
-      results[#results + 1] = row
-      io.stderr:write(("B %d Nk %d%s: %.3f ms, %.0f GB/s; paged %.3f ms\n"):format(B, N,
-        impl ~= "" and " " .. impl or "", row.ms, row.rate, row.paged_ms))
+      for _, ns in ipairs(splits) do
+        local switches = select(2, split_impl(impl))
+        a.num_splits, ap.num_splits = ns, ns
+        for _, s in ipairs(switches) do ft.set_switch(s, true) end
+        local ok, r, rp = pcall(function()
+          return bench.run(function() return ft.attention(q, kc, vc, a) end, timing),
+            bench.run(function() return ft.attention(q, kp, vp, ap) end, timing)
+        end)
+        for _, s in ipairs(switches) do ft.set_switch(s, nil) end
+        if not ok then error(r, 0) end
+        local kv = 2 * B * N * Hk * d * esize
+        local row = { B = B, N = N, impl = impl, splits = ns, ms = r.median, rate = kv / (r.median / 1e3) / 1e9,
+                      paged_ms = rp.median, paged_rate = kv / (rp.median / 1e3) / 1e9 }
+        results[#results + 1] = row
+        io.stderr:write(("B %d Nk %d%s%s: %.3f ms, %.0f GB/s; paged %.3f ms\n"):format(B, N,
+          impl ~= "" and " " .. impl or "", given.splits and " splits " .. ns or "", row.ms, row.rate,
+          row.paged_ms))
+      end
     end
     kc:free(); vc:free()
   end
   print(("\n%s, %s, %s; decoding: 1 query row, %d/%d heads, head dim %d, causal; a "
     .. "device-to-device copy in the same run: %.0f GB/s (%s, read + write)"):format(name,
     os.date("!%Y-%m-%d"), dtype, H, Hk, d, copy_rate, on_gpu and "2 GiB" or "256 MiB"))
-  local named = given.impl ~= nil
+  -- the impl and splits columns only where asked for
+  local named, split_col = given.impl ~= nil, given.splits ~= nil
+  local extra = (named and " impl |" or "") .. (split_col and " splits |" or "")
   print(("| B x Nk |%s ms | KV GB/s | of the copy | paged (64) ms | paged GB/s | paged / contiguous |")
-    :format(named and " impl |" or ""))
-  print(named and "| --- | --- | --- | --- | --- | --- | --- | --- |" or "| --- | --- | --- | --- | --- | --- | --- |")
+    :format(extra))
+  print("| --- |" .. extra:gsub("[^|]+|", " --- |") .. " --- | --- | --- | --- | --- | --- |")
   local f = io.open(opts.csv, "w")
-  if f then f:write("B,Nk,H,Hk,d,dtype,ms,gbps,of_copy,paged_ms,paged_gbps,copy_gbps,impl\n") end
+  if f then f:write("B,Nk,H,Hk,d,dtype,ms,gbps,of_copy,paged_ms,paged_gbps,copy_gbps,impl,splits\n") end
   for _, r in ipairs(results) do
-    print(("| %d x %d |%s %.3f | %.0f | %.2f | %.3f | %.0f | %.2f |"):format(r.B, r.N,
-      named and " " .. r.impl .. " |" or "", r.ms, r.rate, r.rate / copy_rate, r.paged_ms, r.paged_rate,
-      r.paged_rate / r.rate))
+    print(("| %d x %d |%s%s %.3f | %.0f | %.2f | %.3f | %.0f | %.2f |"):format(r.B, r.N,
+      named and " " .. r.impl .. " |" or "", split_col and " " .. r.splits .. " |" or "", r.ms, r.rate,
+      r.rate / copy_rate, r.paged_ms, r.paged_rate, r.paged_rate / r.rate))
     if f then
-      f:write(("%d,%d,%d,%d,%d,%s,%.4f,%.1f,%.3f,%.4f,%.1f,%.1f,%s\n"):format(r.B, r.N, H, Hk, d, dtype,
-        r.ms, r.rate, r.rate / copy_rate, r.paged_ms, r.paged_rate, copy_rate, r.impl))
+      f:write(("%d,%d,%d,%d,%d,%s,%.4f,%.1f,%.3f,%.4f,%.1f,%.1f,%s,%d\n"):format(r.B, r.N, H, Hk, d, dtype,
+        r.ms, r.rate, r.rate / copy_rate, r.paged_ms, r.paged_rate, copy_rate, r.impl, r.splits))
     end
   end
   if f then f:close() end

@@ -236,6 +236,12 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
       assert.is_truthy(out:find("| B x Nk | impl | ms |", 1, true), out)
       assert.is_truthy(out:find("\n| 1 x 4096 | tiled+FT_NO_DECODE | ", 1, true), out)
       assert.is_truthy(out:find("\n| 1 x 4096 | tiled | ", 1, true), out)
+      -- --splits: the CUDA kernel's, refused on the cpu and without --decode
+      for _, args in ipairs { "--device cpu --decode --splits 4", "--device cpu --splits 4" } do
+        out, status = lua(ROOT .. "/scripts/bench.lua", args, { dir = work, env = "FT_BUILD_DIR=" .. quote(BUILD) })
+        assert.are.equal(2, status, args .. ": " .. out)
+        assert.is_truthy(out:find("--splits", 1, true), out)
+      end
       rmdir(work)
     end)
 
