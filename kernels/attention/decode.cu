@@ -634,12 +634,28 @@ static int decode_row_blocks(int M)
     return M <= 16 ? 1 : (M + 63) / 64;
 }
 
-/* Calls fn(K()) with K the DecodeKernel of the call's dtype, padded head
- * dim, row grouping (WR as decode_row_blocks counts) and copying warp (WS,
- * unless FT_NO_DECODE_WS is on). */
-template <typename F> static ft_status decode_dispatch(int dtype, int d, int M, F fn)
+/* Whether the copying warps are the device's default: on sm_90 and later,
+ * where they were measured (on sm_80 their waits are polls, not the
+ * suspending try_wait), asked once per device. */
+static bool decode_ws_default(int dev)
 {
-    const bool ws = ft_switch("FT_NO_DECODE_WS") != 1;
+    static int known[64]; /* 0 unknown, 1 yes, 2 no */
+    if (dev < 0 || dev >= 64)
+        return false;
+    if (!known[dev]) {
+        int major = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        known[dev] = major >= 9 ? 1 : 2;
+    }
+    return known[dev] == 1;
+}
+
+/* Calls fn(K()) with K the DecodeKernel of the call's dtype, padded head
+ * dim, row grouping (WR as decode_row_blocks counts) and copying warps (WS:
+ * on sm_90 and later, unless FT_NO_DECODE_WS is on). */
+template <typename F> static ft_status decode_dispatch(int dev, int dtype, int d, int M, F fn)
+{
+    const bool ws = ft_switch("FT_NO_DECODE_WS") != 1 && decode_ws_default(dev);
     auto rows = [&](auto type, auto dd) {
         using T = typename decltype(type)::type;
         constexpr int D = decltype(dd)::value;
@@ -675,7 +691,7 @@ extern "C" int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, i
     /* CTAs that run at once: SMs x CTAs an SM holds */
     const int sms = flash_sm_count(q->device.index);
     int per_sm = 1;
-    decode_dispatch(q->dtype, d, M, [&](auto kernel) {
+    decode_dispatch(q->device.index, q->dtype, d, M, [&](auto kernel) {
         per_sm = decltype(kernel)::per_sm("ft_attention_forward");
         return FT_OK;
     });
@@ -774,7 +790,7 @@ extern "C" ft_status ft_attention_decode_cuda(const ft_decode_cuda *a)
     const int64_t row_blocks = decode_row_blocks(M);
     if (p.splits > 1 && p.splits <= DEC_FUSED_MAX)
         FT_TRY(decode_tickets(q->device.index, (size_t)(p.B * p.Hk * row_blocks), &p.tickets, func));
-    ft_status st = decode_dispatch(q->dtype, p.d, M, [&](auto kernel) {
+    ft_status st = decode_dispatch(q->device.index, q->dtype, p.d, M, [&](auto kernel) {
         using K = decltype(kernel);
         void (*kern)(DecodeParams);
         FT_TRY(K::get(&kern, func));
