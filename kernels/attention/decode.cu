@@ -31,40 +31,6 @@
 #include <pthread.h>
 #include <string.h>
 
-/* mbarriers in shared memory (sm_80 and later; the address from
- * smem_addr): a phase completes when `count` arrivals have come; waiters
- * name the phase by its parity. */
-__device__ __forceinline__ void dec_bar_init(uint32_t bar, int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void dec_bar_arrive(uint32_t bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void dec_bar_wait(uint32_t bar, int parity)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-#else
-    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
-                 "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-#endif
-}
-/* An arrival on bar once this thread's cp.async copies so far have landed,
- * one of the `count` the barrier was made with (.noinc). */
-__device__ __forceinline__ void dec_bar_arrive_copies(uint32_t bar)
-{
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
 struct DecodeParams {
     const void *q;
     int64_t q_bs, q_rs, q_hs; /* elements */
@@ -261,8 +227,8 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
     if constexpr (WS) {
         if (tid == 0)
             for (int st = 0; st < NS; st++) {
-                dec_bar_init(full + 8 * st, THREADS); /* each copying thread's copies */
-                dec_bar_init(empty + 8 * st, DEC_WARPS); /* a lane of each computing warp */
+                mbar_init(full + 8 * st, THREADS); /* each copying thread's copies */
+                mbar_init(empty + 8 * st, DEC_WARPS); /* a lane of each computing warp */
             }
         __syncthreads();
         if (warp >= DEC_WARPS) {
@@ -281,9 +247,9 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
                 if (p.table && c < DEC_BC)
                     next = place(t + 1, c);
                 if (t >= NS)
-                    dec_bar_wait(empty + 8 * st, ((t / NS) & 1) ^ 1);
+                    mbar_wait(empty + 8 * st, ((t / NS) & 1) ^ 1);
                 load(t, c);
-                dec_bar_arrive_copies(full + 8 * st);
+                cp_async_arrive(full + 8 * st);
                 if (p.table) {
                     if (c < DEC_BC)
                         sPg[((t + 1) % 2) * DEC_BC + c] = next;
@@ -368,7 +334,7 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
         for (int t = 0; t < ntiles; t++) {
             int2 next = make_int2(0, 0); /* paged: tile t + NS's places, stored below */
             if constexpr (WS) {
-                dec_bar_wait(full + 8 * (t % NS), (t / NS) & 1);
+                mbar_wait(full + 8 * (t % NS), (t / NS) & 1);
             } else {
                 if (t + NS - 1 < ntiles)
                     load(t + NS - 1, tid);
@@ -446,7 +412,7 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
             if constexpr (WS) {
                 __syncwarp(); /* the warp's reads of the stage are done: release it */
                 if (lane == 0)
-                    dec_bar_arrive(empty + 8 * (t % NS));
+                    mbar_arrive(empty + 8 * (t % NS));
             } else {
                 if (p.table && tid < DEC_BC)
                     sPg[((t + NS) % 2) * DEC_BC + tid] = next;
@@ -577,7 +543,7 @@ template <typename T> __global__ void __launch_bounds__(128) decode_merge_kernel
  * up to 128 with 16 rows (d 64: 6 x 18 KB, d 128: 3 x 35 KB); at 256, three
  * (one CTA), two with 64 rows (Q's 33 KB more would pass the 227 KB a CTA
  * may have). Measured at d 128 (H200, bench --decode, the kernel without
- * the copying warp): one CTA of 6 stages an SM read the cache at 0.53-0.65
+ * the copying warps): one CTA of 6 stages an SM read the cache at 0.53-0.65
  * of the copy rate, three CTAs of 2 stages at 0.63-0.93, two of 3 stages at
  * 0.67-0.97: the CTAs that wait on their tiles in turn matter more than the
  * bytes in flight. */
@@ -585,7 +551,7 @@ template <int D, int WR> struct DecodeStages {
     static constexpr int value = D == 64 ? 6 : D == 128 || WR == 1 ? 3 : 2;
 };
 
-/* The kernel for a head dim and row grouping, with the copying warp (WS)
+/* The kernel for a head dim and row grouping, with the copying warps (WS)
  * or without, its shared-memory limit raised once per device. */
 template <typename T, int D, int WR, bool WS> struct DecodeKernel {
     static constexpr int NS = DecodeStages<D, WR>::value, THREADS = (1 + WS) * DEC_WARPS * FT_WARP;
@@ -634,10 +600,11 @@ static int decode_row_blocks(int M)
     return M <= 16 ? 1 : (M + 63) / 64;
 }
 
-/* Whether the copying warps are the device's default: on sm_90 and later,
- * where they were measured (on sm_80 their waits are polls, not the
- * suspending try_wait), asked once per device. */
-static bool decode_ws_default(int dev)
+/* Whether the device is sm_90 or later, asked once per device: there the
+ * copying warps are the default (measured there; before sm_90 their waits
+ * are polls, not the suspending try_wait) and the merge kernel is a
+ * programmatic dependent launch. */
+static bool decode_sm90(int dev)
 {
     static int known[64]; /* 0 unknown, 1 yes, 2 no */
     if (dev < 0 || dev >= 64)
@@ -655,7 +622,7 @@ static bool decode_ws_default(int dev)
  * on sm_90 and later, unless FT_NO_DECODE_WS is on). */
 template <typename F> static ft_status decode_dispatch(int dev, int dtype, int d, int M, F fn)
 {
-    const bool ws = ft_switch("FT_NO_DECODE_WS") != 1 && decode_ws_default(dev);
+    const bool ws = ft_switch("FT_NO_DECODE_WS") != 1 && decode_sm90(dev);
     auto rows = [&](auto type, auto dd) {
         using T = typename decltype(type)::type;
         constexpr int D = decltype(dd)::value;
@@ -799,8 +766,6 @@ extern "C" ft_status ft_attention_decode_cuda(const ft_decode_cuda *a)
     });
     if (st == FT_OK && p.splits > 1 && !p.tickets) {
         /* sm_90: launched while the split kernel runs, waiting in the kernel */
-        int major = 0;
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q->device.index);
         cudaLaunchConfig_t cfg;
         memset(&cfg, 0, sizeof cfg);
         cudaLaunchAttribute attr[1];
@@ -809,7 +774,7 @@ extern "C" ft_status ft_attention_decode_cuda(const ft_decode_cuda *a)
         cfg.gridDim = dim3((unsigned)((int64_t)p.B * p.H * p.Nq));
         cfg.blockDim = dim3(128);
         cfg.attrs = attr;
-        cfg.numAttrs = major >= 9 ? 1 : 0;
+        cfg.numAttrs = decode_sm90(q->device.index) ? 1 : 0;
         if (q->dtype == FT_F16)
             FT_CUDA_TRY(func, cudaLaunchKernelEx(&cfg, decode_merge_kernel<__half>, p));
         else

@@ -125,6 +125,42 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* mbarriers in shared memory (sm_80 and later; the address from
+ * smem_addr): a phase completes when `count` arrivals have come; waiters
+ * name the phase by its parity. */
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* Waits until the phase of parity `parity` has completed (sm_90: the
+ * suspending try_wait; before it, a poll). */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+#else
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+#endif
+}
+/* An arrival on bar once this thread's cp.async copies so far have landed,
+ * one of the `count` the barrier was made with (.noinc). */
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 /* Copies rows row0 .. row0+ROWS-1 of head `head` of t (batch b) into a
  * shared tile [ROWS][LD], 8 elements per cp.async; rows past n and columns
  * past d are zeros. d is a multiple of 8 and rows are 16-byte aligned. */

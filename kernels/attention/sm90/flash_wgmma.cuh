@@ -318,22 +318,14 @@ __device__ __forceinline__ QueryBlock query_block(const FlashParams &p, int x = 
  * opaque bytes passed as a __grid_constant__ kernel parameter; a copy of a
  * box of it lands in shared memory in the 128-byte swizzled layout and
  * counts its bytes on an mbarrier, which the consumers wait on by phase
- * parity. */
+ * parity (mbar_init, mbar_arrive and mbar_wait: flash_mma.cuh). */
 struct alignas(64) FlashTmaMap {
     unsigned long long w[16];
 };
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 /* Barrier inits made visible to the copy engine (then a CTA barrier). */
 __device__ __forceinline__ void mbar_init_fence()
 {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 /* One arrival that also announces `bytes` of copies to come. */
 __device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes)
@@ -345,15 +337,6 @@ __device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes)
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes)
 {
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-/* Waits until the phase of parity `parity` has completed. */
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
-{
-    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-                 "r"(parity)
                  : "memory");
 }
 /* A box of map at coordinates (c0, c1, c2, c3), innermost first, into
