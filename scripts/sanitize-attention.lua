@@ -9,7 +9,7 @@
 -- ALiBi, and varlen in one launch with empty and length-1 sequences, on the
 -- extended ones); the naive cuBLAS path with every attention variant at
 -- once (f32, bf16, f64), the dropout mask kernel, and the tensor ops they
--- use. Checks each flash
+-- use, and the decoding kernel in both its forms. Checks each flash
 -- result against the naive path loosely (the specs check accuracy); prints
 -- one line, and one per configuration on stderr when FT_SANITIZE_VERBOSE
 -- is set.
@@ -110,6 +110,64 @@ for _, dtype in ipairs { "f32", "bf16", "f64" } do
   ft.attention_dropout_mask(2, 4, 50, 70, { dropout_p = 0.1, seed = 5, device = "cuda" })
   calls = calls + 1
 end
+-- decoding (the split-KV kernel): ragged cache lengths with k_new appended
+-- in place, GQA, one CTA's rows (16) and more (WR 4), splits merged in the
+-- split kernel and by the merge kernel, contiguous and paged (pages of 64
+-- rows over the same storage); with the copying warps (the default on
+-- sm_90) and without them (FT_NO_DECODE_WS), which must agree bit for bit
+local function decode(dtype, d, nq, h, hk, splits, cap)
+  local B = 3
+  local kc, vc = input({ B, cap, hk, d }, dtype), input({ B, cap, hk, d }, dtype)
+  local q = input({ B, nq, h, d }, dtype)
+  local knew, vnew = input({ B, nq, hk, d }, dtype), input({ B, nq, hk, d }, dtype)
+  local lensv = { 0, 200, cap - nq }
+  local lens = ft.tensor(lensv, { dtype = "i32", device = "cuda" })
+  local pages = math.floor(cap / 64)
+  local tbl = {}
+  for b = 1, B do
+    tbl[b] = {}
+    for i = 1, pages do tbl[b][i] = (b - 1) * (pages) + i end
+  end
+  tbl = ft.tensor(tbl, { dtype = "i32", device = "cuda" })
+  local function call(ws, paged)
+    ft.set_switch("FT_NO_DECODE_WS", not ws)
+    local opts = { causal = true, cache_seqlens = lens, k_new = knew, v_new = vnew,
+                   num_splits = splits }
+    local k, v = kc, vc
+    if paged then
+      k, v = kc:view({ B * pages, 64, hk, d }), vc:view({ B * pages, 64, hk, d })
+      opts.block_table = tbl
+    end
+    local out, lse = ft.attention(q, k, v, opts)
+    ft.set_switch("FT_NO_DECODE_WS", nil)
+    return out, lse
+  end
+  local o1, l1 = call(true, false)
+  for _, form in ipairs { { false, false }, { true, true }, { false, true } } do
+    local o2, l2 = call(form[1], form[2])
+    if ft.max_abs_diff(o1, o2) ~= 0 or ft.max_abs_diff(l1, l2) ~= 0 then
+      error(("decode %s d=%d nq=%d splits=%d: the forms differ"):format(dtype, d, nq, splits))
+    end
+  end
+  -- against the flash kernels over each sequence's valid prefix
+  for b = 1, B do
+    local n = lensv[b] + nq
+    local ref = ft.attention(q:narrow(1, b, 1), kc:narrow(1, b, 1):narrow(2, 1, n),
+                             vc:narrow(1, b, 1):narrow(2, 1, n), { causal = true })
+    local diff = ft.max_abs_diff(o1:narrow(1, b, 1):float(), ref:float())
+    if not (diff < 0.05) then
+      error(("decode %s d=%d nq=%d splits=%d: |decode - flash| = %g"):format(dtype, d, nq, splits, diff))
+    end
+  end
+  calls = calls + 1
+end
+for _, dtype in ipairs { "bf16", "f16" } do
+  for _, d in ipairs { 64, 128, 256 } do
+    decode(dtype, d, 1, 8, 2, 0, 512)     -- 4 rows a kv head, automatic splits
+    decode(dtype, d, 5, 8, 2, 3, 512)     -- 20 rows (WR 4), merged in the split kernel
+  end
+end
+decode("bf16", 128, 1, 4, 4, 140, 9216)  -- more splits than the split kernel merges
 run("f32", 64, 70, 90, 2, 2, true)    -- the f32 path
 run("f32", 24, 33, 33, 2, 1, false)
 ft.cuda.synchronize()

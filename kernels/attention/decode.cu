@@ -65,8 +65,9 @@ template <int D, int WR, int NS> struct DecodeSmem {
     static constexpr int K = ROWS * LD, STAGE = 2 * DEC_BC * LD;
     /* then (paged) the page and row in it of each key of two tiles */
     static constexpr size_t pages = (size_t)(K + NS * STAGE) * 2;
-    static constexpr size_t bars = pages + 2 * DEC_BC * sizeof(int2); /* then full[NS], empty[NS] */
-    static constexpr size_t bytes = bars + 2 * NS * 8;
+    /* then full[NS], empty[NS] and (with the copying warps) Q's */
+    static constexpr size_t bars = pages + 2 * DEC_BC * sizeof(int2);
+    static constexpr size_t bytes = bars + (2 * NS + 1) * 8;
 };
 
 /* Key j of sequence b: its batch entry (or page) and row there. */
@@ -170,10 +171,14 @@ __device__ __forceinline__ void merge_store(const DecodeParams &p, int64_t row, 
 }
 
 /* The split kernel. WS: four more warps issue the K/V copies into the
- * ring, each stage's landing counted on a "full" mbarrier and its release
- * by the four computing warps on an "empty" one, so the copies run ahead
- * of the products by the whole ring and no CTA barrier stands in the loop;
- * else every thread copies and the CTA meets twice a tile. */
+ * ring and every computing thread releases each stage on an "empty"
+ * mbarrier, so the copies run ahead of the products by the ring and no CTA
+ * barrier stands in the loop; a copying thread arrives on a stage's "full"
+ * mbarrier once its copies of that tile have landed, which it learns a
+ * tile later (cp.async.wait_group 1), so two tiles stay in flight. Every
+ * thread arrives for itself and no named barrier is used: that is what
+ * compute-sanitizer's racecheck follows (kernels/README.md). Else every
+ * thread copies and the CTA meets twice a tile. */
 template <typename T, int D, int WR, int NS, bool WS>
 __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_kernel(DecodeParams p)
 {
@@ -184,6 +189,7 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *const sQ = reinterpret_cast<T *>(smem_raw), *const sKV = sQ + L::K;
     const uint32_t full = smem_addr(smem_raw + L::bars), empty = full + 8 * NS;
+    const uint32_t qbar = empty + 8 * NS;
 
     const int tid = threadIdx.x, lane = tid % FT_WARP, warp = tid / FT_WARP;
     const int g = lane / 4, t4 = lane % 4, wr = warp % WR, wk = warp / WR;
@@ -199,62 +205,83 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
 
     /* The copies of tile t into its stage, by copier c of THREADS (the
      * computing threads, or as many copying ones): its 16-byte chunks, at
-     * column (c % CPR) 8 of rows c / CPR, + RPI, ...; paged, sPg[t % 2]
-     * holds where each row of tile t lies, looked up a tile ahead by copier
-     * r < DEC_BC for row r (place). */
-    constexpr int CPR = D / 8, RPI = THREADS / CPR;
+     * column (c % CPR) 8 of rows c / CPR + k RPI; paged, where(k, r) says
+     * where row r (its k-th) lies, looked up a tile ahead (place): in
+     * sPg[t % 2], filled by copier r for row r, without the copying warps;
+     * in each copying thread's registers for its own rows with them. */
+    constexpr int CPR = D / 8, RPI = THREADS / CPR, RPT = DEC_BC / RPI;
     int2 *const sPg = reinterpret_cast<int2 *>(smem_raw + L::pages);
     auto place = [&](int t, int c) {
         const int j = k_lo + t * DEC_BC + c;
         return j < min(k_hi, len0) ? cache_place(p, b, j) : make_int2(0, 0);
     };
-    auto load = [&](int t, int c) {
+    auto load = [&](int t, int c, auto where) {
         T *sk = sKV + (t % NS) * L::STAGE, *sv = sk + DEC_BC * LD;
-        const int2 *pg = sPg + (t % 2) * DEC_BC;
         const int lc = (c % CPR) * 8;
 #pragma unroll
-        for (int r = c / CPR; r < DEC_BC; r += RPI) {
-            const int j = k_lo + t * DEC_BC + r;
+        for (int k = 0; k < RPT; k++) {
+            const int r = c / CPR + k * RPI, j = k_lo + t * DEC_BC + r;
             const bool ok = j < k_hi && lc < p.d;
             const char *kr = (const char *)p.k, *vr = (const char *)p.v;
             if (ok)
-                kv_rows(p, b, hk, len0, j, p.table ? pg[r] : make_int2(b, j), &kr, &vr);
+                kv_rows(p, b, hk, len0, j, p.table ? where(k, r) : make_int2(b, j), &kr, &vr);
             cp_async_16(sk + r * LD + lc, ok ? kr + 2 * lc : kr, ok);
             cp_async_16(sv + r * LD + lc, ok ? vr + 2 * lc : vr, ok);
         }
     };
+    auto shared_places = [&](int t) {
+        const int2 *pg = sPg + (t % 2) * DEC_BC;
+        return [pg](int, int r) { return pg[r]; };
+    };
 
     if constexpr (WS) {
-        if (tid == 0)
+        if (tid == 0) {
             for (int st = 0; st < NS; st++) {
-                mbar_init(full + 8 * st, THREADS); /* each copying thread's copies */
-                mbar_init(empty + 8 * st, DEC_WARPS); /* a lane of each computing warp */
+                mbar_init(full + 8 * st, THREADS); /* each copying thread, its copies landed */
+                mbar_init(empty + 8 * st, THREADS); /* each computing thread, its reads done */
             }
+            mbar_init(qbar, THREADS); /* each computing thread, its copies of Q landed */
+        }
         __syncthreads();
         if (warp >= DEC_WARPS) {
             /* The copying warps: a stage refilled as soon as the computing
-             * warps release it; the places of the next tile looked up while
-             * this one is issued (a named barrier among the copiers). */
+             * warps release it; paged, the places of the next tile's rows
+             * looked up while this one is issued, each thread its own (no
+             * barrier among the copiers). */
             const int c = tid - THREADS;
-            if (p.table) {
-                if (c < DEC_BC)
-                    sPg[c] = place(0, c);
-                asm volatile("bar.sync 2, %0;\n" ::"n"(THREADS) : "memory");
-            }
+            int2 pl[RPT];
+            auto own_places = [&](int t) {
+                const int j0 = k_lo + t * DEC_BC;
+                if (p.page_size % DEC_BC == 0) { /* the tile lies in one page: one look-up */
+                    const int pg = j0 / p.page_size;
+                    const int page = j0 < len0 ? p.table[(int64_t)b * p.table_stride + pg] : 0;
+#pragma unroll
+                    for (int k = 0; k < RPT; k++)
+                        pl[k] = make_int2(page, j0 - pg * p.page_size + c / CPR + k * RPI);
+                    return;
+                }
+#pragma unroll
+                for (int k = 0; k < RPT; k++)
+                    pl[k] = place(t, c / CPR + k * RPI);
+            };
+            if (p.table)
+                own_places(0);
             for (int t = 0; t < ntiles; t++) {
                 const int st = t % NS;
-                int2 next = make_int2(0, 0);
-                if (p.table && c < DEC_BC)
-                    next = place(t + 1, c);
                 if (t >= NS)
                     mbar_wait(empty + 8 * st, ((t / NS) & 1) ^ 1);
-                load(t, c);
-                cp_async_arrive(full + 8 * st);
-                if (p.table) {
-                    if (c < DEC_BC)
-                        sPg[((t + 1) % 2) * DEC_BC + c] = next;
-                    asm volatile("bar.sync 2, %0;\n" ::"n"(THREADS) : "memory");
+                load(t, c, [&](int k, int) { return pl[k]; });
+                cp_async_commit();
+                if (t > 0) { /* tile t - 1 landed: its stage is full */
+                    cp_async_wait<1>();
+                    mbar_arrive(full + 8 * ((t - 1) % NS));
                 }
+                if (p.table && t + 1 < ntiles)
+                    own_places(t + 1);
+            }
+            if (ntiles > 0) {
+                cp_async_wait<0>();
+                mbar_arrive(full + 8 * ((ntiles - 1) % NS));
             }
         }
     }
@@ -281,7 +308,7 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
                 }
                 if (t < NS - 1) {
                     if (t < ntiles)
-                        load(t, tid);
+                        load(t, tid, shared_places(t));
                     cp_async_commit();
                 }
             }
@@ -320,8 +347,9 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
         }
 
         if constexpr (WS) {
-            cp_async_wait<0>(); /* Q */
-            asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+            cp_async_wait<0>(); /* Q: the computing warps meet on an mbarrier */
+            mbar_arrive(qbar);
+            mbar_wait(qbar, 0);
         } else {
             cp_async_wait<NS - 1>(); /* Q */
             __syncthreads();
@@ -337,7 +365,7 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
                 mbar_wait(full + 8 * (t % NS), (t / NS) & 1);
             } else {
                 if (t + NS - 1 < ntiles)
-                    load(t + NS - 1, tid);
+                    load(t + NS - 1, tid, shared_places(t + NS - 1));
                 cp_async_commit();
                 if (p.table && tid < DEC_BC)
                     next = place(t + NS, tid);
@@ -410,9 +438,7 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
                 }
             }
             if constexpr (WS) {
-                __syncwarp(); /* the warp's reads of the stage are done: release it */
-                if (lane == 0)
-                    mbar_arrive(empty + 8 * (t % NS));
+                mbar_arrive(empty + 8 * (t % NS)); /* this thread's reads of the stage are done */
             } else {
                 if (p.table && tid < DEC_BC)
                     sPg[((t + NS) % 2) * DEC_BC + tid] = next;

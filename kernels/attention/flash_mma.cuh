@@ -154,12 +154,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
                  : "memory");
 #endif
 }
-/* An arrival on bar once this thread's cp.async copies so far have landed,
- * one of the `count` the barrier was made with (.noinc). */
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar)
-{
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 
 /* Copies rows row0 .. row0+ROWS-1 of head `head` of t (batch b) into a
  * shared tile [ROWS][LD], 8 elements per cp.async; rows past n and columns
