@@ -180,7 +180,7 @@ __device__ __forceinline__ void merge_store(const DecodeParams &p, int64_t row, 
  * compute-sanitizer's racecheck follows (kernels/README.md). Else every
  * thread copies and the CTA meets twice a tile. */
 template <typename T, int D, int WR, int NS, bool WS>
-__global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_kernel(DecodeParams p)
+__device__ __forceinline__ void decode_split(const DecodeParams &p)
 {
     using L = DecodeSmem<D, WR, NS>;
     constexpr int LD = L::LD, ROWS = L::ROWS, WK = DEC_WARPS / WR, KW = DEC_BC / WK;
@@ -535,6 +535,20 @@ __global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_k
     }
     if (tid == 0)
         p.tickets[grp] = 0;
+}
+
+/* The copying warps' form is launched on sm_90 and later only
+ * (decode_dispatch): for older devices it is not compiled, a quarter
+ * less of this file's build. */
+template <typename T, int D, int WR, int NS, bool WS>
+__global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_kernel(DecodeParams p)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    if constexpr (WS)
+        __trap();
+    else
+#endif
+        decode_split<T, D, WR, NS, WS>(p);
 }
 
 /* The merge as a kernel of its own, for more splits than the split kernel
