@@ -9,7 +9,8 @@
 -- ALiBi, and varlen in one launch with empty and length-1 sequences, on the
 -- extended ones); the naive cuBLAS path with every attention variant at
 -- once (f32, bf16, f64), the dropout mask kernel, and the tensor ops they
--- use, and the decoding kernel in both its forms. Checks each flash
+-- use, and (without a flash switch on) the decoding kernel in both its
+-- forms. Checks each flash
 -- result against the naive path loosely (the specs check accuracy); prints
 -- one line, and one per configuration on stderr when FT_SANITIZE_VERBOSE
 -- is set.
@@ -161,13 +162,21 @@ local function decode(dtype, d, nq, h, hk, splits, cap)
   end
   calls = calls + 1
 end
-for _, dtype in ipairs { "bf16", "f16" } do
-  for _, d in ipairs { 64, 128, 256 } do
-    decode(dtype, d, 1, 8, 2, 0, 512)     -- 4 rows a kv head, automatic splits
-    decode(dtype, d, 5, 8, 2, 3, 512)     -- 20 rows (WR 4), merged in the split kernel
-  end
+-- The flash kernels' switches (gpu-check's other modes) do not change the
+-- decoding kernel: it runs in the default mode only.
+local flash_mode = false
+for _, name in ipairs { "FT_NO_WGMMA", "FT_NO_WS", "FT_WS", "FT_TURNS" } do
+  flash_mode = flash_mode or ft.switch(name)
 end
-decode("bf16", 128, 1, 4, 4, 140, 9216)  -- more splits than the split kernel merges
+if not flash_mode then
+  for _, dtype in ipairs { "bf16", "f16" } do
+    for _, d in ipairs { 64, 128, 256 } do
+      decode(dtype, d, 1, 8, 2, 0, 512)     -- 4 rows a kv head, automatic splits
+      decode(dtype, d, 5, 8, 2, 3, 512)     -- 20 rows (WR 4), merged in the split kernel
+    end
+  end
+  decode("bf16", 128, 1, 4, 4, 140, 9216)  -- more splits than the split kernel merges
+end
 run("f32", 64, 70, 90, 2, 2, true)    -- the f32 path
 run("f32", 24, 33, 33, 2, 1, false)
 ft.cuda.synchronize()
