@@ -294,12 +294,6 @@ static void blas_single_end(int n)
         openblas_set_num_threads(n);
 }
 
-/* Below this many multiply-adds (Nq * Nk * d summed over batch and
- * heads) a call runs on one thread: starting and joining the OpenMP team
- * costs more than it saves (a tiny model's training step ran faster on
- * one thread than on two). */
-#define PARALLEL_MIN_WORK (1 << 20)
-
 /* Threads worth starting for `tasks` independent tasks: no more than the
  * tasks, since each thread holds its own scratch (for the backward an O(N)
  * slice), and memory should not grow with idle threads; one for small work. */
@@ -307,7 +301,7 @@ static int threads_for(int64_t tasks, const ft_attn_shape *s)
 {
     const double work = (double)s->B * (double)s->H * (double)s->Nq * (double)s->Nk * (double)s->d;
     int n = thread_count();
-    if (work < PARALLEL_MIN_WORK)
+    if (work < FT_PARALLEL_MIN_WORK)
         return 1;
     return tasks < n ? (tasks > 0 ? (int)tasks : 1) : n;
 }

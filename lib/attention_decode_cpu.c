@@ -233,7 +233,11 @@ ft_status ft_attention_decode_cpu(const ft_decode_cpu *a)
     int64_t groups = (32 + whole - 1) / whole;
     groups = groups > Hk ? Hk : groups;
     const int64_t per = M * (d + 2), tasks = B * chunks * groups;
-    const int nthreads = ft_get_num_threads();
+    /* one thread for small work (FT_PARALLEL_MIN_WORK), never more than
+     * the tasks */
+    const double work = (double)B * (double)H * (double)Nq * (double)longest * (double)d;
+    int nthreads = work < FT_PARALLEL_MIN_WORK ? 1 : ft_get_num_threads();
+    nthreads = tasks < nthreads ? (int)(tasks > 0 ? tasks : 1) : nthreads;
     /* per task its partial rows of every kv head; per thread its scores and
      * row pointers */
     const size_t scratch =

@@ -328,6 +328,12 @@ static inline int ft_blas_layout(const ft_tensor *t, int *transposed, int *ld)
 
 /* ---- attention (attention.c validates, attention_cpu.c computes) ---- */
 
+/* Below this many multiply-adds (Nq * Nk * d summed over batch and heads)
+ * a CPU attention call, forward, backward or decoding, runs on one thread:
+ * starting and joining the OpenMP team costs more than it saves (a tiny
+ * model's training step ran faster on one thread than on two). */
+#define FT_PARALLEL_MIN_WORK (1 << 20)
+
 /* The checked sizes and options of one attention call:
  * q [B, Nq, H, d], k/v [B, Nk, Hk, d]. A varlen call (cu_q not NULL) is
  * run one sequence at a time, each as a call of B = 1 whose batch0 is the
