@@ -424,10 +424,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams &p)
 #pragma unroll
             for (int kk = 0; kk < KW / 16; kk++) {
                 uint32_t a[4];
-                a[0] = MmaType<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = MmaType<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = MmaType<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = MmaType<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                acc_to_a<T>(s[2 * kk], s[2 * kk + 1], a);
 #pragma unroll
                 for (int dn = 0; dn < NT_O / 2; dn++) {
                     uint32_t bv[4];

@@ -443,14 +443,8 @@ __global__ void __launch_bounds__((BC / 16) * DSPLIT * FT_WARP)
 #pragma unroll
             for (int kk = 0; kk < NT_Q / 2; kk++) {
                 uint32_t ap[4], as[4];
-                ap[0] = MmaType<T>::pack(st[2 * kk][0], st[2 * kk][1]);
-                ap[1] = MmaType<T>::pack(st[2 * kk][2], st[2 * kk][3]);
-                ap[2] = MmaType<T>::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-                ap[3] = MmaType<T>::pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-                as[0] = MmaType<T>::pack(dpt[2 * kk][0], dpt[2 * kk][1]);
-                as[1] = MmaType<T>::pack(dpt[2 * kk][2], dpt[2 * kk][3]);
-                as[2] = MmaType<T>::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-                as[3] = MmaType<T>::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+                acc_to_a<T>(st[2 * kk], st[2 * kk + 1], ap);
+                acc_to_a<T>(dpt[2 * kk], dpt[2 * kk + 1], as);
 #pragma unroll
                 for (int dn = 0; dn < NT_D / 2; dn++) {
                     const int brow = (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
@@ -607,10 +601,7 @@ __global__ void __launch_bounds__(4 * FT_WARP) flash_bwd_dq_mma_kernel(FlashPara
 #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
             uint32_t a[4];
-            a[0] = MmaType<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
-            a[1] = MmaType<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
-            a[2] = MmaType<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            a[3] = MmaType<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            acc_to_a<T>(dp[2 * kk], dp[2 * kk + 1], a);
 #pragma unroll
             for (int dn = 0; dn < NT_D / 2; dn++) {
                 uint32_t bk[4];

@@ -251,10 +251,7 @@ __global__ void __launch_bounds__(MMA_WARPS * FT_WARP) flash_fwd_mma_kernel(Flas
             uint32_t a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                a[mt][0] = MmaType<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                a[mt][1] = MmaType<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                a[mt][2] = MmaType<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                a[mt][3] = MmaType<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                acc_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], a[mt]);
             }
 #pragma unroll
             for (int dn = 0; dn < NT_O / 2; dn++) {

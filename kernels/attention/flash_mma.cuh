@@ -51,6 +51,18 @@ template <> struct MmaType<__nv_bfloat16> {
     }
 };
 
+/* Two 16 x 8 accumulator tiles c0 and c1 (mma.sync's C layout: columns 0-7
+ * and 8-15 of 16 rows) rounded to T as the 16 x 16 A operand of the next
+ * product, so S (or dS) feeds P V (or dS K) from registers. */
+template <typename T>
+__device__ __forceinline__ void acc_to_a(const float *c0, const float *c1, uint32_t *a)
+{
+    a[0] = MmaType<T>::pack(c0[0], c0[1]);
+    a[1] = MmaType<T>::pack(c0[2], c0[3]);
+    a[2] = MmaType<T>::pack(c1[0], c1[1]);
+    a[3] = MmaType<T>::pack(c1[2], c1[3]);
+}
+
 /* The end of one forward row: `row` is row g + 8 r of a 16-row tile whose
  * O accumulators acc[4 n + 2 r + e] hold columns 8 n + 2 t + e (mma.sync's
  * C layout, wgmma's too). Adds up the quad's shares of the row sum, then
