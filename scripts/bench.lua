@@ -264,6 +264,16 @@ if not ok then
   ft = dofile(here .. "lib/paths.lua").require("bench.lua", here)
 end
 local bench = require "flashtile.bench"
+--- fn()'s results with impl's kernel switches on, and off again after (an
+-- error included).
+local function with_switches(impl, fn)
+  local _, switches = split_impl(impl)
+  for _, name in ipairs(switches) do ft.set_switch(name, true) end
+  local r = pack(pcall(fn))
+  for _, name in ipairs(switches) do ft.set_switch(name, nil) end
+  if not r[1] then error(r[2], 0) end
+  return unpack(r, 2, r.n)
+end
 
 if on_gpu then
   local why
@@ -419,13 +429,9 @@ if given.decode then
   local splits = { 0 }
   if given.splits then
     if not on_gpu then die(2, "--splits: the CPU's decoding chunks come from the shape (num_splits is the CUDA kernel's)") end
-    splits = {}
-    for x in given.splits:gmatch("[^,]+") do
-      local n = nonneg_int(x)
-      if not n or n > 4096 then die(2, "--splits: '%s' is not an integer from 0 to 4096", x) end
-      splits[#splits + 1] = n
-    end
-    if #splits == 0 then die(2, "--splits needs at least one value") end
+    opts.splits = given.splits
+    splits = list("splits", "an integer from 0 to 4096",
+      function(x) local n = nonneg_int(x); if n and n <= 4096 then return n end end)
   end
   for _, sh in ipairs(shapes) do
     local B, N = sh[1], sh[2]
@@ -441,18 +447,14 @@ if given.decode then
     local pages = ft.arange(1, B * N / PAGE + 1, { dtype = "i32" }):view(B, N / PAGE)
     local kp, vp = kc:view(B * N / PAGE, PAGE, Hk, d), vc:view(B * N / PAGE, PAGE, Hk, d)
     local ap = { causal = true, cache_seqlens = lens, k_new = kn, v_new = vn, block_table = pages }
+    local kv = 2 * B * N * Hk * d * esize
     for _, impl in ipairs(decode_impls) do
       for _, ns in ipairs(splits) do
-        local switches = select(2, split_impl(impl))
         a.num_splits, ap.num_splits = ns, ns
-        for _, s in ipairs(switches) do ft.set_switch(s, true) end
-        local ok, r, rp = pcall(function()
+        local r, rp = with_switches(impl, function()
           return bench.run(function() return ft.attention(q, kc, vc, a) end, timing),
             bench.run(function() return ft.attention(q, kp, vp, ap) end, timing)
         end)
-        for _, s in ipairs(switches) do ft.set_switch(s, nil) end
-        if not ok then error(r, 0) end
-        local kv = 2 * B * N * Hk * d * esize
         local row = { B = B, N = N, impl = impl, splits = ns, ms = r.median, rate = kv / (r.median / 1e3) / 1e9,
                       paged_ms = rp.median, paged_rate = kv / (rp.median / 1e3) / 1e9 }
         results[#results + 1] = row
@@ -761,11 +763,8 @@ end
 --- measure with impl's kernel switches on, and off again after (an error
 -- included); the row names impl as given.
 local function measure_switched(impl, ...)
-  local base, switches = split_impl(impl)
-  for _, name in ipairs(switches) do ft.set_switch(name, true) end
-  local ok_m, row = pcall(measure, base, ...)
-  for _, name in ipairs(switches) do ft.set_switch(name, nil) end
-  if not ok_m then error(row, 0) end
+  local args = pack(...)
+  local row = with_switches(impl, function() return measure(split_impl(impl), unpack(args, 1, args.n)) end)
   row.impl = impl
   return row
 end
