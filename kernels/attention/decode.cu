@@ -592,6 +592,7 @@ template <int D, int WR> struct DecodeStages {
  * or without, its shared-memory limit raised once per device. */
 template <typename T, int D, int WR, bool WS> struct DecodeKernel {
     static constexpr int NS = DecodeStages<D, WR>::value, THREADS = (1 + WS) * DEC_WARPS * FT_WARP;
+    static constexpr bool COPIERS = WS;
     using L = DecodeSmem<D, WR, NS>;
     static_assert(L::bytes <= 227 * 1024, "a CTA's shared memory");
     static ft_status get(void (**k)(DecodeParams), const char *func)
@@ -695,20 +696,29 @@ extern "C" int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, i
     /* CTAs that run at once: SMs x CTAs an SM holds */
     const int sms = flash_sm_count(q->device.index);
     int per_sm = 1;
+    bool ws = false;
     decode_dispatch(q->device.index, q->dtype, d, M, [&](auto kernel) {
         per_sm = decltype(kernel)::per_sm("ft_attention_forward");
+        ws = decltype(kernel)::COPIERS;
         return FT_OK;
     });
-    const int64_t slots = (int64_t)sms * (per_sm > 0 ? per_sm : 1);
     const int64_t ctas = (int64_t)B * Hk * row_blocks;
+    /* With the copying warps, one CTA an SM streams as fast as two, so
+     * where the CTAs of one split leave SMs idle the plan is one wave of
+     * one CTA an SM: fewer, longer splits, so less ring fill and merge. */
+    if (ws && ctas < sms)
+        per_sm = 1;
+    const int64_t slots = (int64_t)sms * (per_sm > 0 ? per_sm : 1);
     /* splits of at least 512 keys (the ring's fill and the merge are paid
      * per split); among those, the count whose CTAs fill the last wave best
-     * (the fewest splits on a tie) */
+     * (the fewest splits on a tie), in one wave where planned above */
     const int64_t most = max_len > 512 ? max_len / 512 : 1;
     int64_t best = 1;
     double best_fill = -1;
     for (int64_t s = 1; s <= most && s <= 128; s++) {
         const int64_t used = (max_len + decode_chunk(max_len, s) - 1) / decode_chunk(max_len, s);
+        if (ws && ctas < sms && s > 1 && ctas * used > slots)
+            break;
         const double waves = (double)(ctas * used) / (double)slots;
         const double fill = waves >= 1 ? waves / ceil(waves) : waves;
         if (fill > best_fill + 1e-9) {
