@@ -57,6 +57,7 @@ struct DecodeParams {
 #define DEC_BC 64   /* keys a tile */
 #define DEC_WARPS 4
 #define DEC_FUSED_MAX 128 /* splits merged in the split kernel, more by decode_merge_kernel */
+#define DEC_MERGE_CHUNK 16 /* splits whose partial results a merging thread loads at once */
 
 /* Shared memory: Q [16 WR][LD], then NS stages of K and V [DEC_BC][LD]
  * (16-bit, rows padded for ldmatrix); the epilogue reuses the stages. */
@@ -107,67 +108,68 @@ __device__ __forceinline__ void cache_slot(const DecodeParams &p, int b, int hk,
 
 /* ---- the merge of the splits' partial results, in split order ---- */
 
-/* Warp-wide: row `row`'s weights e^(lse_s - LSE) into w[0 .. splits), and
- * LSE = log sum_s e^lse_s (in every lane). The partial results come from
- * other CTAs: read at L2 (ld.global.cg). */
-__device__ __forceinline__ float merge_weights(const DecodeParams &p, int64_t row, float *w,
-                                               int lane)
+/* Columns c, c + 1 (d % 8 == 0) of stat row `row` merged over the
+ * splits in one pass, DEC_MERGE_CHUNK splits at a time: their LSEs and partial
+ * rows loaded together, then folded in as the online softmax folds keys
+ * (the running maximum rescaling what came before); the row's LSE into
+ * *lse. Every thread of a row does the same arithmetic, so each gets the
+ * same LSE. The partial results come from other CTAs: read at L2
+ * (ld.global.cg). A row no split saw gives zeros and LSE -inf; a NaN stays
+ * NaN. */
+__device__ __forceinline__ float2 merge_row2(const DecodeParams &p, int64_t row, int c, float *lse)
 {
-    const int64_t plane = (int64_t)p.B * p.H * p.Nq;
-    const int S = p.splits;
-    float mx = -INFINITY;
-    for (int s = lane; s < S; s += FT_WARP) {
-        w[s] = __ldcg(p.part_lse + s * plane + row);
-        mx = max_nan(mx, w[s]);
-    }
+    const int64_t plane = (int64_t)p.B * p.H * p.Nq, step = plane * p.d / 2;
+    const float2 *po = reinterpret_cast<const float2 *>(p.part_o + row * p.d + c);
+    float m = -INFINITY, l = 0.f;
+    float2 acc = make_float2(0.f, 0.f);
+    for (int s0 = 0; s0 < p.splits; s0 += DEC_MERGE_CHUNK) {
+        float e[DEC_MERGE_CHUNK];
+        float2 x[DEC_MERGE_CHUNK];
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2)
-        mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.f;
-    for (int s = lane; s < S; s += FT_WARP) {
-        w[s] = mx == -INFINITY ? 0.f : expf(w[s] - mx);
-        sum += w[s];
-    }
+        for (int k = 0; k < DEC_MERGE_CHUNK; k++) {
+            const bool in = s0 + k < p.splits;
+            e[k] = in ? __ldcg(p.part_lse + (s0 + k) * plane + row) : -INFINITY;
+            x[k] = in ? __ldcg(po + (s0 + k) * step) : make_float2(0.f, 0.f);
+        }
+        float mc = m;
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2)
-        sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float inv = sum != 0.f ? 1.f / sum : 0.f;
-    for (int s = lane; s < S; s += FT_WARP)
-        w[s] *= inv;
-    return sum != 0.f ? mx + logf(sum) : -INFINITY; /* NaN stays NaN */
+        for (int k = 0; k < DEC_MERGE_CHUNK; k++)
+            mc = max_nan(mc, e[k]);
+        const float mu = mc == -INFINITY ? 0.f : mc, scale = expf(m - mu);
+        l *= scale;
+        acc.x *= scale;
+        acc.y *= scale;
+#pragma unroll
+        for (int k = 0; k < DEC_MERGE_CHUNK; k++) {
+            const float w = expf(e[k] - mu);
+            l += w;
+            acc.x = fmaf(w, x[k].x, acc.x);
+            acc.y = fmaf(w, x[k].y, acc.y);
+        }
+        m = mc;
+    }
+    const float inv = l != 0.f ? 1.f / l : 0.f;
+    *lse = l != 0.f ? m + logf(l) : -INFINITY;
+    return make_float2(acc.x * inv, acc.y * inv);
 }
 
-/* Columns c .. c + 3 of row `row` (d % 8 == 0): sum_s w[s] O_s, the loads
- * of 16 splits issued together. */
-__device__ __forceinline__ float4 merge_cols4(const DecodeParams &p, int64_t row, const float *w,
-                                              int c)
+/* A ticket: *t + 1 at GPU scope, acquire and release; the old value. */
+__device__ __forceinline__ unsigned ticket_add(unsigned *t)
 {
-    const int64_t step = (int64_t)p.B * p.H * p.Nq * p.d / 4;
-    const float4 *po = reinterpret_cast<const float4 *>(p.part_o + row * p.d + c);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
-    for (int s = 0; s < p.splits; s++) {
-        const float4 x = __ldcg(po + s * step);
-        const float ws = w[s];
-        acc.x = fmaf(ws, x.x, acc.x);
-        acc.y = fmaf(ws, x.y, acc.y);
-        acc.z = fmaf(ws, x.z, acc.z);
-        acc.w = fmaf(ws, x.w, acc.w);
-    }
-    return acc;
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(t) : "memory");
+    return old;
 }
 
-/* Stat row (b, h, i) = ((b H + h) Nq + i): columns c .. c + 3 of its output. */
+/* Stat row (b, h, i) = ((b H + h) Nq + i): columns c, c + 1 of its output. */
 template <typename T>
-__device__ __forceinline__ void merge_store(const DecodeParams &p, int64_t row, int c, float4 v)
+__device__ __forceinline__ void merge_store(const DecodeParams &p, int64_t row, int c, float2 v)
 {
     const int i = (int)(row % p.Nq), h = (int)(row / p.Nq % p.H), b = (int)(row / p.Nq / p.H);
     T *out = reinterpret_cast<T *>(p.out) + (int64_t)b * p.o_bs + (int64_t)i * p.o_rs +
              (int64_t)h * p.o_hs + c;
     out[0] = T(v.x);
     out[1] = T(v.y);
-    out[2] = T(v.z);
-    out[3] = T(v.w);
 }
 
 /* The split kernel. WS: four more warps issue the K/V copies into the
@@ -452,7 +454,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams &p)
      * twice, the fewest for 256 bytes; rows past M are left out */
     constexpr int SLD = D + 4;
     static_assert((WK * ROWS * (SLD + 2)) * 4 <= NS * L::STAGE * 2, "the meeting fits the stages");
-    static_assert(ROWS * DEC_FUSED_MAX * 4 <= NS * L::STAGE * 2, "the merge's weights fit");
     const int R = min(ROWS, M - r0);
     float *so = reinterpret_cast<float *>(sKV), *sm = so + WK * ROWS * SLD, *sl = sm + WK * ROWS;
 #pragma unroll
@@ -504,31 +505,25 @@ __device__ __forceinline__ void decode_split(const DecodeParams &p)
     if (p.splits == 1 || !p.tickets)
         return;
     /* The group's last CTA to finish merges its rows (the partial results
-     * made visible before the ticket is taken, as in a threadfence
-     * reduction), so one launch does the whole step. */
+     * made visible before the ticket is taken: the CTA's barrier, then one
+     * thread's acquire-release add at GPU scope, which releases what the
+     * barrier ordered before it and acquires the other CTAs' results for
+     * what the barrier orders after), so one launch does the whole step. */
     __shared__ int s_last;
-    __threadfence();
     __syncthreads();
     const int64_t grp = ((int64_t)b * p.Hk + hk) * (gridDim.x / p.splits) + rb;
     if (tid == 0)
-        s_last = atomicAdd(p.tickets + grp, 1u) == (unsigned)p.splits - 1;
+        s_last = ticket_add(p.tickets + grp) == (unsigned)p.splits - 1;
     __syncthreads();
     if (!s_last)
         return;
-    __threadfence();
-    float *const w = reinterpret_cast<float *>(sKV); /* [rows][splits] */
-    for (int r = warp; r < R; r += ALL / FT_WARP) {
-        const int rr = r0 + r, i = rr / p.G, h = hk * p.G + rr % p.G;
-        const int64_t stat = ((int64_t)b * p.H + h) * p.Nq + i;
-        const float lse = merge_weights(p, stat, w + r * p.splits, lane);
-        if (lane == 0)
-            p.lse[stat] = lse;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < R * (p.d / 4); idx += ALL) {
-        const int r = idx / (p.d / 4), c = idx % (p.d / 4) * 4, rr = r0 + r;
+    for (int idx = tid; idx < R * (p.d / 2); idx += ALL) {
+        const int r = idx / (p.d / 2), c = idx % (p.d / 2) * 2, rr = r0 + r;
         const int64_t stat = ((int64_t)b * p.H + hk * p.G + rr % p.G) * p.Nq + rr / p.G;
-        merge_store<T>(p, stat, c, merge_cols4(p, stat, w + r * p.splits, c));
+        float lse;
+        merge_store<T>(p, stat, c, merge_row2(p, stat, c, &lse));
+        if (c == 0)
+            p.lse[stat] = lse;
     }
     if (tid == 0)
         p.tickets[grp] = 0;
@@ -538,7 +533,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams &p)
  * (decode_dispatch): for older devices it is not compiled, a quarter
  * less of this file's build. */
 template <typename T, int D, int WR, int NS, bool WS>
-__global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP) decode_split_kernel(DecodeParams p)
+__global__ void __launch_bounds__((1 + WS) * DEC_WARPS * FT_WARP, WS && WR == 1 && D <= 128 ? 2 : 1)
+decode_split_kernel(DecodeParams p)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     if constexpr (WS)
@@ -558,20 +554,13 @@ template <typename T> __global__ void __launch_bounds__(128) decode_merge_kernel
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-    __shared__ float w[DEC_MERGE_MAX];
-    __shared__ float s_lse;
     const int64_t row = blockIdx.x; /* (b, h, i) */
-    const int tid = threadIdx.x;
-    if (tid < FT_WARP) {
-        const float lse = merge_weights(p, row, w, tid);
-        if (tid == 0)
-            s_lse = lse;
+    for (int c = threadIdx.x * 2; c < p.d; c += blockDim.x * 2) {
+        float lse;
+        merge_store<T>(p, row, c, merge_row2(p, row, c, &lse));
+        if (c == 0)
+            p.lse[row] = lse;
     }
-    __syncthreads();
-    for (int c = tid * 4; c < p.d; c += blockDim.x * 4)
-        merge_store<T>(p, row, c, merge_cols4(p, row, w, c));
-    if (tid == 0)
-        p.lse[row] = s_lse;
 }
 
 /* ---- launch ---- */
