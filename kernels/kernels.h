@@ -123,6 +123,23 @@ typedef struct {
 int ft_attention_decode_splits_cuda(const ft_tensor *q, int64_t Hk, int64_t max_len,
                                     int requested);
 ft_status ft_attention_decode_cuda(const ft_decode_cuda *a);
+/* sm90/flash_fwd_fp8.cu: the forward on fp8 tensor cores, q, k, v
+ * fp8_e4m3 [B, N, H, 128] (Nk > 0), out bf16 [B, Nq, H, 128] and lse f32
+ * [B, H, Nq] contiguous, plain or causal; workspace: the bytes
+ * ft_attention_fp8_cuda_workspace(k) gives (V transposed). takes: whether
+ * the kernel runs here (built for sm_90a, a compute capability 9.0 device,
+ * head dim 128, strides the copy engine takes, FT_NO_FP8_MMA off). */
+typedef struct {
+    const ft_tensor *q, *k, *v;
+    double scale;     /* the softmax scale times descale_q descale_k */
+    double descale_v;
+    int causal;
+    void *workspace;
+    ft_tensor *out, *lse;
+} ft_fp8_fwd_cuda;
+int ft_attention_fp8_cuda_takes(const ft_tensor *q, const ft_tensor *k, const ft_tensor *v);
+size_t ft_attention_fp8_cuda_workspace(const ft_tensor *k);
+ft_status ft_attention_forward_fp8_cuda(const ft_fp8_fwd_cuda *a);
 ft_status ft_attention_forward_flash_cuda(const ft_attn_shape *s, const ft_tensor *q,
                                           const ft_tensor *k, const ft_tensor *v,
                                           ft_tensor *out, ft_tensor *lse);

@@ -760,9 +760,66 @@ static ft_status check_descale(const char *func, double x, const char *name, dou
     return FT_OK;
 }
 
-/* fp8_e4m3 q, k, v: converted (f32 on the CPU, bf16 on CUDA; v times
- * descale_v), run as attention of that dtype with scale times descale_q
- * descale_k, the output made bf16. */
+#ifdef FT_HAVE_CUDA
+/* fp8_e4m3 q, k, v on the fp8 tensor cores (sm90/flash_fwd_fp8.cu), when
+ * the kernel takes the tensors and the call is plain or causal attention
+ * (GQA included); *took says whether it ran. The plain call's checks run
+ * on the tensors read as bf16; a call they refuse goes the converted way,
+ * which refuses it with the same words. */
+static ft_status fp8_forward_mma(const char *func, ft_tensor **out, ft_tensor **lse,
+                                 const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
+                                 const ft_attn_params *p, double dqk, double dv, int *took)
+{
+    *took = 0;
+    if ((p->impl != FT_ATTN_AUTO && p->impl != FT_ATTN_FLASH) ||
+        !ft_attention_fp8_cuda_takes(q, k, v))
+        return FT_OK;
+    ft_tensor as16[3] = {*q, *k, *v};
+    for (int i = 0; i < 3; i++)
+        as16[i].dtype = FT_BF16;
+    ft_attn_params p2 = *p;
+    p2.descale_q = p2.descale_k = p2.descale_v = 0;
+    ft_attn_shape s;
+    memset(&s, 0, sizeof s);
+    ft_status st = check_qkv(func, 1, 4, &as16[0], &as16[1], &as16[2], &p2, &s);
+    const ft_attn_mod *m = &s.mod;
+    const int plain = st == FT_OK && !s.cu_q && !s.mods && !s.block_mask && m->left < 0 &&
+                      (m->right < 0 || (s.causal && m->right == 0)) && m->softcap == 0 &&
+                      !m->alibi && !m->sink && !m->dropout;
+    const double scale = s.scale;
+    const int causal = s.causal;
+    shape_free(&s);
+    if (!plain)
+        return FT_OK;
+    ft_tensor *o = NULL, *l = NULL;
+    void *ws = NULL;
+    const int64_t lshape[3] = {q->shape[0], q->shape[2], q->shape[1]};
+    st = ft_empty_named(&o, 4, q->shape, FT_BF16, q->device, func);
+    if (st == FT_OK)
+        st = ft_empty_named(&l, 3, lshape, FT_F32, q->device, func);
+    if (st == FT_OK)
+        st = ft_device_alloc(&ws, ft_attention_fp8_cuda_workspace(k), q->device, func);
+    if (st == FT_OK) {
+        const ft_fp8_fwd_cuda a = {q, k, v, scale * dqk, dv, causal, ws, o, l};
+        st = ft_attention_forward_fp8_cuda(&a);
+    }
+    ft_device_free(ws, q->device);
+    if (st != FT_OK) {
+        ft_tensor_free(o);
+        ft_tensor_free(l);
+        return st;
+    }
+    *out = o;
+    *lse = l;
+    *took = 1;
+    return FT_OK;
+}
+#endif
+
+/* fp8_e4m3 q, k, v: on CUDA the fp8 tensor-core kernel where it takes the
+ * call (fp8_forward_mma), else converted (f32 on the CPU, bf16 on CUDA; v
+ * times descale_v), run as attention of that dtype with scale times
+ * descale_q descale_k, the output made bf16. */
 static ft_status fp8_forward(const char *func, ft_tensor **out, ft_tensor **lse,
                              const ft_tensor *q, const ft_tensor *k, const ft_tensor *v,
                              const ft_attn_params *p)
@@ -789,6 +846,14 @@ static ft_status fp8_forward(const char *func, ft_tensor **out, ft_tensor **lse,
     FT_TRY(check_descale(func, p->descale_k, "descale_k", &dk));
     FT_TRY(check_descale(func, p->descale_v, "descale_v", &dv));
     const int cpu = q->device.type == FT_CPU;
+#ifdef FT_HAVE_CUDA
+    if (!cpu) {
+        int took = 0;
+        FT_TRY(fp8_forward_mma(func, out, lse, q, k, v, p, dq * dk, dv, &took));
+        if (took)
+            return FT_OK;
+    }
+#endif
     const ft_dtype work = cpu ? FT_F32 : FT_BF16;
     ft_tensor *qc = NULL, *kc = NULL, *vf = NULL, *vs = NULL, *vc = NULL, *o = NULL, *l = NULL;
     ft_status st = ft_to(&qc, q, work, q->device);

@@ -37,7 +37,8 @@
 static const char *const names[] = {"FT_NO_WGMMA",     "FT_NO_WS",           "FT_WS",
                                     "FT_PERSIST",      "FT_NO_PERSIST",      "FT_NO_DECODE",
                                     "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS",
-                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX",   "FT_NO_DECODE_WS"};
+                                    "FT_NO_TURNS",     "FT_NO_CAP_MAX",   "FT_NO_DECODE_WS",
+                                    "FT_NO_FP8_MMA"};
 enum { NSWITCHES = sizeof names / sizeof names[0] };
 static atomic_int state[NSWITCHES]; /* 0: the environment's; 1: on; 2: off */
 

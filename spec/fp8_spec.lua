@@ -516,12 +516,63 @@ describe("fp8_e4m3", function()
         local ds = { 0.5, 0.25, 2 }
         local ro, rl = reference(q8, k8, v8, ds[1], ds[2], ds[3], c.opts)
         local vmax = v8:to("f32"):abs():max() * ds[3]
+        ft.set_switch("FT_NO_FP8_MMA", true) -- the bf16 route (the fp8 kernel: below)
         for _, impl in ipairs { "flash", "naive" } do
           local o, l = ft.attention(q8, k8, v8, h.merge(c.opts,
             { impl = impl, descale_q = ds[1], descale_k = ds[2], descale_v = ds[3] }))
           assert.are.equal("cuda", o.device:sub(1, 4))
           check(o, l, ro, rl, vmax)
         end
+        ft.set_switch("FT_NO_FP8_MMA", nil)
+      end
+    end)
+
+    -- The fp8 tensor-core kernel (head dim 128, Hopper): P is rounded to e4m3
+    -- (3 significant bits) before P V, so the output is further from the f64
+    -- reference than the bf16 route's; the bound below is P's relative
+    -- rounding (2^-4) of the largest value, and the mean error must be far
+    -- smaller. LSE comes from f32 sums of S, whose fp8 products the tensor
+    -- cores add up with fewer bits than f32 (an error of about 2e-4 here,
+    -- against 1e-5 for the bf16 route's).
+    gpu_it("on CUDA with head dim 128 takes the fp8 tensor cores on Hopper: the f64 reference within e4m3's rounding of P, rows that see no key, GQA, Nq ~= Nk, strided q #gpu", function()
+      local hopper = ft.cuda.device_name(0):match("H[12]00") ~= nil
+      for _, c in ipairs {
+        { B = 2, Nq = 300, Nk = 300, H = 4, Hk = 2, opts = { causal = true } },
+        { B = 1, Nq = 65, Nk = 700, H = 4, Hk = 1, opts = {} },
+        { B = 2, Nq = 200, Nk = 129, H = 2, Hk = 2, opts = { causal = true } },
+        { B = 1, Nq = 128, Nk = 1000, H = 2, Hk = 2, opts = { causal = true }, strided = true },
+      } do
+        local q8, k8, v8 = inputs(c.B, c.Nq, c.Nk, c.H, c.Hk, 128, 7 * c.Nk, "cuda")
+        if c.strided then -- q as a view of a wider tensor: row stride 3 heads
+          local wide = ft.zeros({ c.B, c.Nq, 3 * c.H, 128 }, { dtype = FP8, device = "cuda" })
+          wide:narrow(3, 2, c.H):copy(q8)
+          q8 = wide:narrow(3, 2, c.H)
+        end
+        local ds = { 0.5, 0.25, 2 }
+        local ro, rl = reference(q8, k8, v8, ds[1], ds[2], ds[3], c.opts)
+        local vmax = v8:to("f32"):abs():max() * ds[3]
+        local opts = h.merge(c.opts, { descale_q = ds[1], descale_k = ds[2], descale_v = ds[3] })
+        local o, l = ft.attention(q8, k8, v8, opts)
+        ft.set_switch("FT_NO_FP8_MMA", true)
+        local ob, lb = ft.attention(q8, k8, v8, opts)
+        ft.set_switch("FT_NO_FP8_MMA", nil)
+        local label = ("B %d Nq %d Nk %d H %d Hk %d"):format(c.B, c.Nq, c.Nk, c.H, c.Hk)
+        local diff = o:to("f64", "cpu") - ro
+        local err, mean = diff:abs():max(), diff:abs():mean()
+        local err_b = ft.max_abs_diff(ob:to("f64", "cpu"), ro)
+        print(("fp8 kernel %s: out error max %.3g mean %.3g (bf16 route %.3g), lse %.3g, vmax %.3g"):format(
+          label, err, mean, err_b, ft.max_abs_diff(l:to("f64", "cpu"), rl), vmax))
+        assert.is_true(err <= vmax * 2 ^ -4, ("%s: out error %g > %g"):format(label, err, vmax * 2 ^ -4))
+        assert.is_true(mean <= vmax * 2 ^ -9, ("%s: mean error %g"):format(label, mean))
+        local lerr = ft.max_abs_diff(l:to("f64", "cpu"), rl)
+        assert.is_true(lerr <= 2 ^ -10, ("%s: lse error %g"):format(label, lerr))
+        if hopper then -- the kernel ran: P's rounding shows against the bf16 route
+          assert.is_true(ft.max_abs_diff(o, ob) > 0, label .. ": the fp8 kernel did not run")
+        end
+        -- every run the same bits
+        local o2, l2 = ft.attention(q8, k8, v8, opts)
+        assert.are.equal(0, ft.max_abs_diff(o2, o), label .. ": deterministic")
+        assert.are.equal(0, ft.max_abs_diff(l2, l), label .. ": deterministic lse")
       end
     end)
   end)

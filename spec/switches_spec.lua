@@ -10,7 +10,7 @@ local gpu_it = h.gpu_it(it, function(reason) pending(reason) end)
 
 local NAMES = { "FT_NO_WGMMA", "FT_NO_WS", "FT_WS", "FT_PERSIST", "FT_NO_PERSIST", "FT_NO_DECODE",
                 "FT_LAZY_RESCALE", "FT_NO_LAZY_RESCALE", "FT_TURNS", "FT_NO_TURNS",
-                "FT_NO_CAP_MAX", "FT_NO_DECODE_WS" }
+                "FT_NO_CAP_MAX", "FT_NO_DECODE_WS", "FT_NO_FP8_MMA" }
 
 describe("kernel switches", function()
   after_each(function()

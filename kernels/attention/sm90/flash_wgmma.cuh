@@ -361,12 +361,13 @@ template <int N> __device__ __forceinline__ void regs_inc()
 }
 
 #ifndef __CUDACC_RTC__
-/* The tensor map of t ([B][rows][heads][d], 16-bit) with boxes of 64
- * columns x box_rows rows of one head, swizzled by 128 bytes; dims
- * innermost first: d, heads, rows, batch. False when the copy engine
+/* A tensor map of a 4-dimensional tensor at data: dims innermost first,
+ * the byte strides of the outer three, boxes `box` (innermost first, at
+ * most 128 bytes wide), swizzled by 128 bytes. False when the copy engine
  * cannot take it (the driver says no). */
-static inline bool flash_tma_map(FlashTmaMap *out, const FlashTensor &t, int B, int rows, int heads,
-                          int d, int box_rows, int dtype)
+static inline bool flash_tma_encode(FlashTmaMap *out, void *data, CUtensorMapDataType type,
+                                    const cuuint64_t dims[4], const cuuint64_t strides[3],
+                                    const cuuint32_t box[4])
 {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
         void *fn = nullptr;
@@ -378,21 +379,34 @@ static inline bool flash_tma_map(FlashTmaMap *out, const FlashTensor &t, int B, 
         return (PFN_cuTensorMapEncodeTiled_v12000)fn;
     }();
     static_assert(sizeof(FlashTmaMap) == sizeof(CUtensorMap), "FlashTmaMap is a CUtensorMap");
-    if (!encode)
-        return false;
+    const cuuint32_t unit[4] = {1, 1, 1, 1};
+    return encode &&
+           encode(reinterpret_cast<CUtensorMap *>(out), type, 4, data, dims, strides, box, unit,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* The tensor map of t ([B][rows][heads][d]) with boxes of box_rows rows of
+ * one head and 128 bytes of columns (64 16-bit ones, 128 fp8 ones); dims
+ * innermost first: d, heads, rows, batch. */
+static inline bool flash_tma_map(FlashTmaMap *out, const FlashTensor &t, int B, int rows, int heads,
+                          int d, int box_rows, int dtype)
+{
+    const int es = dtype == FT_FP8_E4M3 ? 1 : 2;
     const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)heads, (cuuint64_t)rows, (cuuint64_t)B};
     /* a dim of size 1 takes any stride: give it a valid one */
     const int64_t hs = heads > 1 ? t.head_stride : d, rs = rows > 1 ? t.row_stride : d,
                   bs = B > 1 ? t.batch_stride : d;
-    const cuuint64_t strides[3] = {(cuuint64_t)hs * 2, (cuuint64_t)rs * 2, (cuuint64_t)bs * 2};
-    const cuuint32_t box[4] = {64, 1, (cuuint32_t)box_rows, 1}, unit[4] = {1, 1, 1, 1};
+    const cuuint64_t strides[3] = {(cuuint64_t)hs * es, (cuuint64_t)rs * es, (cuuint64_t)bs * es};
+    const cuuint32_t box[4] = {(cuuint32_t)(128 / es), 1, (cuuint32_t)box_rows, 1};
     if (hs <= 0 || rs <= 0 || bs <= 0)
         return false;
-    return encode(reinterpret_cast<CUtensorMap *>(out),
-                  dtype == FT_F16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                  4, t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return flash_tma_encode(out, t.data,
+                            dtype == FT_F16      ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                            : dtype == FT_BF16   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                 : CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                            dims, strides, box);
 }
 
 /* A kernel switch (FT_WS, ...: lib/switches.c) is on. */
