@@ -35,7 +35,10 @@ Options (LIST: comma-separated values, e.g. --hdim 64,128):
                      kernels in one process; the implementations and
                      variants of a configuration are timed one after the
                      other
-  --dtype LIST       f16, bf16, f32 (default f16,bf16 | f32)
+  --dtype LIST       f16, bf16, f32, fp8_e4m3 (default f16,bf16 | f32;
+                     fp8_e4m3: the forward, q, k and v drawn in bf16 and
+                     rounded to e4m3, checked against f32 attention of
+                     those values within e4m3's rounding of P)
   --hdim LIST        head dims (default 64,128 | 64)
   --seqlen LIST      sequence lengths (default 1024,4096,16384 | 256,1024)
   --causal LIST      false, true (default false,true)
@@ -213,7 +216,7 @@ local impls = list("impl", on_gpu and "an implementation on cuda (flash, naive, 
   .. "or not; tiled needs --device cpu)"
   or "an implementation on the cpu (tiled, naive, each with +SWITCH or not; flash and cudnn need a CUDA GPU)",
   function(x) if base_impl_of(split_impl(x) or "") then return x end end)
-local dtypes = list("dtype", "a dtype (f16, bf16, f32)", one_of("f16", "bf16", "f32"))
+local dtypes = list("dtype", "a dtype (f16, bf16, f32, fp8_e4m3)", one_of("f16", "bf16", "f32", "fp8_e4m3"))
 local hdims = list("hdim", "a positive integer", positive_int)
 local seqlens = list("seqlen", "a positive integer", positive_int)
 local causals = list("causal", "true or false", bool)
@@ -610,6 +613,16 @@ local FLOOR = { f16 = 2^-10, bf16 = 2^-7, f32 = 2^-21 }
 -- of the naive path in the same precision. Returns nil when fine, else a
 -- message.
 local function check(impl, dtype, q, k, v, dout, causal, pass, var)
+  if dtype == "fp8_e4m3" then -- f32 attention of the e4m3 values: P's e4m3 rounding at most
+    local qs, ks, vs = q:narrow(1, 1, 1), k:narrow(1, 1, 1), v:narrow(1, 1, 1)
+    local o = variant_opts(impl, causal, var, q:size(3), false, 1, qs:size(2))
+    local got = ft.attention(qs, ks, vs, o)
+    o.impl = "naive"
+    local ref = ft.attention(qs:to("f32"), ks:to("f32"), vs:to("f32"), o)
+    local e, bound = ft.max_abs_diff(got:to("f32"), ref), vs:to("f32"):abs():max() * 2 ^ -4
+    if e ~= e or e > bound then return ("fp8 error %.3e > %.3e"):format(e, bound) end
+    return nil
+  end
   local H, Hk = q:size(3), k:size(3)
   local hq = math.min(H, 2 * math.floor(H / Hk))
   local hk = math.max(1, math.floor(hq / math.floor(H / Hk)))
@@ -731,17 +744,25 @@ local function measure_varlen(impl, dtype, d, N, causal, pass, var)
 end
 
 local function measure(impl, dtype, d, N, causal, pass, var)
+  if var.name == "varlen" and dtype == "fp8_e4m3" then
+    return { impl = impl, dtype = dtype, N = N, d = d, causal = causal, pass = pass, variant = var.label,
+             error = "varlen takes no fp8_e4m3 inputs here" }
+  end
   if var.name == "varlen" then return measure_varlen(impl, dtype, d, N, causal, pass, var) end
   local B, H = shape_of(d, N)
   local seed = 1
+  local fp8 = dtype == "fp8_e4m3"
   local function input(shape)
     seed = seed + 1
+    if fp8 then return ft.randn(shape, { dtype = "bf16", seed = seed, device = device }):to(dtype) end
     return ft.randn(shape, { dtype = dtype, seed = seed, device = device })
   end
-  local q, k, v, dout = input { B, N, H, d }, input { B, N, H, d }, input { B, N, H, d }, input { B, N, H, d }
-  local o = variant_opts(impl, causal, var, H, false, B, N)
   local row = { impl = impl, dtype = dtype, B = B, H = H, N = N, d = d, causal = causal, pass = pass,
                 variant = var.label }
+  if fp8 and pass ~= "fwd" then row.error = "fp8_e4m3 attention is forward only" return row end
+  local q, k, v = input { B, N, H, d }, input { B, N, H, d }, input { B, N, H, d }
+  local dout = fp8 and q or input { B, N, H, d }
+  local o = variant_opts(impl, causal, var, H, false, B, N)
   if opts.check and impl ~= "naive" then
     local bad = check(impl, dtype, q, k, v, dout, causal, pass, var)
     if bad then row.error = bad return row end
@@ -756,7 +777,7 @@ local function measure(impl, dtype, d, N, causal, pass, var)
   row.ref_flash = rf and row.tflops / rf or nil
   row.ref_cudnn = rc and row.tflops / rc or nil
   row.proxy = proxy
-  for _, t in ipairs { q, k, v, dout } do t:free() end
+  for _, t in ipairs { q, k, v, dout } do if not (fp8 and t == dout) then t:free() end end
   return row
 end
 
