@@ -115,7 +115,7 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
         { "--warmup 1.5 --device cpu", "--warmup: '1.5' is not an integer >= 0" },
         { "--causal yes --device cpu", "--causal: 'yes' is not true or false" },
         { "--pass both --device cpu", "--pass: 'both' is not fwd or bwd" },
-        { "--dtype f8 --device cpu", "--dtype: 'f8' is not a dtype (f16, bf16, f32)" },
+        { "--dtype f8 --device cpu", "--dtype: 'f8' is not a dtype (f16, bf16, f32, fp8_e4m3)" },
         { "--device tpu", "--device must be cuda, cuda:N or cpu, got 'tpu'" },
         { "--device cpu --impl flash", "--impl: 'flash' is not an implementation on the cpu" },
         { "--impl tiled", "--impl: 'tiled' is not an implementation on cuda" },
