@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int lim = p.causal ? min(p.Nk, row0 + 8 * r + shift + 1) : p.Nk;
-            float mx = -INFINITY;
+            float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}; /* four chains */
 #pragma unroll
             for (int i = 0; i < 16; i++)
 #pragma unroll
@@ -227,22 +227,23 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
                     float &x = s[4 * i + 2 * r + e];
                     if (edge && j0 + 8 * i + 2 * t4 + e >= lim)
                         x = -INFINITY;
-                    mx = max_nan(mx, x);
+                    mx4[(2 * i + e) % 4] = max_nan(mx4[(2 * i + e) % 4], x);
                 }
+            float mx = max_nan(max_nan(mx4[0], mx4[1]), max_nan(mx4[2], mx4[3]));
             mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float mn = max_nan(m[r], mx * c), mu = mn == -INFINITY ? 0.f : mn;
             alpha[r] = ex2(m[r] - mu);
-            float sum = 0.f;
+            float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < 16; i++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     float &x = s[4 * i + 2 * r + e];
                     x = ex2(fmaf(x, c, -mu));
-                    sum += x;
+                    sum4[(2 * i + e) % 4] += x;
                 }
-            l[r] = l[r] * alpha[r] + sum;
+            l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
             m[r] = mn;
         }
     };
