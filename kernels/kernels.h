@@ -128,7 +128,9 @@ ft_status ft_attention_decode_cuda(const ft_decode_cuda *a);
  * [B, H, Nq] contiguous, plain or causal; workspace: the bytes
  * ft_attention_fp8_cuda_workspace(k) gives (V transposed). takes: whether
  * the kernel runs here (built for sm_90a, a compute capability 9.0 device,
- * head dim 128, strides the copy engine takes, FT_NO_FP8_MMA off). */
+ * head dim 128, 16-byte strides, FT_NO_FP8_MMA off); the launcher fails
+ * with FT_ERR_UNSUPPORTED, having written nothing but the workspace, when
+ * the copy engine refuses the tensors all the same. */
 typedef struct {
     const ft_tensor *q, *k, *v;
     double scale;     /* the softmax scale times descale_q descale_k */

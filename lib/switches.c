@@ -15,7 +15,9 @@
  * score whose range is narrow, keep a running maximum, as other calls do,
  * instead of taking the score's top as their maximum), FT_NO_DECODE_WS
  * (the decoding kernel whose four warps copy and compute in turn, not the
- * one with four more warps that only copy);
+ * one with four more warps that only copy), FT_NO_FP8_MMA (fp8_e4m3
+ * attention through the bf16 kernels on converted inputs, not the fp8
+ * tensor-core kernel);
  * kernels/README.md says what each kernel is.
  *
  * A switch is on when ft_set_switch turned it on, off when it turned it

@@ -10,7 +10,7 @@
 -- extended ones); the naive cuBLAS path with every attention variant at
 -- once (f32, bf16, f64), the dropout mask kernel, and the tensor ops they
 -- use, and (without a flash switch on) the decoding kernel in both its
--- forms. Checks each flash
+-- forms and the fp8 forward. Checks each flash
 -- result against the naive path loosely (the specs check accuracy); prints
 -- one line, and one per configuration on stderr when FT_SANITIZE_VERBOSE
 -- is set.
@@ -176,6 +176,22 @@ if not flash_mode then
     end
   end
   decode("bf16", 128, 1, 4, 4, 140, 9216)  -- more splits than the split kernel merges
+  -- fp8_e4m3 at head dim 128: the fp8 tensor-core kernel on Hopper (V's
+  -- transposing pass included), against the bf16 route loosely
+  for _, c in ipairs { { 300, 300, 4, 2, true }, { 65, 700, 4, 1, false }, { 200, 129, 2, 2, true } } do
+    local function f8(shape, s) return ft.randn(shape, { seed = seed + s }):to("fp8_e4m3"):cuda() end
+    seed = seed + 3
+    local q, k, v = f8({ 2, c[1], c[3], 128 }, 1), f8({ 2, c[2], c[4], 128 }, 2), f8({ 2, c[2], c[4], 128 }, 3)
+    local o = ft.attention(q, k, v, { causal = c[5] })
+    ft.set_switch("FT_NO_FP8_MMA", true)
+    local ob = ft.attention(q, k, v, { causal = c[5] })
+    ft.set_switch("FT_NO_FP8_MMA", nil)
+    local diff = ft.max_abs_diff(o:to("f32"), ob:to("f32"))
+    if not (diff < 0.5) then
+      error(("fp8 Nq=%d Nk=%d: |fp8 kernel - bf16 route| = %g"):format(c[1], c[2], diff))
+    end
+    calls = calls + 1
+  end
 end
 run("f32", 64, 70, 90, 2, 2, true)    -- the f32 path
 run("f32", 24, 33, 33, 2, 1, false)

@@ -39,6 +39,7 @@
 #define F8_BC 128     /* keys a block */
 #define F8_STAGES 3   /* K and V^T blocks in flight */
 #define F8_TILE (F8_BC * F8_D) /* bytes of a Q, K or V^T tile (128 rows of 128 bytes) */
+static_assert(F8_BR == F8_BC && F8_D == 128, "Q, K and V^T tiles of one size, rows of 128 bytes");
 
 struct F8Params {
     int B, H, Hk, Nq, Nk, causal;
@@ -386,7 +387,7 @@ extern "C" ft_status ft_attention_forward_fp8_cuda(const ft_fp8_fwd_cuda *a)
     if (!flash_tma_map(&maps.q, tq, p.B, p.Nq, p.H, F8_D, F8_BR, FT_FP8_E4M3) ||
         !flash_tma_map(&maps.k, tk, p.B, p.Nk > 0 ? p.Nk : 1, p.Hk, F8_D, F8_BC, FT_FP8_E4M3) ||
         !flash_tma_encode(&maps.vt, vt, CU_TENSOR_MAP_DATA_TYPE_UINT8, vdims, vstr, vbox))
-        return ft_fail(FT_ERR_DEVICE, func, 0,
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
                        "the copy engine does not take these fp8 tensors (their strides)");
     FT_CUDA_TRY(func, cudaFuncSetAttribute(flash_fwd_fp8_kernel,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
