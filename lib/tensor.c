@@ -581,6 +581,85 @@ static int same_view(const ft_tensor *a, const ft_tensor *b)
     return 1;
 }
 
+/* n elements of dtype st at s converted to dtype dt at d (both
+ * contiguous, floats involved): through a block of doubles, each loop
+ * with its dtype fixed (the compiler specialises ft_elem_load and
+ * ft_elem_store in each case), so the same bits as element by element. */
+#define FT_CONVERT_BLOCK 512
+static void convert_contiguous(void *d, ft_dtype dt, const void *s, ft_dtype st, int64_t n)
+{
+    if (st == FT_F32 && dt == FT_BF16) { /* the f32's bits rounded to nearest even */
+        const uint32_t *x = s;
+        uint16_t *y = d;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t u = x[i];
+            y[i] = (u & 0x7fffffffu) > 0x7f800000u
+                       ? (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u) /* NaN: quiet, sign kept */
+                       : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+        return;
+    }
+    if (st == FT_BF16 && dt == FT_F32) { /* exact: the bits moved up */
+        const uint16_t *x = s;
+        uint32_t *y = d;
+        for (int64_t i = 0; i < n; i++)
+            y[i] = (x[i] & 0x7fffu) > 0x7f80u ? (uint32_t)(x[i] & 0x8000u) << 16 | 0x7fc00000u
+                                              : (uint32_t)x[i] << 16;
+        return;
+    }
+    double e4m3[256]; /* fp8's 256 values, when there are many to load */
+    const int table = st == FT_FP8_E4M3 && n >= 4096;
+    for (int b = 0; table && b < 256; b++)
+        e4m3[b] = ft_elem_load(&(uint8_t){(uint8_t)b}, 0, FT_FP8_E4M3);
+    double buf[FT_CONVERT_BLOCK];
+    for (int64_t i = 0; i < n; i += FT_CONVERT_BLOCK) {
+        const int m = n - i < FT_CONVERT_BLOCK ? (int)(n - i) : FT_CONVERT_BLOCK;
+#define FT_LOAD_CASE(T)                                                                      \
+    case T:                                                                                  \
+        for (int j = 0; j < m; j++)                                                          \
+            buf[j] = ft_elem_load(s, i + j, T);                                              \
+        break;
+#define FT_STORE_CASE(T)                                                                     \
+    case T:                                                                                  \
+        for (int j = 0; j < m; j++)                                                          \
+            ft_elem_store(d, i + j, T, buf[j]);                                              \
+        break;
+        if (table) {
+            const uint8_t *x = (const uint8_t *)s + i;
+            for (int j = 0; j < m; j++)
+                buf[j] = e4m3[x[j]];
+        }
+        switch (table ? -1 : (int)st) { /* -1: loaded from the table */
+            FT_LOAD_CASE(FT_F64)
+            FT_LOAD_CASE(FT_F32)
+            FT_LOAD_CASE(FT_F16)
+            FT_LOAD_CASE(FT_BF16)
+            FT_LOAD_CASE(FT_I32)
+            FT_LOAD_CASE(FT_I64)
+            FT_LOAD_CASE(FT_FP8_E4M3)
+        case -1:
+            break;
+        default:
+            for (int j = 0; j < m; j++)
+                buf[j] = ft_elem_load(s, i + j, st);
+        }
+        switch (dt) {
+            FT_STORE_CASE(FT_F64)
+            FT_STORE_CASE(FT_F32)
+            FT_STORE_CASE(FT_F16)
+            FT_STORE_CASE(FT_BF16)
+            FT_STORE_CASE(FT_I32)
+            FT_STORE_CASE(FT_I64)
+            FT_STORE_CASE(FT_FP8_E4M3)
+        default:
+            for (int j = 0; j < m; j++)
+                ft_elem_store(d, i + j, dt, buf[j]);
+        }
+#undef FT_LOAD_CASE
+#undef FT_STORE_CASE
+    }
+}
+
 static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
 {
     int64_t n = ft_numel(dst);
@@ -592,10 +671,14 @@ static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
             memcpy(dst->data, src->data, bytes);
         return;
     }
+    int ints = ft_dtype_is_int(dst->dtype) && ft_dtype_is_int(src->dtype);
+    if (!ints && ft_is_contiguous(dst) && ft_is_contiguous(src)) {
+        convert_contiguous(dst->data, dst->dtype, src->data, src->dtype, n);
+        return;
+    }
     ft_iter it;
     ft_iter_init(&it, dst->ndim, dst->shape, 2,
                  (const int64_t *[]){dst->stride, src->stride});
-    int ints = ft_dtype_is_int(dst->dtype) && ft_dtype_is_int(src->dtype);
     for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
         void *pd = ft_elem_ptr(dst, it.offset[0]);
         const void *ps = ft_elem_ptr(src, it.offset[1]);

@@ -143,6 +143,53 @@ describe("dtypes", function()
       check_all_patterns("bf16", 8, 7)
     end)
 
+    it("converts contiguous tensors to and from f32 with the bits of the element loop (strided views take that)", function()
+      local function same(a, b, what)
+        for i = 1, #a do
+          local x, y = a[i], b[i]
+          if not ((x ~= x and y ~= y and tostring(x) == tostring(y)) or (x == y and 1 / x == 1 / y)) then
+            error(("%s: element %d is %s contiguous, %s strided"):format(what, i, tostring(x), tostring(y)))
+          end
+        end
+      end
+      local function strided(n, dtype) return ft.empty({ n, 2 }, { dtype = dtype }):select(2, 1) end
+      -- every bf16 pattern's value (and NaNs of both signs) to f32
+      local values = {}
+      for bits = 0, 65535 do values[#values + 1] = decode(bits, 8, 7) end
+      values[#values + 1] = -nan
+      local b = ft.tensor(values, { dtype = "f64" }):to("bf16")
+      local slow = strided(#values, "f32")
+      slow:copy(b)
+      same(b:to("f32"):totable(), slow:totable(), "bf16 -> f32")
+      -- f32 values around every rounding case to bf16: the patterns, their
+      -- midpoints, one f32 ulp either side, f32's largest, the infinities, NaNs
+      local f = {}
+      for bits = 0, 32639 do
+        local v, w = decode(bits, 8, 7), decode(bits + 1, 8, 7)
+        local mid = (v + w) / 2
+        for _, x in ipairs { v, mid, mid * (1 + 2 ^ -23), mid * (1 - 2 ^ -24) } do
+          f[#f + 1] = x
+          f[#f + 1] = -x
+        end
+      end
+      for _, x in ipairs { 3.4028234663852886e38, -3.4028234663852886e38, inf, -inf, nan, -nan, 2 ^ -149 } do
+        f[#f + 1] = x
+      end
+      local x32 = ft.tensor(f, { dtype = "f64" }):to("f32")
+      local slow16 = strided(#f, "bf16")
+      slow16:copy(x32)
+      same(x32:to("bf16"):totable(), slow16:totable(), "f32 -> bf16")
+      -- fp8: the 256 patterns, 16 times (enough to take the table)
+      local bytes = {}
+      for r = 1, 16 do for v = 0, 255 do bytes[#bytes + 1] = decode(v, 4, 3) end end
+      local e = ft.tensor(bytes, { dtype = "f64" }):to("fp8_e4m3")
+      for _, to in ipairs { "f32", "f64", "bf16" } do
+        local s8 = strided(#bytes, to)
+        s8:copy(e)
+        same(e:to(to):totable(), s8:totable(), "fp8_e4m3 -> " .. to)
+      end
+    end)
+
     it("overflows to inf, keeps NaN and the sign of zero", function()
       assert.are.equal(inf, convert(3.4028234663852886e38, "bf16"))
       assert.are.equal(-inf, convert(-1e39, "bf16"))
