@@ -581,55 +581,80 @@ static int same_view(const ft_tensor *a, const ft_tensor *b)
     return 1;
 }
 
-/* n elements of dtype st at s converted to dtype dt at d (both
- * contiguous, floats involved): through a block of doubles, each loop
- * with its dtype fixed (the compiler specialises ft_elem_load and
- * ft_elem_store in each case), so the same bits as element by element. */
+/* Row copies, n elements from s (dtype st, ss elements apart) to d (dt,
+ * ds apart). The same dtype: moved by their size. i32 <-> i64: without the
+ * double's 53 bits. Otherwise floats: through a block of doubles, each
+ * loop with its dtype fixed (the compiler specialises ft_elem_load and
+ * ft_elem_store in each case, so the bits are those of the element by
+ * element conversion), f32 <-> bf16 by their bits, fp8 through a table of
+ * its 256 values. */
 #define FT_CONVERT_BLOCK 512
-static void convert_contiguous(void *d, ft_dtype dt, const void *s, ft_dtype st, int64_t n)
+typedef struct {
+    double e4m3[256]; /* fp8's values, filled when a long copy reads fp8 */
+    int table;
+} convert_state;
+
+static void move_row(char *d, int64_t ds, const char *s, int64_t ss, size_t es, int64_t n)
+{
+#define FT_MOVE(T)                                                                           \
+    for (int64_t i = 0; i < n; i++)                                                          \
+        ((T *)d)[i * ds] = ((const T *)s)[i * ss];                                           \
+    return;
+    switch (es) {
+    case 1: FT_MOVE(uint8_t)
+    case 2: FT_MOVE(uint16_t)
+    case 4: FT_MOVE(uint32_t)
+    case 8: FT_MOVE(uint64_t)
+    default:
+        for (int64_t i = 0; i < n; i++)
+            memcpy(d + (size_t)(i * ds) * es, s + (size_t)(i * ss) * es, es);
+    }
+#undef FT_MOVE
+}
+
+static void convert_row(void *d, int64_t ds, ft_dtype dt, const void *s, int64_t ss, ft_dtype st,
+                        int64_t n, const convert_state *cs)
 {
     if (st == FT_F32 && dt == FT_BF16) { /* the f32's bits rounded to nearest even */
         const uint32_t *x = s;
         uint16_t *y = d;
         for (int64_t i = 0; i < n; i++) {
-            const uint32_t u = x[i];
-            y[i] = (u & 0x7fffffffu) > 0x7f800000u
-                       ? (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u) /* NaN: quiet, sign kept */
-                       : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+            const uint32_t u = x[i * ss];
+            y[i * ds] = (u & 0x7fffffffu) > 0x7f800000u
+                            ? (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u) /* NaN: quiet, sign kept */
+                            : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
         }
         return;
     }
     if (st == FT_BF16 && dt == FT_F32) { /* exact: the bits moved up */
         const uint16_t *x = s;
         uint32_t *y = d;
-        for (int64_t i = 0; i < n; i++)
-            y[i] = (x[i] & 0x7fffu) > 0x7f80u ? (uint32_t)(x[i] & 0x8000u) << 16 | 0x7fc00000u
-                                              : (uint32_t)x[i] << 16;
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t b = x[i * ss];
+            y[i * ds] = (b & 0x7fffu) > 0x7f80u ? (uint32_t)(b & 0x8000u) << 16 | 0x7fc00000u
+                                                : (uint32_t)b << 16;
+        }
         return;
     }
-    double e4m3[256]; /* fp8's 256 values, when there are many to load */
-    const int table = st == FT_FP8_E4M3 && n >= 4096;
-    for (int b = 0; table && b < 256; b++)
-        e4m3[b] = ft_elem_load(&(uint8_t){(uint8_t)b}, 0, FT_FP8_E4M3);
     double buf[FT_CONVERT_BLOCK];
     for (int64_t i = 0; i < n; i += FT_CONVERT_BLOCK) {
         const int m = n - i < FT_CONVERT_BLOCK ? (int)(n - i) : FT_CONVERT_BLOCK;
 #define FT_LOAD_CASE(T)                                                                      \
     case T:                                                                                  \
         for (int j = 0; j < m; j++)                                                          \
-            buf[j] = ft_elem_load(s, i + j, T);                                              \
+            buf[j] = ft_elem_load(s, (i + j) * ss, T);                                       \
         break;
 #define FT_STORE_CASE(T)                                                                     \
     case T:                                                                                  \
         for (int j = 0; j < m; j++)                                                          \
-            ft_elem_store(d, i + j, T, buf[j]);                                              \
+            ft_elem_store(d, (i + j) * ds, T, buf[j]);                                       \
         break;
-        if (table) {
-            const uint8_t *x = (const uint8_t *)s + i;
+        if (cs->table) {
+            const uint8_t *x = s;
             for (int j = 0; j < m; j++)
-                buf[j] = e4m3[x[j]];
+                buf[j] = cs->e4m3[x[(i + j) * ss]];
         }
-        switch (table ? -1 : (int)st) { /* -1: loaded from the table */
+        switch (cs->table ? -1 : (int)st) { /* -1: loaded from the table */
             FT_LOAD_CASE(FT_F64)
             FT_LOAD_CASE(FT_F32)
             FT_LOAD_CASE(FT_F16)
@@ -641,7 +666,7 @@ static void convert_contiguous(void *d, ft_dtype dt, const void *s, ft_dtype st,
             break;
         default:
             for (int j = 0; j < m; j++)
-                buf[j] = ft_elem_load(s, i + j, st);
+                buf[j] = ft_elem_load(s, (i + j) * ss, st);
         }
         switch (dt) {
             FT_STORE_CASE(FT_F64)
@@ -653,47 +678,106 @@ static void convert_contiguous(void *d, ft_dtype dt, const void *s, ft_dtype st,
             FT_STORE_CASE(FT_FP8_E4M3)
         default:
             for (int j = 0; j < m; j++)
-                ft_elem_store(d, i + j, dt, buf[j]);
+                ft_elem_store(d, (i + j) * ds, dt, buf[j]);
         }
 #undef FT_LOAD_CASE
 #undef FT_STORE_CASE
     }
 }
 
+static void int_row(void *d, int64_t ds, ft_dtype dt, const void *s, int64_t ss, ft_dtype st,
+                    int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t v = st == FT_I64 ? ((const int64_t *)s)[i * ss] : ((const int32_t *)s)[i * ss];
+        if (dt == FT_I64)
+            ((int64_t *)d)[i * ds] = v;
+        else
+            ((int32_t *)d)[i * ds] = ft_i64_to_i32(v);
+    }
+}
+
+/* dst = src of one dtype where dst's last dim and src's second-to-last
+ * are the contiguous ones (a transpose of the last two): FT_TILE_ROWS
+ * rows of dst at a time, so that each read of src takes consecutive
+ * elements and the writes stay in FT_TILE_ROWS lines of the cache. */
+#define FT_TILE_ROWS 16
+static void copy_transposed(ft_tensor *dst, const ft_tensor *src, size_t es)
+{
+    const int nd = dst->ndim;
+    const int64_t R = dst->shape[nd - 2], C = dst->shape[nd - 1];
+    const int64_t drs = dst->stride[nd - 2], scs = src->stride[nd - 1];
+    const int64_t outer = R > 0 && C > 0 ? ft_numel(dst) / (R * C) : 0;
+    ft_iter it;
+    ft_iter_init(&it, nd - 2, dst->shape, 2, (const int64_t *[]){dst->stride, src->stride});
+    for (int64_t o = 0; o < outer; o++, ft_iter_next(&it)) {
+        char *d0 = ft_elem_ptr(dst, it.offset[0]);
+        const char *s0 = ft_elem_ptr(src, it.offset[1]);
+        for (int64_t r0 = 0; r0 < R; r0 += FT_TILE_ROWS) {
+            const int64_t nr = R - r0 < FT_TILE_ROWS ? R - r0 : FT_TILE_ROWS;
+#define FT_TILE(T)                                                                           \
+    for (int64_t c = 0; c < C; c++)                                                          \
+        for (int64_t r = r0; r < r0 + nr; r++)                                               \
+            ((T *)d0)[r * drs + c] = ((const T *)s0)[r + c * scs];                           \
+    break;
+            switch (es) {
+            case 1: FT_TILE(uint8_t)
+            case 2: FT_TILE(uint16_t)
+            case 4: FT_TILE(uint32_t)
+            case 8: FT_TILE(uint64_t)
+            default:
+                for (int64_t c = 0; c < C; c++)
+                    for (int64_t r = r0; r < r0 + nr; r++)
+                        memcpy(d0 + (size_t)(r * drs + c) * es, s0 + (size_t)(r + c * scs) * es, es);
+            }
+#undef FT_TILE
+        }
+    }
+}
+
+/* dst = src (same shape, no overlap, dst's stride-0 dims collapsed): a
+ * row of the last dim at a time, the rows walked by an iterator (a
+ * transpose of the last two dims by tiles). */
 static void copy_cpu(ft_tensor *dst, const ft_tensor *src)
 {
     int64_t n = ft_numel(dst);
     size_t es = ft_dtype_size(dst->dtype);
-    if (dst->dtype == src->dtype && ft_is_contiguous(dst) &&
-        ft_is_contiguous(src)) {
+    const int same = dst->dtype == src->dtype;
+    if (same && ft_is_contiguous(dst) && ft_is_contiguous(src)) {
         size_t bytes = 0; /* n fits memory: dst holds n distinct elements */
         if (ft_checked_bytes(n, es, &bytes) == 0)
             memcpy(dst->data, src->data, bytes);
         return;
     }
-    int ints = ft_dtype_is_int(dst->dtype) && ft_dtype_is_int(src->dtype);
-    if (!ints && ft_is_contiguous(dst) && ft_is_contiguous(src)) {
-        convert_contiguous(dst->data, dst->dtype, src->data, src->dtype, n);
+    const int ints = ft_dtype_is_int(dst->dtype) && ft_dtype_is_int(src->dtype);
+    convert_state cs;
+    cs.table = !same && !ints && src->dtype == FT_FP8_E4M3 && n >= 4096;
+    for (int b = 0; cs.table && b < 256; b++)
+        cs.e4m3[b] = ft_elem_load(&(uint8_t){(uint8_t)b}, 0, FT_FP8_E4M3);
+    const int nd = dst->ndim;
+    const int contiguous = ft_is_contiguous(dst) && ft_is_contiguous(src);
+    if (same && !contiguous && nd >= 2 && dst->stride[nd - 1] == 1 && src->stride[nd - 2] == 1 &&
+        src->stride[nd - 1] != 1 && dst->shape[nd - 2] >= FT_TILE_ROWS) {
+        copy_transposed(dst, src, es);
         return;
     }
+    /* contiguous: one row of n; else rows along the last dim */
+    const int64_t row = contiguous || nd == 0 ? n : dst->shape[nd - 1];
+    const int64_t ds = contiguous || nd == 0 ? 1 : dst->stride[nd - 1];
+    const int64_t ss = contiguous || nd == 0 ? 1 : src->stride[nd - 1];
+    const int64_t rows = row > 0 ? n / row : 0;
     ft_iter it;
-    ft_iter_init(&it, dst->ndim, dst->shape, 2,
+    ft_iter_init(&it, contiguous || nd == 0 ? 0 : nd - 1, dst->shape, 2,
                  (const int64_t *[]){dst->stride, src->stride});
-    for (int64_t i = 0; i < n; i++, ft_iter_next(&it)) {
+    for (int64_t r = 0; r < rows; r++, ft_iter_next(&it)) {
         void *pd = ft_elem_ptr(dst, it.offset[0]);
         const void *ps = ft_elem_ptr(src, it.offset[1]);
-        if (dst->dtype == src->dtype) {
-            memcpy(pd, ps, es);
-        } else if (ints) { /* i32 <-> i64 without the double's 53 bits */
-            int64_t v = src->dtype == FT_I64 ? *(const int64_t *)ps
-                                             : *(const int32_t *)ps;
-            if (dst->dtype == FT_I64)
-                *(int64_t *)pd = v;
-            else
-                *(int32_t *)pd = ft_i64_to_i32(v);
-        } else {
-            ft_store_f64(pd, dst->dtype, ft_load_f64(ps, src->dtype));
-        }
+        if (same)
+            move_row(pd, ds, ps, ss, es, row);
+        else if (ints)
+            int_row(pd, ds, dst->dtype, ps, ss, src->dtype, row);
+        else
+            convert_row(pd, ds, dst->dtype, ps, ss, src->dtype, row, &cs);
     }
 }
 

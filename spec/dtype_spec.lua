@@ -347,4 +347,55 @@ describe("dtypes", function()
       end
     end)
   end)
+
+  describe("copies of strided views", function()
+    -- values every dtype holds exactly (small integers and halves), and some
+    -- that round, NaN, infinities and -0 where the dtype has them
+    local function source()
+      local v = {}
+      for i = 1, 2 * 3 * 5 do v[i] = (i % 7) * 0.5 - 1.5 + (i % 3 == 0 and 1e-3 or 0) end
+      return ft.tensor(v, { dtype = "f64" }):view(2, 3, 5)
+    end
+    local FLOATS = { f64 = true, f32 = true, f16 = true, bf16 = true, fp8_e4m3 = true }
+
+    it("move a permuted view's elements in order, every dtype, and convert them as contiguous tensors do", function()
+      local DT = { "f64", "f32", "f16", "bf16", "i32", "i64", "fp8_e4m3" }
+      for _, from in ipairs(DT) do
+        local x = source():to(from)
+        if FLOATS[from] and from ~= "fp8_e4m3" then
+          x:set(1, 1, 1, 0 / 0)
+          x:set(1, 1, 2, 1 / 0)
+          x:set(1, 1, 3, -1 / inf)
+        end
+        local p = x:permute(3, 1, 2) -- [5, 2, 3], no stride 1 at the end
+        -- the same dtype: element (k, i, j) is x's (i, j, k)
+        local got, want = p:contiguous():totable(), x:totable()
+        for k = 1, 5 do for i = 1, 2 do for j = 1, 3 do
+          local a, b = got[k][i][j], want[i][j][k]
+          assert.is_true(a == b or (a ~= a and b ~= b), ("%s (%d, %d, %d)"):format(from, i, j, k))
+        end end end
+        -- a transpose of the last two dims (copied by tiles of 16 rows; 17 and
+        -- 40 rows leave partial tiles)
+        for _, rc in ipairs { { 17, 20 }, { 40, 3 } } do
+          local vals = {}
+          for i = 1, 2 * rc[1] * rc[2] do vals[i] = (i * 37) % 101 - 50 end
+          local y = ft.tensor(vals, { dtype = "f64" }):view(2, rc[2], rc[1]):to(from)
+          local t, yt = y:transpose(2, 3):contiguous():totable(), y:totable()
+          for b = 1, 2 do for i = 1, rc[1] do for j = 1, rc[2] do
+            assert.are.equal(yt[b][j][i], t[b][i][j], ("%s transposed (%d, %d, %d)"):format(from, b, i, j))
+          end end end
+        end
+        -- to every dtype: strided rows against the contiguous conversion
+        for _, to in ipairs(DT) do
+          local a = p:to(to):totable()
+          local b = x:to(to):permute(3, 1, 2):contiguous():totable()
+          for k = 1, 5 do for i = 1, 2 do for j = 1, 3 do
+            local u, w = a[k][i][j], b[k][i][j]
+            assert.is_true((u ~= u and w ~= w) or (u == w and 1 / u == 1 / w),
+              ("%s -> %s (%d, %d, %d): %s strided, %s contiguous"):format(from, to, i, j, k, tostring(u), tostring(w)))
+          end end end
+        end
+      end
+    end)
+  end)
 end)
