@@ -117,36 +117,57 @@ static ft_status check_binop(const char *func, ft_binop op, int arg,
 }
 
 /* out = a op b, or a op s (b NULL), or s op a (b NULL, scalar_first). */
-/* Contiguous f32 operands of + - * /: the same results as the general
- * loop below (each value computed in double and rounded once to f32), in a
- * loop the compiler vectorises once it has unswitched the invariant op and
- * operand tests (-O3, see CMakeLists.txt). Returns 0 when it does not apply. */
-static int binary_f32_contiguous(ft_tensor *out, ft_binop op, const ft_tensor *a,
-                                 const ft_tensor *b, double s, int scalar_first)
+/* f32 operands of + - * /: the same results as the general loop below
+ * (each value computed in double and rounded once to f32), a row of the
+ * last dim at a time (all of it when everything is contiguous), in loops
+ * the compiler vectorises once it has unswitched the invariant op and
+ * operand tests (-O3, see CMakeLists.txt); strided and broadcast (stride
+ * 0) operands take the same loops with their strides. Returns 0 when it
+ * does not apply. */
+static void binary_f32_row(float *o, int64_t os, const float *x, int64_t xs, const float *y,
+                           int64_t ys, int64_t n, ft_binop op, double s, int scalar_first)
 {
-    if (op > FT_DIV || a->dtype != FT_F32 || (b && b->dtype != FT_F32) ||
-        out->dtype != FT_F32 || !ft_is_contiguous(a) || (b && !ft_is_contiguous(b)) ||
-        !ft_is_contiguous(out))
-        return 0;
-    const float *x = a->data, *y = b ? b->data : NULL;
-    float *o = out->data;
-    const int64_t n = ft_numel(a);
     for (int64_t i = 0; i < n; i++) {
-        double u = x[i], v = y ? (double)y[i] : s;
+        double u = x[i * xs], v = y ? (double)y[i * ys] : s;
         if (scalar_first) {
             double t = u;
             u = v, v = t;
         }
         double r = op == FT_ADD ? u + v : op == FT_SUB ? u - v : op == FT_MUL ? u * v : u / v;
-        o[i] = (float)r;
+        o[i * os] = (float)r;
     }
+}
+
+static int binary_f32(ft_tensor *out, ft_binop op, const ft_tensor *a, const ft_tensor *b,
+                      double s, int scalar_first)
+{
+    if (op > FT_DIV || a->dtype != FT_F32 || (b && b->dtype != FT_F32) || out->dtype != FT_F32)
+        return 0;
+    const int64_t n = ft_numel(a);
+    if (ft_is_contiguous(a) && (!b || ft_is_contiguous(b)) && ft_is_contiguous(out)) {
+        binary_f32_row(out->data, 1, a->data, 1, b ? b->data : NULL, 1, n, op, s, scalar_first);
+        return 1;
+    }
+    const int nd = a->ndim;
+    if (nd == 0)
+        return 0;
+    const ft_tensor *second = b ? b : a; /* an unused stride row if scalar */
+    const int64_t row = a->shape[nd - 1], rows = row > 0 ? n / row : 0;
+    ft_iter it;
+    ft_iter_init(&it, nd - 1, a->shape, 3,
+                 (const int64_t *[]){a->stride, second->stride, out->stride});
+    for (int64_t r = 0; r < rows; r++, ft_iter_next(&it))
+        binary_f32_row((float *)ft_elem_ptr(out, it.offset[2]), out->stride[nd - 1],
+                       (const float *)ft_elem_ptr(a, it.offset[0]), a->stride[nd - 1],
+                       b ? (const float *)ft_elem_ptr(b, it.offset[1]) : NULL,
+                       second->stride[nd - 1], row, op, s, scalar_first);
     return 1;
 }
 
 static void binary_cpu(ft_tensor *out, ft_binop op, const ft_tensor *a,
                        const ft_tensor *b, double s, int scalar_first)
 {
-    if (binary_f32_contiguous(out, op, a, b, s, scalar_first))
+    if (binary_f32(out, op, a, b, s, scalar_first))
         return;
     const ft_tensor *second = b ? b : a; /* an unused stride row if scalar */
     ft_iter it;

@@ -486,6 +486,26 @@ describe("ops", function()
       same(view:maximum(other), copy:maximum(other))
     end)
 
+    it("f32 + - * / on strided, broadcast and scalar operands: the f64 result rounded once to f32", function()
+      local a = ft.randn({ 6, 7, 9 }, { seed = h.next_seed() })
+      local b = ft.randn({ 6, 9, 7 }, { seed = h.next_seed() }):transpose(2, 3) -- [6, 7, 9], strided
+      local row = ft.randn({ 1, 1, 9 }, { seed = h.next_seed() }):expand(6, 7, 9) -- stride 0 twice
+      local col = ft.randn({ 6, 7, 1 }, { seed = h.next_seed() }):expand(6, 7, 9) -- stride 0 last
+      local nar = ft.randn({ 6, 7, 12 }, { seed = h.next_seed() }):narrow(3, 2, 9)
+      local function f64(t) return t:to("f64") end
+      for _, x in ipairs { a, b, nar } do
+        for _, y in ipairs { a, b, row, col, nar } do
+          same(x + y, (f64(x) + f64(y)):to("f32"))
+          same(x - y, (f64(x) - f64(y)):to("f32"))
+          same(y * x, (f64(y) * f64(x)):to("f32"))
+          same(x / y, (f64(x) / f64(y)):to("f32"))
+        end
+        same(x * 0.1, (f64(x) * 0.1):to("f32"))
+        same(3 - x, (3 - f64(x)):to("f32"))
+        same(1 / x, (1 / f64(x)):to("f32"))
+      end
+    end)
+
     it("reductions equal those on a contiguous copy", function()
       assert.is_true(math.abs(view:sum() - copy:sum()) < 1e-13)
       assert.are.equal(copy:max(), view:max())
