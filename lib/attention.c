@@ -782,10 +782,7 @@ static ft_status fp8_forward_mma(const char *func, ft_tensor **out, ft_tensor **
     ft_attn_shape s;
     memset(&s, 0, sizeof s);
     ft_status st = check_qkv(func, 1, 4, &as16[0], &as16[1], &as16[2], &p2, &s);
-    const ft_attn_mod *m = &s.mod;
-    const int plain = st == FT_OK && !s.cu_q && !s.mods && !s.block_mask && m->left < 0 &&
-                      (m->right < 0 || (s.causal && m->right == 0)) && m->softcap == 0 &&
-                      !m->alibi && !m->sink && !m->dropout;
+    const int plain = st == FT_OK && !s.cu_q && ft_attn_plain_or_causal(&s);
     const double scale = s.scale;
     const int causal = s.causal;
     shape_free(&s);

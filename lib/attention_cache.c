@@ -275,7 +275,6 @@ static ft_status decode_on_device(const cache_call *c, const ft_tensor *q, const
 int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const ft_tensor *k,
                               const ft_tensor *v, ft_tensor *out, ft_tensor *lse, ft_status *st)
 {
-    const ft_attn_mod *m = &s->mod;
     /* a few query rows against many keys, no variant but causal: at most 16
      * rows a kv head (GQA packs a group's rows), where the split-KV kernel
      * measured faster than the flash kernels (H200, bf16, d 128: 7.7x at
@@ -284,9 +283,7 @@ int ft_attention_decode_plain(const ft_attn_shape *s, const ft_tensor *q, const 
     const int shape_ok = s->B >= 1 && s->H >= 1 && s->Hk >= 1 && s->Nq >= 1 &&
                          s->Nq * (s->H / s->Hk) <= 16 && s->Nk >= 512 && s->Nk >= 16 * s->Nq &&
                          !s->cu_q;
-    const int plain = !s->mods && !s->block_mask && m->left < 0 &&
-                      (m->right < 0 || (s->causal && m->right == 0)) && m->softcap == 0 &&
-                      !m->alibi && !m->sink && !m->dropout;
+    const int plain = ft_attn_plain_or_causal(s);
     /* the same call as a cache of Nk valid rows and nothing to append */
     cache_call c = {0};
     c.B = s->B;

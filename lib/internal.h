@@ -374,6 +374,17 @@ typedef struct ft_attn_shape {
     const int64_t *mod_goff;
 } ft_attn_shape;
 
+/* Whether a checked call is attention with no variant but causal (no
+ * window but causal's, softcap, ALiBi, sink, dropout, Lua mods or block
+ * mask): what the decoding and fp8 kernels take. Varlen is the caller's. */
+static inline int ft_attn_plain_or_causal(const ft_attn_shape *s)
+{
+    const ft_attn_mod *m = &s->mod;
+    return !s->mods && !s->block_mask && m->left < 0 &&
+           (m->right < 0 || (s->causal && m->right == 0)) && m->softcap == 0 && !m->alibi &&
+           !m->sink && !m->dropout;
+}
+
 #ifdef FT_HAVE_CUDA
 /* attention_cache.c: plain attention of up to 16 query rows a kv head
  * against many keys (decoding without a cache) through the split-KV kernel;
