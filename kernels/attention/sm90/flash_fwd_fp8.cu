@@ -15,8 +15,8 @@
  * match (fp8_perm): no shuffles.
  *
  * The kernel is FlashAttention-3's structure: a producer warpgroup (one
- * thread issuing bulk tensor copies of Q once, then K and V^T blocks of 128
- * keys into a ring of F8_STAGES stages, each with a full and an empty
+ * thread issuing bulk tensor copies of Q once, then K and V^T blocks of
+ * 224 keys into a ring of 3 stages (F8Fwd), each with a full and an empty
  * mbarrier) and two consumer warpgroups of 64 query rows each, taking
  * turns issuing their products; S_j is issued before P_{j-1} V_{j-1} and
  * its softmax runs while the latter is on the tensor cores; P is rounded
@@ -36,10 +36,8 @@
 
 #define F8_D 128      /* the head dim */
 #define F8_BR 128     /* query rows a CTA: two consumer warpgroups of 64 */
-#define F8_BC 128     /* keys a block */
-#define F8_STAGES 3   /* K and V^T blocks in flight */
-#define F8_TILE (F8_BC * F8_D) /* bytes of a Q, K or V^T tile (128 rows of 128 bytes) */
-static_assert(F8_BR == F8_BC && F8_D == 128, "Q, K and V^T tiles of one size, rows of 128 bytes");
+#define F8_VB 128     /* keys a block of the transposing pass, and npad's unit */
+#define F8_SLAB (128 * F8_D) /* bytes of 128 rows of 128 bytes: Q, or 128 keys of V^T */
 
 struct F8Params {
     int B, H, Hk, Nq, Nk, causal;
@@ -53,11 +51,30 @@ struct F8Maps {
     FlashTmaMap q, k, vt;
 };
 
-/* Shared memory: up to 1023 bytes to reach 1024-byte alignment, Q, then
- * the stages (K, then V^T), then full[S], empty[S] and Q's mbarrier. */
-struct F8Smem {
-    static constexpr size_t Q = 0, KV = F8_TILE, BARS = KV + (size_t)F8_STAGES * 2 * F8_TILE;
-    static constexpr size_t bytes = 1024 + BARS + (2 * F8_STAGES + 1) * 8;
+/* A kernel's shape: BC keys a block (a multiple of 32: P V's k), STAGES
+ * K and V^T blocks in flight. Shared memory: up to 1023 bytes to reach
+ * 1024-byte alignment, Q, then the stages (K: BC rows of 128 bytes; V^T:
+ * 128 rows of the block's keys in slabs of 128 keys, the copy engine's
+ * widest 128-byte swizzled box, the last slab's keys past BC unused), then
+ * full[STAGES], empty[STAGES] and Q's mbarrier. */
+template <int BC_, int STAGES_> struct F8Shape {
+    static constexpr int BC = BC_, STAGES = STAGES_, NT = BC / 8, KK = BC / 32;
+    static constexpr int SLABS = (BC + 127) / 128;
+    static constexpr size_t K_BYTES = (size_t)BC * F8_D, V_BYTES = (size_t)SLABS * F8_SLAB;
+    static constexpr size_t STAGE = K_BYTES + V_BYTES;
+    static constexpr size_t Q = 0, KV = F8_SLAB, BARS = KV + STAGES * STAGE;
+    static constexpr size_t bytes = 1024 + BARS + (2 * STAGES + 1) * 8;
+    static_assert(BC % 32 == 0 && BC <= 256, "P V's k is 32, S's n at most 256");
+};
+/* 224-key blocks, 3 stages (H100, against 128-key blocks in one process:
+ * 1.07x at 4096 and 16384 keys, causal 0.99x and 1.07x; 192 keys:
+ * 0.98x-1.04x; 224 keys in 2 stages: 0.72x-0.78x). The per-block work
+ * that does not grow with the keys (O's rescale, the rows' shuffles and
+ * factors, the barriers) is spread over more scores; S takes 112
+ * registers a thread, no spills. */
+using F8Fwd = F8Shape<224, 3>;
+template <bool B> struct F8Bool {
+    static constexpr bool value = B;
 };
 
 /* Key position (0..31) that k32 fragment column c holds: column 4t + e
@@ -76,19 +93,19 @@ __global__ void __launch_bounds__(256) fp8_v_t(const unsigned char *v, int64_t v
                                                int64_t v_rs, int64_t v_hs, int Nk, int npad,
                                                unsigned char *vt)
 {
-    __shared__ unsigned char tile[F8_BC][F8_D + 4];
+    __shared__ unsigned char tile[F8_VB][F8_D + 4];
     const int jb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, Hk = gridDim.y;
-    for (int idx = threadIdx.x; idx < F8_BC * (F8_D / 4); idx += blockDim.x) {
-        const int r = idx / (F8_D / 4), c = idx % (F8_D / 4) * 4, j = jb * F8_BC + r;
+    for (int idx = threadIdx.x; idx < F8_VB * (F8_D / 4); idx += blockDim.x) {
+        const int r = idx / (F8_D / 4), c = idx % (F8_D / 4) * 4, j = jb * F8_VB + r;
         uint32_t x = 0;
         if (j < Nk)
             x = *reinterpret_cast<const uint32_t *>(v + b * v_bs + (int64_t)j * v_rs + hk * v_hs + c);
         *reinterpret_cast<uint32_t *>(&tile[r][c]) = x;
     }
     __syncthreads();
-    unsigned char *out = vt + (((int64_t)b * Hk + hk) * F8_D) * npad + (int64_t)jb * F8_BC;
-    for (int idx = threadIdx.x; idx < F8_D * (F8_BC / 4); idx += blockDim.x) {
-        const int c = idx / (F8_BC / 4), q = idx % (F8_BC / 4) * 4;
+    unsigned char *out = vt + (((int64_t)b * Hk + hk) * F8_D) * npad + (int64_t)jb * F8_VB;
+    for (int idx = threadIdx.x; idx < F8_D * (F8_VB / 4); idx += blockDim.x) {
+        const int c = idx / (F8_VB / 4), q = idx % (F8_VB / 4) * 4;
         uint32_t x = 0;
 #pragma unroll
         for (int e = 0; e < 4; e++)
@@ -98,16 +115,35 @@ __global__ void __launch_bounds__(256) fp8_v_t(const unsigned char *v, int64_t v
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* d (64 x 128 per warpgroup, f32) (+)= A B^T, m64n128k32 e4m3: A and B
- * K-major in shared memory (ss), or A from registers (rs). */
-__device__ __forceinline__ void wgmma_fp8_ss(float *d, uint64_t da, uint64_t db, int accumulate)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FT_REG64
-                 ", %64, %65, p, 1, 1;\n}\n"
-                 : FT_ACC64(d)
-                 : "l"(da), "l"(db), "r"(accumulate));
-}
+#define F8_REG112 \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22," \
+    "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43," \
+    "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64," \
+    "%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85," \
+    "%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104," \
+    "%105,%106,%107,%108,%109,%110,%111}"
+#define F8_ACC112(d) FT_ACC96(d), FT_ACC8(d, 96), FT_ACC8(d, 104)
+
+/* S (64 x N per warpgroup, f32) (+)= A B^T, m64nNk32 e4m3, A and B K-major
+ * in shared memory, N keys a block (F8Shape's BC: 224; 128 and 192 were
+ * measured too, with FT_REG64 and FT_REG96 in the same form). */
+template <int N> struct F8S;
+#define F8_S_MMA(N, REGS, ACC, OPS)                                                          \
+    template <> struct F8S<N> {                                                              \
+        static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db,        \
+                                                  int accumulate)                            \
+        {                                                                                    \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " OPS                              \
+                         : ACC                                                               \
+                         : "l"(da), "l"(db), "r"(accumulate));                               \
+        }                                                                                    \
+    };
+F8_S_MMA(224, F8_REG112, F8_ACC112(d),
+         "%114, 0;\nwgmma.mma_async.sync.aligned.m64n224k32.f32.e4m3.e4m3 " F8_REG112
+         ", %112, %113, p, 1, 1;\n}\n")
+#undef F8_S_MMA
+/* O (64 x 128 per warpgroup) += P V, m64n128k32 e4m3: P from registers,
+ * V^T K-major in shared memory. */
 __device__ __forceinline__ void wgmma_fp8_rs(float *d, const uint32_t *a, uint64_t db)
 {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -126,15 +162,18 @@ __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d
 }
 #endif
 
+template <typename Sh>
 __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     flash_fwd_fp8_kernel(const F8Params p, const __grid_constant__ F8Maps maps)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BC = Sh::BC, STAGES = Sh::STAGES, NT = Sh::NT;
+    constexpr uint32_t STAGE = (uint32_t)Sh::STAGE, K_BYTES = (uint32_t)Sh::K_BYTES;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *sm = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    const uint32_t s_q = smem_addr(sm + F8Smem::Q), s_kv = smem_addr(sm + F8Smem::KV);
-    const uint32_t full = smem_addr(sm + F8Smem::BARS), empty = full + 8 * F8_STAGES;
-    const uint32_t qbar = empty + 8 * F8_STAGES;
+    const uint32_t s_q = smem_addr(sm + Sh::Q), s_kv = smem_addr(sm + Sh::KV);
+    const uint32_t full = smem_addr(sm + Sh::BARS), empty = full + 8 * STAGES;
+    const uint32_t qbar = empty + 8 * STAGES;
     const int tid = threadIdx.x, wg = warpgroup_of<true>(tid);
     const int nqb = (p.Nq + F8_BR - 1) / F8_BR;
     const int qb = p.causal ? nqb - 1 - (int)blockIdx.x : (int)blockIdx.x; /* longest first */
@@ -142,12 +181,12 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const int i0 = qb * F8_BR, shift = p.Nk - p.Nq;
     /* key blocks: all, or causal up to the last row's diagonal */
     const int last_row = min(i0 + F8_BR, p.Nq) - 1;
-    int nkb = (p.Nk + F8_BC - 1) / F8_BC;
+    int nkb = (p.Nk + BC - 1) / BC;
     if (p.causal)
-        nkb = last_row + shift < 0 ? 0 : min(nkb, (last_row + shift) / F8_BC + 1);
+        nkb = last_row + shift < 0 ? 0 : min(nkb, (last_row + shift) / BC + 1);
 
     if (tid == 0) {
-        for (int st = 0; st < F8_STAGES; st++) {
+        for (int st = 0; st < STAGES; st++) {
             mbar_init(full + 8 * st, 1);  /* the producer's arrival, with the bytes */
             mbar_init(empty + 8 * st, 2); /* one thread of each consumer */
         }
@@ -159,16 +198,19 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     if (wg == 0) { /* the producer */
         regs_dec<24>();
         if (tid == 0) {
-            mbar_expect(qbar, F8_TILE);
+            mbar_expect(qbar, F8_SLAB);
             tma_load_4d(s_q, &maps.q, qbar, 0, h, i0, b);
             for (int j = 0; j < nkb; j++) {
-                const int st = j % F8_STAGES;
-                if (j >= F8_STAGES)
-                    mbar_wait(empty + 8 * st, ((j / F8_STAGES) & 1) ^ 1);
-                const uint32_t sk = s_kv + st * 2 * F8_TILE;
-                mbar_expect(full + 8 * st, 2 * F8_TILE);
-                tma_load_4d(sk, &maps.k, full + 8 * st, 0, hk, j * F8_BC, b);
-                tma_load_4d(sk + F8_TILE, &maps.vt, full + 8 * st, j * F8_BC, 0, hk, b);
+                const int st = j % STAGES;
+                if (j >= STAGES)
+                    mbar_wait(empty + 8 * st, ((j / STAGES) & 1) ^ 1);
+                const uint32_t sk = s_kv + st * STAGE;
+                mbar_expect(full + 8 * st, STAGE);
+                tma_load_4d(sk, &maps.k, full + 8 * st, 0, hk, j * BC, b);
+#pragma unroll
+                for (int sl = 0; sl < Sh::SLABS; sl++) /* past npad: zeros */
+                    tma_load_4d(sk + K_BYTES + sl * F8_SLAB, &maps.vt, full + 8 * st,
+                                j * BC + 128 * sl, 0, hk, b);
             }
         }
         return;
@@ -178,7 +220,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const Turns<true> turns(w);
     const int lane = ct % FT_WARP, warp = ct % WG_THREADS / FT_WARP, g = lane / 4, t4 = lane % 4;
     const int row0 = i0 + 64 * w + 16 * warp + g; /* this thread's rows: row0, row0 + 8 */
-    float o[64], s[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[64], s[BC / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 64; i++)
         o[i] = 0.f;
@@ -190,43 +232,44 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
      * cores; after P V, the stage goes back, O is rescaled and P_j packed
      * into the A fragments. The two consumers take turns issuing their
      * products (Turns), so one's softmax runs under the other's. */
-    uint32_t pf[4][4];
+    uint32_t pf[Sh::KK][4];
     float alpha[2];
     auto issue_s = [&](int j) {
-        const int st = j % F8_STAGES;
-        mbar_wait(full + 8 * st, (j / F8_STAGES) & 1);
-        const uint32_t kb = desc_lo(s_kv + st * 2 * F8_TILE, 16);
+        const int st = j % STAGES;
+        mbar_wait(full + 8 * st, (j / STAGES) & 1);
+        const uint32_t kb = desc_lo(s_kv + st * STAGE, 16);
 #pragma unroll
         for (int ks = 0; ks < F8_D / 32; ks++)
-            wgmma_fp8_ss(s, make_desc(qa + 2 * ks, FT_DESC_HI(1024)),
+            F8S<BC>::ss(s, make_desc(qa + 2 * ks, FT_DESC_HI(1024)),
                          make_desc(kb + 2 * ks, FT_DESC_HI(1024)), ks > 0);
         wgmma_commit();
     };
     auto issue_pv = [&](int j) {
-        const uint32_t vb = desc_lo(s_kv + (j % F8_STAGES) * 2 * F8_TILE + F8_TILE, 16);
+        const uint32_t vb = desc_lo(s_kv + (j % STAGES) * STAGE + K_BYTES, 16);
 #pragma unroll
-        for (int kk = 0; kk < F8_BC / 32; kk++)
-            wgmma_fp8_rs(o, pf[kk], make_desc(vb + 2 * kk, FT_DESC_HI(1024)));
+        for (int kk = 0; kk < Sh::KK; kk++) /* 128 keys a slab, 32 bytes a k step */
+            wgmma_fp8_rs(o, pf[kk], make_desc(vb + (kk / 4) * (F8_SLAB >> 4) + 2 * (kk % 4),
+                                              FT_DESC_HI(1024)));
         wgmma_commit();
     };
     /* the softmax of S_j: masks at the edges, the running maximum (log2
      * units: the raw maximum times c), P = 2^(s c - m) by one FFMA and an
      * ex2 a score, the row sums; O's factors into alpha */
     const float c = p.scale_log2; /* positive */
-    auto softmax = [&](int j) {
-        pin_all<64>(s);
-        const int j0 = j * F8_BC;
-        const bool edge = j0 + F8_BC > p.Nk || (p.causal && j0 + F8_BC - 1 > i0 + 64 * w + shift);
+    auto softmax_in = [&](int j, auto edge_) {
+        constexpr bool EDGE = decltype(edge_)::value;
+        pin_all<BC / 2>(s);
+        const int j0 = j * BC;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int lim = p.causal ? min(p.Nk, row0 + 8 * r + shift + 1) : p.Nk;
             float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}; /* four chains */
 #pragma unroll
-            for (int i = 0; i < 16; i++)
+            for (int i = 0; i < NT; i++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     float &x = s[4 * i + 2 * r + e];
-                    if (edge && j0 + 8 * i + 2 * t4 + e >= lim)
+                    if (EDGE && j0 + 8 * i + 2 * t4 + e >= lim)
                         x = -INFINITY;
                     mx4[(2 * i + e) % 4] = max_nan(mx4[(2 * i + e) % 4], x);
                 }
@@ -237,7 +280,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             alpha[r] = ex2(m[r] - mu);
             float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int i = 0; i < 16; i++)
+            for (int i = 0; i < NT; i++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     float &x = s[4 * i + 2 * r + e];
@@ -247,6 +290,19 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
             m[r] = mn;
         }
+    };
+    /* two copies: with a runtime test around each score's mask, ptxas
+     * predicated it into every block (an add, a compare and a select a
+     * score: 945-1003 instructions a thread for a block of 112 scores,
+     * 722 without); the blocks past the keys' end or the diagonal take the
+     * masking copy (H100, in one process: 1.09x / 1.19x at 4096 / 16384
+     * keys, causal 1.08x / 1.18x) */
+    auto softmax = [&](int j) {
+        const int j0 = j * BC;
+        if (j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > i0 + 64 * w + shift))
+            softmax_in(j, F8Bool<true>());
+        else
+            softmax_in(j, F8Bool<false>());
     };
     auto rescale_pack = [&] {
         pin_all<64>(o);
@@ -258,7 +314,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             o[4 * i + 3] *= alpha[1];
         }
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
+        for (int kk = 0; kk < Sh::KK; kk++) {
             const float *x = s + 16 * kk;
             pf[kk][0] = pack_e4m3(x[0], x[1], x[4], x[5]);     /* row g, columns 4t .. */
             pf[kk][1] = pack_e4m3(x[2], x[3], x[6], x[7]);     /* row g + 8 */
@@ -270,7 +326,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
      * hands it back (K by S long before, V^T by P V) */
     auto release = [&](int j) {
         if (ct % WG_THREADS == 0)
-            mbar_arrive(empty + 8 * (j % F8_STAGES));
+            mbar_arrive(empty + 8 * (j % STAGES));
     };
     if (nkb > 0) {
         wgmma_fence();
@@ -338,7 +394,7 @@ extern "C" int ft_attention_fp8_cuda_takes(const ft_tensor *q, const ft_tensor *
             if (t[i]->shape[a] > 1 && t[i]->stride[a] % 16 != 0)
                 return 0;
     }
-    return q->shape[1] < INT32_MAX && k->shape[1] > 0 && k->shape[1] < INT32_MAX - F8_BC;
+    return q->shape[1] < INT32_MAX && k->shape[1] > 0 && k->shape[1] < INT32_MAX - 512;
 #else
     (void)q, (void)k, (void)v;
     return 0;
@@ -347,9 +403,26 @@ extern "C" int ft_attention_fp8_cuda_takes(const ft_tensor *q, const ft_tensor *
 
 extern "C" size_t ft_attention_fp8_cuda_workspace(const ft_tensor *k)
 {
-    const int64_t npad = (k->shape[1] + F8_BC - 1) / F8_BC * F8_BC;
-    return (size_t)(k->shape[0] * k->shape[2] * F8_D * (npad > 0 ? npad : F8_BC));
+    const int64_t npad = (k->shape[1] + F8_VB - 1) / F8_VB * F8_VB;
+    return (size_t)(k->shape[0] * k->shape[2] * F8_D * (npad > 0 ? npad : F8_VB));
 }
+
+#ifdef FT_HAVE_SM90A
+/* K's map (its box is a block's BC rows) and the launch, for one shape */
+template <typename Sh>
+static ft_status fp8_launch(const F8Params &p, F8Maps maps, const FlashTensor &tk, const char *func)
+{
+    if (!flash_tma_map(&maps.k, tk, p.B, p.Nk > 0 ? p.Nk : 1, p.Hk, F8_D, Sh::BC, FT_FP8_E4M3))
+        return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
+                       "the copy engine does not take these fp8 tensors (their strides)");
+    FT_CUDA_TRY(func, cudaFuncSetAttribute(flash_fwd_fp8_kernel<Sh>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)Sh::bytes));
+    flash_fwd_fp8_kernel<Sh><<<dim3((p.Nq + F8_BR - 1) / F8_BR, p.H, p.B), 3 * WG_THREADS, Sh::bytes>>>(p, maps);
+    FT_CUDA_CHECK_LAUNCH(func);
+    return FT_OK;
+}
+#endif
 
 extern "C" ft_status ft_attention_forward_fp8_cuda(const ft_fp8_fwd_cuda *a)
 {
@@ -368,33 +441,28 @@ extern "C" ft_status ft_attention_forward_fp8_cuda(const ft_fp8_fwd_cuda *a)
     p.lse = (float *)a->lse->data;
     if (p.B == 0 || p.Nq == 0 || p.H == 0)
         return FT_OK;
-    const int npad = (int)((p.Nk + F8_BC - 1) / F8_BC * F8_BC);
+    const int npad = (int)((p.Nk + F8_VB - 1) / F8_VB * F8_VB);
     unsigned char *vt = (unsigned char *)a->workspace;
     if (npad > 0) {
-        fp8_v_t<<<dim3(npad / F8_BC, p.Hk, p.B), 256>>>(
+        fp8_v_t<<<dim3(npad / F8_VB, p.Hk, p.B), 256>>>(
             (const unsigned char *)v->data, v->stride[0], v->stride[1], v->stride[2], p.Nk, npad, vt);
         FT_CUDA_CHECK_LAUNCH(func);
     }
     F8Maps maps;
     memset(&maps, 0, sizeof maps);
     const FlashTensor tq = flash_tensor(q), tk = flash_tensor(k);
-    const cuuint64_t vdims[4] = {(cuuint64_t)(npad > 0 ? npad : F8_BC), F8_D, (cuuint64_t)p.Hk,
+    /* vt is [B][Hk][128][npad] */
+    const cuuint64_t vdims[4] = {(cuuint64_t)(npad > 0 ? npad : F8_VB), F8_D, (cuuint64_t)p.Hk,
                                  (cuuint64_t)p.B};
-    const cuuint64_t vstr[3] = {(cuuint64_t)(npad > 0 ? npad : F8_BC),
-                                (cuuint64_t)F8_D * (npad > 0 ? npad : F8_BC),
-                                (cuuint64_t)F8_D * (npad > 0 ? npad : F8_BC) * p.Hk};
-    const cuuint32_t vbox[4] = {F8_BC, F8_D, 1, 1};
+    const cuuint64_t vstr[3] = {(cuuint64_t)(npad > 0 ? npad : F8_VB),
+                                (cuuint64_t)F8_D * (npad > 0 ? npad : F8_VB),
+                                (cuuint64_t)F8_D * (npad > 0 ? npad : F8_VB) * p.Hk};
+    const cuuint32_t vbox[4] = {F8_VB, F8_D, 1, 1};
     if (!flash_tma_map(&maps.q, tq, p.B, p.Nq, p.H, F8_D, F8_BR, FT_FP8_E4M3) ||
-        !flash_tma_map(&maps.k, tk, p.B, p.Nk > 0 ? p.Nk : 1, p.Hk, F8_D, F8_BC, FT_FP8_E4M3) ||
         !flash_tma_encode(&maps.vt, vt, CU_TENSOR_MAP_DATA_TYPE_UINT8, vdims, vstr, vbox))
         return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
                        "the copy engine does not take these fp8 tensors (their strides)");
-    FT_CUDA_TRY(func, cudaFuncSetAttribute(flash_fwd_fp8_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)F8Smem::bytes));
-    flash_fwd_fp8_kernel<<<dim3((p.Nq + F8_BR - 1) / F8_BR, p.H, p.B), 3 * WG_THREADS, F8Smem::bytes>>>(p, maps);
-    FT_CUDA_CHECK_LAUNCH(func);
-    return FT_OK;
+    return fp8_launch<F8Fwd>(p, maps, tk, func);
 #else
     (void)a;
     return ft_fail(FT_ERR_UNSUPPORTED, func, 0, "built without sm_90a");
