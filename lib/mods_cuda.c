@@ -646,9 +646,9 @@ char *ft_attn_mods_cuda_source(const ft_attn_mods *m, const ft_tensor *const *te
     /* whether the kernels keep the built-in score variants (mod_acc_with)
      * and dropout's code: a call without them compiles without them (the
      * Lua softcap's dK/dV kernel spilled 72 bytes with both, 4 without) */
-    put(&b, "    static constexpr bool builtin_scores = %s, dropout = %s, has_mask = %s;\n",
+    put(&b, "    static constexpr bool builtin_scores = %s, dropout = %s, has_mask = %s, debug = %s;\n",
         call & FT_RTC_BUILTIN_SCORES ? "true" : "false", call & FT_RTC_DROPOUT ? "true" : "false",
-        mask >= 0 && !(call & FT_RTC_MASK_IS_BAND) ? "true" : "false");
+        mask >= 0 && !(call & FT_RTC_MASK_IS_BAND) ? "true" : "false", debug ? "true" : "false");
     put(&b, "    struct Ctx {\n");
     for (int k = 0; k < n && !b.failed; k++)
         if (ctx[k])

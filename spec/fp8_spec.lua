@@ -534,13 +534,18 @@ describe("fp8_e4m3", function()
     -- smaller. LSE comes from f32 sums of S, whose fp8 products the tensor
     -- cores add up with fewer bits than f32 (an error of about 2e-4 here,
     -- against 1e-5 for the bf16 route's).
-    gpu_it("on CUDA with head dim 128 takes the fp8 tensor cores on Hopper: the f64 reference within e4m3's rounding of P, rows that see no key, GQA, Nq ~= Nk, strided q #gpu", function()
+    gpu_it("on CUDA with head dim 128 takes the fp8 tensor cores on Hopper: the f64 reference within e4m3's rounding of P, rows that see no key, GQA, Nq ~= Nk, strided q, more tiles than SMs (the persistent walk's rounds, the same bits as a CTA a tile) #gpu", function()
       local hopper = ft.cuda.device_name(0):match("H[12]00") ~= nil
       for _, c in ipairs {
         { B = 2, Nq = 300, Nk = 300, H = 4, Hk = 2, opts = { causal = true } },
         { B = 1, Nq = 65, Nk = 700, H = 4, Hk = 1, opts = {} },
         { B = 2, Nq = 200, Nk = 129, H = 2, Hk = 2, opts = { causal = true } },
         { B = 1, Nq = 128, Nk = 1000, H = 2, Hk = 2, opts = { causal = true }, strided = true },
+        -- 192 and 288 tiles of 128 rows: several rounds of a persistent
+        -- grid; in the second, the first block of rows of each head sees
+        -- no key (tiles without keys amid the walk)
+        { B = 12, Nq = 200, Nk = 200, H = 8, Hk = 2, opts = { causal = true } },
+        { B = 12, Nq = 300, Nk = 100, H = 8, Hk = 8, opts = { causal = true } },
       } do
         local q8, k8, v8 = inputs(c.B, c.Nq, c.Nk, c.H, c.Hk, 128, 7 * c.Nk, "cuda")
         if c.strided then -- q as a view of a wider tensor: row stride 3 heads
@@ -573,6 +578,12 @@ describe("fp8_e4m3", function()
         local o2, l2 = ft.attention(q8, k8, v8, opts)
         assert.are.equal(0, ft.max_abs_diff(o2, o), label .. ": deterministic")
         assert.are.equal(0, ft.max_abs_diff(l2, l), label .. ": deterministic lse")
+        -- the persistent grid and a CTA a tile: the same arithmetic a tile
+        ft.set_switch("FT_NO_PERSIST", true)
+        local o3, l3 = ft.attention(q8, k8, v8, opts)
+        ft.set_switch("FT_NO_PERSIST", nil)
+        assert.are.equal(0, ft.max_abs_diff(o3, o), label .. ": persistent or not")
+        assert.are.equal(0, ft.max_abs_diff(l3, l), label .. ": persistent or not, lse")
       end
     end)
   end)

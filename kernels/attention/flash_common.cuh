@@ -437,6 +437,7 @@ struct ScoreMod {
     float scale, inv_scale; /* for a modification written in Lua: its s is scaled */
     int b, h;
     int um_left, um_right; /* FlashParams' */
+    int nq, nk;            /* this sequence's rows and keys */
     /* The query's position among the keys, as apply takes it. */
     __device__ __forceinline__ float pos(int qi) const { return (float)(qi + shift); }
     /* The modified score of the query at key position a (pos) against key
@@ -497,6 +498,7 @@ __device__ __forceinline__ ScoreMod flash_score_mod(const FlashParams &p, int b,
     m.inv_scale = p.inv_scale;
     m.b = b, m.h = h;
     m.um_left = p.um_left, m.um_right = p.um_right;
+    m.nq = p.Nq, m.nk = p.Nk;
     return m;
 }
 
@@ -753,6 +755,7 @@ struct NoUserMod {
     static constexpr float bound = 0.f;
     static constexpr bool builtin_scores = true; /* compiled with the built-in variants */
     static constexpr bool has_mask = false;
+    static constexpr bool debug = false; /* compiled with bounds-checked reads */
     static constexpr bool dropout = true; /* compiled with dropout's code */
     struct GradState {};
     struct Ctx {};
@@ -824,9 +827,16 @@ __device__ __forceinline__ void mod_acc_with(const ScoreMod &m, float *acc, int 
                 acc[i] = m.apply(kind, acc[i], off[(i / 2) % 2], (float)(8 * (i / 4) + e), &d[e]);
                 if (UM::on) { /* then the Lua-written one, on the scaled score */
                     const int r = row0 + g + 8 * ((i / 2) % 2), c = col0 + 8 * (i / 4) + 2 * t4 + e;
-                    const int qi = KEY_ROWS ? c : r, kj = KEY_ROWS ? r : c;
+                    int qi = KEY_ROWS ? c : r, kj = KEY_ROWS ? r : c;
                     const float fr = urow[(i / 2) % 2], fc = ucol + (float)(8 * (i / 4) + e);
-                    const float fq = KEY_ROWS ? fc : fr, fk = KEY_ROWS ? fr : fc;
+                    float fq = KEY_ROWS ? fc : fr, fk = KEY_ROWS ? fr : fc;
+                    if (UM::debug) { /* a tile's padding (rows past Nq, keys past
+                                      * Nk, masked later) as the last real
+                                      * position: else its reads count as
+                                      * the mod's faults */
+                        qi = min(qi, m.nq - 1), kj = min(kj, m.nk - 1);
+                        fq = (float)(qi + 1), fk = (float)(kj + 1);
+                    }
                     if (decltype(mask)::value && !UM::keep(uc, qi, kj, fq, fk)) {
                         acc[i] = -INFINITY;
                         d[e] = 0.f;

@@ -56,14 +56,14 @@ struct F8Maps {
  * 1024-byte alignment, Q, then the stages (K: BC rows of 128 bytes; V^T:
  * 128 rows of the block's keys in slabs of 128 keys, the copy engine's
  * widest 128-byte swizzled box, the last slab's keys past BC unused), then
- * full[STAGES], empty[STAGES] and Q's mbarrier. */
+ * full[STAGES], empty[STAGES], Q's full and Q's empty mbarrier. */
 template <int BC_, int STAGES_> struct F8Shape {
     static constexpr int BC = BC_, STAGES = STAGES_, NT = BC / 8, KK = BC / 32;
     static constexpr int SLABS = (BC + 127) / 128;
     static constexpr size_t K_BYTES = (size_t)BC * F8_D, V_BYTES = (size_t)SLABS * F8_SLAB;
     static constexpr size_t STAGE = K_BYTES + V_BYTES;
     static constexpr size_t Q = 0, KV = F8_SLAB, BARS = KV + STAGES * STAGE;
-    static constexpr size_t bytes = 1024 + BARS + (2 * STAGES + 1) * 8;
+    static constexpr size_t bytes = 1024 + BARS + (2 * STAGES + 2) * 8;
     static_assert(BC % 32 == 0 && BC <= 256, "P V's k is 32, S's n at most 256");
 };
 /* 224-key blocks, 3 stages (H100, against 128-key blocks in one process:
@@ -162,7 +162,7 @@ __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d
 }
 #endif
 
-template <typename Sh>
+template <typename Sh, bool PERSIST>
 __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     flash_fwd_fp8_kernel(const F8Params p, const __grid_constant__ F8Maps maps)
 {
@@ -173,17 +173,38 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     unsigned char *sm = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const uint32_t s_q = smem_addr(sm + Sh::Q), s_kv = smem_addr(sm + Sh::KV);
     const uint32_t full = smem_addr(sm + Sh::BARS), empty = full + 8 * STAGES;
-    const uint32_t qbar = empty + 8 * STAGES;
+    const uint32_t qbar = empty + 8 * STAGES, qempty = qbar + 8;
     const int tid = threadIdx.x, wg = warpgroup_of<true>(tid);
-    const int nqb = (p.Nq + F8_BR - 1) / F8_BR;
-    const int qb = p.causal ? nqb - 1 - (int)blockIdx.x : (int)blockIdx.x; /* longest first */
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.H / p.Hk);
-    const int i0 = qb * F8_BR, shift = p.Nk - p.Nq;
-    /* key blocks: all, or causal up to the last row's diagonal */
-    const int last_row = min(i0 + F8_BR, p.Nq) - 1;
-    int nkb = (p.Nk + BC - 1) / BC;
-    if (p.causal)
-        nkb = last_row + shift < 0 ? 0 : min(nkb, (last_row + shift) / BC + 1);
+    const int nqb = (p.Nq + F8_BR - 1) / F8_BR, ntiles = nqb * p.H * p.B, shift = p.Nk - p.Nq;
+    /* Tiles (query block, head, batch entry), t = (b H + h) nqb + block,
+     * the query blocks of a head next to each other (they share its K and
+     * V^T in L2), longest first under the causal mask. A grid of every
+     * tile takes tile blockIdx.x; a persistent grid (fewer CTAs) takes
+     * round r's tile r G + c, or r G + G - 1 - c when r is odd (snaking,
+     * so that under the causal mask the CTAs with the longest tiles of a
+     * round take the shortest of the next), as the bf16 persistent kernel
+     * does. The K/V ring's blocks and Q's phases are counted across a
+     * CTA's tiles; Q has an empty barrier too, handed back once a tile's
+     * last S product is done, so the producer copies the next tile's Q
+     * and first blocks while the consumers finish this tile. */
+    const int G = (int)gridDim.x, rounds = PERSIST ? (ntiles + G - 1) / G : 1;
+    auto tile_of = [&](int r) { return r * G + ((r & 1) ? G - 1 - (int)blockIdx.x : (int)blockIdx.x); };
+    struct Tile {
+        int i0, h, b, nkb;
+    };
+    auto tile_at = [&](int t) {
+        Tile x;
+        const int qb = t % nqb;
+        x.i0 = (p.causal ? nqb - 1 - qb : qb) * F8_BR;
+        x.h = t / nqb % p.H;
+        x.b = t / nqb / p.H;
+        /* key blocks: all, or causal up to the last row's diagonal */
+        const int last_row = min(x.i0 + F8_BR, p.Nq) - 1;
+        x.nkb = (p.Nk + BC - 1) / BC;
+        if (p.causal)
+            x.nkb = last_row + shift < 0 ? 0 : min(x.nkb, (last_row + shift) / BC + 1);
+        return x;
+    };
 
     if (tid == 0) {
         for (int st = 0; st < STAGES; st++) {
@@ -191,6 +212,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             mbar_init(empty + 8 * st, 2); /* one thread of each consumer */
         }
         mbar_init(qbar, 1);
+        mbar_init(qempty, 2);
         mbar_init_fence();
     }
     __syncthreads();
@@ -198,19 +220,32 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     if (wg == 0) { /* the producer */
         regs_dec<24>();
         if (tid == 0) {
-            mbar_expect(qbar, F8_SLAB);
-            tma_load_4d(s_q, &maps.q, qbar, 0, h, i0, b);
-            for (int j = 0; j < nkb; j++) {
-                const int st = j % STAGES;
-                if (j >= STAGES)
-                    mbar_wait(empty + 8 * st, ((j / STAGES) & 1) ^ 1);
-                const uint32_t sk = s_kv + st * STAGE;
-                mbar_expect(full + 8 * st, STAGE);
-                tma_load_4d(sk, &maps.k, full + 8 * st, 0, hk, j * BC, b);
+            int n = 0, k = 0; /* K/V blocks and tiles with keys so far */
+            for (int rr = 0; rr < rounds; rr++) {
+                const int t = tile_of(rr);
+                if (t >= ntiles)
+                    continue;
+                const Tile x = tile_at(t);
+                if (x.nkb == 0)
+                    continue;
+                const int hk = x.h / (p.H / p.Hk);
+                if (k > 0)
+                    mbar_wait(qempty, (k - 1) & 1);
+                mbar_expect(qbar, F8_SLAB);
+                tma_load_4d(s_q, &maps.q, qbar, 0, x.h, x.i0, x.b);
+                for (int j = 0; j < x.nkb; j++, n++) {
+                    const int st = n % STAGES;
+                    if (n >= STAGES)
+                        mbar_wait(empty + 8 * st, ((n / STAGES) & 1) ^ 1);
+                    const uint32_t sk = s_kv + st * STAGE;
+                    mbar_expect(full + 8 * st, STAGE);
+                    tma_load_4d(sk, &maps.k, full + 8 * st, 0, hk, j * BC, x.b);
 #pragma unroll
-                for (int sl = 0; sl < Sh::SLABS; sl++) /* past npad: zeros */
-                    tma_load_4d(sk + K_BYTES + sl * F8_SLAB, &maps.vt, full + 8 * st,
-                                j * BC + 128 * sl, 0, hk, b);
+                    for (int sl = 0; sl < Sh::SLABS; sl++) /* past npad: zeros */
+                        tma_load_4d(sk + K_BYTES + sl * F8_SLAB, &maps.vt, full + 8 * st,
+                                    j * BC + 128 * sl, 0, hk, x.b);
+                }
+                k++;
             }
         }
         return;
@@ -219,161 +254,191 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const int ct = tid - WG_THREADS, w = wg - 1; /* consumer 0 or 1 */
     const Turns<true> turns(w);
     const int lane = ct % FT_WARP, warp = ct % WG_THREADS / FT_WARP, g = lane / 4, t4 = lane % 4;
-    const int row0 = i0 + 64 * w + 16 * warp + g; /* this thread's rows: row0, row0 + 8 */
-    float o[64], s[BC / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < 64; i++)
-        o[i] = 0.f;
     const uint32_t qa = desc_lo(s_q + w * 64 * 128, 16);
-    mbar_wait(qbar, 0);
+    float o[64], s[BC / 2], m[2], l[2];
+    /* the last round with keys: there warpgroup 1 skips its last pass */
+    int last_r = -1;
+    for (int rr = 0; rr < rounds; rr++) {
+        const int t = tile_of(rr);
+        if (t < ntiles && tile_at(t).nkb > 0)
+            last_r = rr;
+    }
+    int n0 = 0, k = 0; /* as the producer's */
+    for (int rr = 0; rr < rounds; rr++) {
+        const int t = tile_of(rr);
+        if (t >= ntiles)
+            continue;
+        const Tile x = tile_at(t);
+        const int i0 = x.i0, h = x.h, b = x.b, nkb = x.nkb;
+        const int row0 = i0 + 64 * w + 16 * warp + g; /* this thread's rows: row0, row0 + 8 */
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 64; i++)
+            o[i] = 0.f;
+        if (nkb > 0)
+            mbar_wait(qbar, k & 1);
 
-    /* S_j issued in a group of its own, then P_{j-1} V_{j-1}; once S_j is
-     * done (wait_group 1) its softmax runs while P V is still on the tensor
-     * cores; after P V, the stage goes back, O is rescaled and P_j packed
-     * into the A fragments. The two consumers take turns issuing their
-     * products (Turns), so one's softmax runs under the other's. */
-    uint32_t pf[Sh::KK][4];
-    float alpha[2];
-    auto issue_s = [&](int j) {
-        const int st = j % STAGES;
-        mbar_wait(full + 8 * st, (j / STAGES) & 1);
-        const uint32_t kb = desc_lo(s_kv + st * STAGE, 16);
+        /* S_j issued in a group of its own, then P_{j-1} V_{j-1}; once S_j is
+         * done (wait_group 1) its softmax runs while P V is still on the tensor
+         * cores; after P V, the stage goes back, O is rescaled and P_j packed
+         * into the A fragments. The two consumers take turns issuing their
+         * products (Turns), so one's softmax runs under the other's. */
+        uint32_t pf[Sh::KK][4];
+        float alpha[2];
+        auto issue_s = [&](int j) {
+            const int n = n0 + j, st = n % STAGES;
+            mbar_wait(full + 8 * st, (n / STAGES) & 1);
+            const uint32_t kb = desc_lo(s_kv + st * STAGE, 16);
 #pragma unroll
-        for (int ks = 0; ks < F8_D / 32; ks++)
-            F8S<BC>::ss(s, make_desc(qa + 2 * ks, FT_DESC_HI(1024)),
-                         make_desc(kb + 2 * ks, FT_DESC_HI(1024)), ks > 0);
-        wgmma_commit();
-    };
-    auto issue_pv = [&](int j) {
-        const uint32_t vb = desc_lo(s_kv + (j % STAGES) * STAGE + K_BYTES, 16);
+            for (int ks = 0; ks < F8_D / 32; ks++)
+                F8S<BC>::ss(s, make_desc(qa + 2 * ks, FT_DESC_HI(1024)),
+                             make_desc(kb + 2 * ks, FT_DESC_HI(1024)), ks > 0);
+            wgmma_commit();
+        };
+        auto issue_pv = [&](int j) {
+            const uint32_t vb = desc_lo(s_kv + (n0 + j) % STAGES * STAGE + K_BYTES, 16);
 #pragma unroll
-        for (int kk = 0; kk < Sh::KK; kk++) /* 128 keys a slab, 32 bytes a k step */
-            wgmma_fp8_rs(o, pf[kk], make_desc(vb + (kk / 4) * (F8_SLAB >> 4) + 2 * (kk % 4),
-                                              FT_DESC_HI(1024)));
-        wgmma_commit();
-    };
-    /* the softmax of S_j: masks at the edges, the running maximum (log2
-     * units: the raw maximum times c), P = 2^(s c - m) by one FFMA and an
-     * ex2 a score, the row sums; O's factors into alpha */
-    const float c = p.scale_log2; /* positive */
-    auto softmax_in = [&](int j, auto edge_) {
-        constexpr bool EDGE = decltype(edge_)::value;
-        pin_all<BC / 2>(s);
-        const int j0 = j * BC;
+            for (int kk = 0; kk < Sh::KK; kk++) /* 128 keys a slab, 32 bytes a k step */
+                wgmma_fp8_rs(o, pf[kk], make_desc(vb + (kk / 4) * (F8_SLAB >> 4) + 2 * (kk % 4),
+                                                  FT_DESC_HI(1024)));
+            wgmma_commit();
+        };
+        /* the softmax of S_j: masks at the edges, the running maximum (log2
+         * units: the raw maximum times c), P = 2^(s c - m) by one FFMA and an
+         * ex2 a score, the row sums; O's factors into alpha */
+        const float c = p.scale_log2; /* positive */
+        auto softmax_in = [&](int j, auto edge_) {
+            constexpr bool EDGE = decltype(edge_)::value;
+            pin_all<BC / 2>(s);
+            const int j0 = j * BC;
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int lim = p.causal ? min(p.Nk, row0 + 8 * r + shift + 1) : p.Nk;
-            float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}; /* four chains */
+            for (int r = 0; r < 2; r++) {
+                const int lim = p.causal ? min(p.Nk, row0 + 8 * r + shift + 1) : p.Nk;
+                float mx4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}; /* four chains */
 #pragma unroll
-            for (int i = 0; i < NT; i++)
+                for (int i = 0; i < NT; i++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float &x = s[4 * i + 2 * r + e];
-                    if (EDGE && j0 + 8 * i + 2 * t4 + e >= lim)
-                        x = -INFINITY;
-                    mx4[(2 * i + e) % 4] = max_nan(mx4[(2 * i + e) % 4], x);
-                }
-            float mx = max_nan(max_nan(mx4[0], mx4[1]), max_nan(mx4[2], mx4[3]));
-            mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mn = max_nan(m[r], mx * c), mu = mn == -INFINITY ? 0.f : mn;
-            alpha[r] = ex2(m[r] - mu);
-            float sum4[4] = {0.f, 0.f, 0.f, 0.f};
+                    for (int e = 0; e < 2; e++) {
+                        float &x = s[4 * i + 2 * r + e];
+                        if (EDGE && j0 + 8 * i + 2 * t4 + e >= lim)
+                            x = -INFINITY;
+                        mx4[(2 * i + e) % 4] = max_nan(mx4[(2 * i + e) % 4], x);
+                    }
+                float mx = max_nan(max_nan(mx4[0], mx4[1]), max_nan(mx4[2], mx4[3]));
+                mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mn = max_nan(m[r], mx * c), mu = mn == -INFINITY ? 0.f : mn;
+                alpha[r] = ex2(m[r] - mu);
+                float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int i = 0; i < NT; i++)
+                for (int i = 0; i < NT; i++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float &x = s[4 * i + 2 * r + e];
-                    x = ex2(fmaf(x, c, -mu));
-                    sum4[(2 * i + e) % 4] += x;
-                }
-            l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
-            m[r] = mn;
-        }
-    };
-    /* two copies: with a runtime test around each score's mask, ptxas
-     * predicated it into every block (an add, a compare and a select a
-     * score: 945-1003 instructions a thread for a block of 112 scores,
-     * 722 without); the blocks past the keys' end or the diagonal take the
-     * masking copy (H100, in one process: 1.09x / 1.19x at 4096 / 16384
-     * keys, causal 1.08x / 1.18x) */
-    auto softmax = [&](int j) {
-        const int j0 = j * BC;
-        if (j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > i0 + 64 * w + shift))
-            softmax_in(j, F8Bool<true>());
-        else
-            softmax_in(j, F8Bool<false>());
-    };
-    auto rescale_pack = [&] {
-        pin_all<64>(o);
+                    for (int e = 0; e < 2; e++) {
+                        float &x = s[4 * i + 2 * r + e];
+                        x = ex2(fmaf(x, c, -mu));
+                        sum4[(2 * i + e) % 4] += x;
+                    }
+                l[r] = l[r] * alpha[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
+                m[r] = mn;
+            }
+        };
+        /* two copies: with a runtime test around each score's mask, ptxas
+         * predicated it into every block (an add, a compare and a select a
+         * score: 945-1003 instructions a thread for a block of 112 scores,
+         * 722 without); the blocks past the keys' end or the diagonal take the
+         * masking copy (H100, in one process: 1.09x / 1.19x at 4096 / 16384
+         * keys, causal 1.08x / 1.18x) */
+        auto softmax = [&](int j) {
+            const int j0 = j * BC;
+            if (j0 + BC > p.Nk || (p.causal && j0 + BC - 1 > i0 + 64 * w + shift))
+                softmax_in(j, F8Bool<true>());
+            else
+                softmax_in(j, F8Bool<false>());
+        };
+        auto rescale_pack = [&] {
+            pin_all<64>(o);
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            o[4 * i] *= alpha[0];
-            o[4 * i + 1] *= alpha[0];
-            o[4 * i + 2] *= alpha[1];
-            o[4 * i + 3] *= alpha[1];
-        }
+            for (int i = 0; i < 16; i++) {
+                o[4 * i] *= alpha[0];
+                o[4 * i + 1] *= alpha[0];
+                o[4 * i + 2] *= alpha[1];
+                o[4 * i + 3] *= alpha[1];
+            }
 #pragma unroll
-        for (int kk = 0; kk < Sh::KK; kk++) {
-            const float *x = s + 16 * kk;
-            pf[kk][0] = pack_e4m3(x[0], x[1], x[4], x[5]);     /* row g, columns 4t .. */
-            pf[kk][1] = pack_e4m3(x[2], x[3], x[6], x[7]);     /* row g + 8 */
-            pf[kk][2] = pack_e4m3(x[8], x[9], x[12], x[13]);   /* row g, 16 + 4t .. */
-            pf[kk][3] = pack_e4m3(x[10], x[11], x[14], x[15]); /* row g + 8 */
-        }
-    };
-    /* once wgmma_wait has seen P V of stage j done, one thread a consumer
-     * hands it back (K by S long before, V^T by P V) */
-    auto release = [&](int j) {
-        if (ct % WG_THREADS == 0)
-            mbar_arrive(empty + 8 * (j % STAGES));
-    };
-    if (nkb > 0) {
-        wgmma_fence();
-        turns.wait();
-        issue_s(0);
-        turns.pass();
-        wgmma_wait<0>();
-        softmax(0);
-        rescale_pack();
-        for (int j = 1; j < nkb; j++) {
+            for (int kk = 0; kk < Sh::KK; kk++) {
+                const float *x = s + 16 * kk;
+                pf[kk][0] = pack_e4m3(x[0], x[1], x[4], x[5]);     /* row g, columns 4t .. */
+                pf[kk][1] = pack_e4m3(x[2], x[3], x[6], x[7]);     /* row g + 8 */
+                pf[kk][2] = pack_e4m3(x[8], x[9], x[12], x[13]);   /* row g, 16 + 4t .. */
+                pf[kk][3] = pack_e4m3(x[10], x[11], x[14], x[15]); /* row g + 8 */
+            }
+        };
+        /* once wgmma_wait has seen P V of stage j done, one thread a consumer
+         * hands it back (K by S long before, V^T by P V) */
+        auto release = [&](int j) {
+            if (ct % WG_THREADS == 0)
+                mbar_arrive(empty + 8 * ((n0 + j) % STAGES));
+        };
+        /* once the tile's last S is done, Q goes back */
+        auto release_q = [&] {
+            if (ct % WG_THREADS == 0)
+                mbar_arrive(qempty);
+        };
+        if (nkb > 0) {
             wgmma_fence();
             turns.wait();
-            issue_s(j);
-            issue_pv(j - 1);
+            issue_s(0);
             turns.pass();
-            wgmma_wait<1>(); /* S_j is done; P_{j-1} V_{j-1} may still run */
-            softmax(j);
             wgmma_wait<0>();
-            release(j - 1);
+            if (nkb == 1)
+                release_q();
+            softmax(0);
             rescale_pack();
+            for (int j = 1; j < nkb; j++) {
+                wgmma_fence();
+                turns.wait();
+                issue_s(j);
+                issue_pv(j - 1);
+                turns.pass();
+                wgmma_wait<1>(); /* S_j is done; P_{j-1} V_{j-1} may still run */
+                if (j == nkb - 1)
+                    release_q();
+                softmax(j);
+                wgmma_wait<0>();
+                release(j - 1);
+                rescale_pack();
+            }
+            wgmma_fence();
+            turns.wait();
+            issue_pv(nkb - 1);
+            turns.pass(rr == last_r);
+            wgmma_wait<0>();
+            release(nkb - 1);
+            pin_all<64>(o);
+            n0 += nkb;
+            k++;
         }
-        wgmma_fence();
-        turns.wait();
-        issue_pv(nkb - 1);
-        turns.pass(true);
-        wgmma_wait<0>();
-        pin_all<64>(o);
-    }
 
-    /* O / sum times descale_v, as bf16; LSE in natural log */
+        /* O / sum times descale_v, as bf16; LSE in natural log */
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int row = row0 + 8 * r;
-        if (row >= p.Nq)
-            continue;
-        const float f = sum > 0.f ? p.descale_v / sum : 0.f;
-        __nv_bfloat16 *dst = p.out + (int64_t)b * p.o_bs + (int64_t)row * p.o_rs + (int64_t)h * p.o_hs;
+        for (int r = 0; r < 2; r++) {
+            float sum = l[r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int row = row0 + 8 * r;
+            if (row >= p.Nq)
+                continue;
+            const float f = sum > 0.f ? p.descale_v / sum : 0.f;
+            __nv_bfloat16 *dst = p.out + (int64_t)b * p.o_bs + (int64_t)row * p.o_rs + (int64_t)h * p.o_hs;
 #pragma unroll
-        for (int i = 0; i < 16; i++)
-            *reinterpret_cast<__nv_bfloat162 *>(dst + 8 * i + 2 * t4) =
-                __floats2bfloat162_rn(o[4 * i + 2 * r] * f, o[4 * i + 2 * r + 1] * f);
-        if (t4 == 0)
-            p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
-                sum > 0.f ? (m[r] + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+            for (int i = 0; i < 16; i++)
+                *reinterpret_cast<__nv_bfloat162 *>(dst + 8 * i + 2 * t4) =
+                    __floats2bfloat162_rn(o[4 * i + 2 * r] * f, o[4 * i + 2 * r + 1] * f);
+            if (t4 == 0)
+                p.lse[((int64_t)b * p.H + h) * p.Nq + row] =
+                    sum > 0.f ? (m[r] + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+        }
     }
 #endif
 }
@@ -415,10 +480,16 @@ static ft_status fp8_launch(const F8Params &p, F8Maps maps, const FlashTensor &t
     if (!flash_tma_map(&maps.k, tk, p.B, p.Nk > 0 ? p.Nk : 1, p.Hk, F8_D, Sh::BC, FT_FP8_E4M3))
         return ft_fail(FT_ERR_UNSUPPORTED, func, 0,
                        "the copy engine does not take these fp8 tensors (their strides)");
-    FT_CUDA_TRY(func, cudaFuncSetAttribute(flash_fwd_fp8_kernel<Sh>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+    /* persistent: one CTA an SM over the tiles (FT_NO_PERSIST: a CTA a
+     * tile, the kernel compiled for one) */
+    const int ntiles = (p.Nq + F8_BR - 1) / F8_BR * p.H * p.B;
+    int dev = 0;
+    const bool persist = !switch_on("FT_NO_PERSIST") && cudaGetDevice(&dev) == cudaSuccess;
+    auto kernel = persist ? flash_fwd_fp8_kernel<Sh, true> : flash_fwd_fp8_kernel<Sh, false>;
+    const int grid = persist ? min(ntiles, flash_sm_count(dev)) : ntiles;
+    FT_CUDA_TRY(func, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)Sh::bytes));
-    flash_fwd_fp8_kernel<Sh><<<dim3((p.Nq + F8_BR - 1) / F8_BR, p.H, p.B), 3 * WG_THREADS, Sh::bytes>>>(p, maps);
+    kernel<<<grid, 3 * WG_THREADS, Sh::bytes>>>(p, maps);
     FT_CUDA_CHECK_LAUNCH(func);
     return FT_OK;
 }
