@@ -162,6 +162,14 @@ __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d
 }
 #endif
 
+/* one thread of a consumer warpgroup (ct: its thread in the consumers)
+ * hands Q back */
+__device__ __forceinline__ void release_q_now(uint32_t qempty, int ct)
+{
+    if (ct % WG_THREADS == 0)
+        mbar_arrive(qempty);
+}
+
 template <typename Sh, bool PERSIST>
 __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     flash_fwd_fp8_kernel(const F8Params p, const __grid_constant__ F8Maps maps)
@@ -220,17 +228,19 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     if (wg == 0) { /* the producer */
         regs_dec<24>();
         if (tid == 0) {
-            int n = 0, k = 0; /* K/V blocks and tiles with keys so far */
+            int n = 0; /* K/V blocks so far */
             for (int rr = 0; rr < rounds; rr++) {
                 const int t = tile_of(rr);
                 if (t >= ntiles)
                     continue;
                 const Tile x = tile_at(t);
-                if (x.nkb == 0)
-                    continue;
                 const int hk = x.h / (p.H / p.Hk);
-                if (k > 0)
-                    mbar_wait(qempty, (k - 1) & 1);
+                if (rr > 0)
+                    mbar_wait(qempty, (rr - 1) & 1);
+                if (x.nkb == 0) { /* Q's phase goes round without a copy */
+                    mbar_arrive(qbar);
+                    continue;
+                }
                 mbar_expect(qbar, F8_SLAB);
                 tma_load_4d(s_q, &maps.q, qbar, 0, x.h, x.i0, x.b);
                 for (int j = 0; j < x.nkb; j++, n++) {
@@ -245,7 +255,6 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
                         tma_load_4d(sk + K_BYTES + sl * F8_SLAB, &maps.vt, full + 8 * st,
                                     j * BC + 128 * sl, 0, hk, x.b);
                 }
-                k++;
             }
         }
         return;
@@ -253,22 +262,27 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     regs_inc<240>();
     const int ct = tid - WG_THREADS, w = wg - 1; /* consumer 0 or 1 */
     const Turns<true> turns(w);
-    const int lane = ct % FT_WARP, warp = ct % WG_THREADS / FT_WARP, g = lane / 4, t4 = lane % 4;
-    const uint32_t qa = desc_lo(s_q + w * 64 * 128, 16);
     float o[64], s[BC / 2], m[2], l[2];
-    /* the last round with keys: there warpgroup 1 skips its last pass */
-    int last_r = -1;
-    for (int rr = 0; rr < rounds; rr++) {
-        const int t = tile_of(rr);
-        if (t < ntiles && tile_at(t).nkb > 0)
-            last_r = rr;
-    }
-    int n0 = 0, k = 0; /* as the producer's */
+    /* Every round before the last has a tile, and every tile one phase
+     * of Q's barriers and at least one turn (a tile without keys an empty
+     * one), so that what the loop carries is the round and the ring's
+     * count; warpgroup 1 skips its last pass in the last round with a
+     * tile. */
+    const int last_round = tile_of(rounds - 1) < ntiles ? rounds - 1 : rounds - 2;
+    int n0 = 0; /* as the producer's n */
     for (int rr = 0; rr < rounds; rr++) {
         const int t = tile_of(rr);
         if (t >= ntiles)
             continue;
         const Tile x = tile_at(t);
+        /* the thread's places worked out again each tile from a copy of
+         * its index the compiler cannot see through: hoisted out of the
+         * walk, what only a tile's first block and its end use stayed live
+         * through the key loop (184 bytes of spills, none this way) */
+        int ctv = ct;
+        asm volatile("" : "+r"(ctv));
+        const int lane = ctv % FT_WARP, warp = ctv % WG_THREADS / FT_WARP, g = lane / 4, t4 = lane % 4;
+        const uint32_t qa = desc_lo(s_q + w * 64 * 128, 16);
         const int i0 = x.i0, h = x.h, b = x.b, nkb = x.nkb;
         const int row0 = i0 + 64 * w + 16 * warp + g; /* this thread's rows: row0, row0 + 8 */
         m[0] = m[1] = -INFINITY;
@@ -276,8 +290,12 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 64; i++)
             o[i] = 0.f;
-        if (nkb > 0)
-            mbar_wait(qbar, k & 1);
+        mbar_wait(qbar, rr & 1);
+        if (nkb == 0) {
+            release_q_now(qempty, ct);
+            turns.wait();
+            turns.pass(rr == last_round);
+        }
 
         /* S_j issued in a group of its own, then P_{j-1} V_{j-1}; once S_j is
          * done (wait_group 1) its softmax runs while P V is still on the tensor
@@ -381,10 +399,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
                 mbar_arrive(empty + 8 * ((n0 + j) % STAGES));
         };
         /* once the tile's last S is done, Q goes back */
-        auto release_q = [&] {
-            if (ct % WG_THREADS == 0)
-                mbar_arrive(qempty);
-        };
+        auto release_q = [&] { release_q_now(qempty, ct); };
         if (nkb > 0) {
             wgmma_fence();
             turns.wait();
@@ -412,12 +427,11 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             wgmma_fence();
             turns.wait();
             issue_pv(nkb - 1);
-            turns.pass(rr == last_r);
+            turns.pass(rr == last_round);
             wgmma_wait<0>();
             release(nkb - 1);
             pin_all<64>(o);
             n0 += nkb;
-            k++;
         }
 
         /* O / sum times descale_v, as bf16; LSE in natural log */
