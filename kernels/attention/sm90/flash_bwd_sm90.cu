@@ -484,7 +484,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dkdv_wgmma_kerne
     unsigned char *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     unsigned char *const sK = smem, *const sV = smem + L::V;
 
-    const int tid = threadIdx.x, wg = warpgroup_of<true>(tid);
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
@@ -612,7 +612,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     float *const sL = reinterpret_cast<float *>(smem + L::LSE);
     float *const sD = reinterpret_cast<float *>(smem + L::DD);
 
-    const int tid = threadIdx.x, wg = warpgroup_of<true>(tid);
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     QueryWalk<BM> walk(p, j0, j0 + BN, hk);
     const int total = walk.total;
@@ -768,7 +768,7 @@ __global__ void __launch_bounds__(NWG *WG_THREADS, 1) flash_bwd_dq_wgmma_kernel(
     unsigned char *const sQ = smem, *const sdO = smem + L::DO, *const sK = smem + L::K;
     unsigned char *const sV = smem + L::V;
 
-    const int tid = threadIdx.x, wg = warpgroup_of<true>(tid);
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
     if (EXT) /* varlen: this CTA's sequence */
         flash_enter_seq(p, blockIdx.z);
@@ -850,7 +850,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const uint32_t sQ = smem_addr(smem), sdO = sQ + L::DO, sK = sQ + L::K, sV = sQ + L::V;
     const uint32_t bar = sQ + L::BAR;
 
-    const int tid = threadIdx.x, wg = warpgroup_of<true>(tid);
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const QueryBlock qblk = query_block<BR, BC>(p);
     const int i0 = qblk.i0, kb0 = qblk.kb0, nkb = qblk.nkb, h = blockIdx.y, b = blockIdx.z;
     const int wrow0 = i0 + (wg - 1) * 64 + (tid / FT_WARP) % 4 * 16; /* a consumer warp's */
@@ -998,7 +998,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dkdv_wide_kernel(
     unsigned char *const sK = smem, *const sV = smem + L::V, *const sP = smem + L::P;
     unsigned char *const sdS = smem + L::DS;
 
-    const int tid = threadIdx.x, wg = warpgroup_of<true>(tid), lane = tid % FT_WARP;
+    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % FT_WARP;
     const int wwarp = (tid / FT_WARP) % 4, t4 = lane % 4;
     const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     if (EXT) { /* varlen: this CTA's sequence; past its end, nothing to do */
@@ -1121,7 +1121,7 @@ __global__ void __launch_bounds__(2 * WG_THREADS, 1) flash_bwd_dq_wide_kernel(Fl
     unsigned char *const sV = smem + L::V;
     float *const xbuf = reinterpret_cast<float *>(smem + L::END); /* swap_halves */
 
-    const int tid = threadIdx.x, wg = warpgroup_of<true>(tid);
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
     const int wwarp = (tid / FT_WARP) % 4;
     if (EXT) /* varlen: this CTA's sequence */
         flash_enter_seq(p, blockIdx.z);
