@@ -15,8 +15,9 @@ milliseconds, TFLOP/s (FlashAttention's FLOP count), peak extra memory,
 and the ratio to the rows of a reference file for the same configuration.
 With two or more implementations it also gives each row's speed against
 the last one listed, timed in the same run (--impl flash,cudnn: the flash
-kernels against cuDNN's fused attention, flash/cudnn). It writes a CSV
-and an SVG plot of TFLOP/s against seqlen.
+kernels against cuDNN's fused attention, flash/cudnn), and for each
+other implementation and pass the lowest, median and highest of those
+ratios. It writes a CSV and an SVG plot of TFLOP/s against seqlen.
 
 The benchmark is made for a CUDA GPU. Without one (no GPU, or flashtile
 built without CUDA) it stops at once with one line and exit status 1,
@@ -956,6 +957,30 @@ end
 if base_impl then
   print(("(vs %s here: TFLOP/s over %s's in the same configuration, timed in this run)"):format(base_impl,
     base_impl))
+  -- each other implementation's ratios by pass: lowest, median, highest
+  local groups, order = {}, {}
+  for _, r in ipairs(rows) do
+    if r.ratio_run and r.impl ~= base_impl then
+      local key = r.impl .. "\0" .. r.pass
+      if not groups[key] then
+        groups[key] = { impl = r.impl, pass = r.pass }
+        order[#order + 1] = key
+      end
+      table.insert(groups[key], r)
+    end
+  end
+  local function where(r)
+    return ("%s%s d=%d N=%d%s"):format(r.variant == "none" and "" or r.variant .. " ", r.dtype, r.d, r.N,
+      r.causal and " causal" or "")
+  end
+  for _, key in ipairs(order) do
+    local g = groups[key]
+    table.sort(g, function(a, b) return a.ratio_run < b.ratio_run end)
+    local n, half = #g, math.floor(#g / 2)
+    local median = n % 2 == 1 and g[half + 1].ratio_run or (g[half].ratio_run + g[half + 1].ratio_run) / 2
+    print(("%s / %s here, %s: min %.2fx (%s), median %.2fx, max %.2fx (%s), %d rows"):format(g.impl,
+      base_impl, g.pass, g[1].ratio_run, where(g[1]), median, g[n].ratio_run, where(g[n]), n))
+  end
 end
 
 local csv = assert(io.open(opts.csv, "w"))

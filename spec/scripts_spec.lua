@@ -179,6 +179,19 @@ describe("the scripts from a clone, with no LUA_PATH or LUA_CPATH", function()
           rows[i + 1]:match("^[^,]*,[^,]*,([^,]*,[^,]*,[^,]*,[^,]*,[^,]*,[^,]*,[^,]*)"))
         assert.is_truthy(rows[i]:find(",[%d.]+,tiled$"), rows[i])
       end
+      -- the ratios' lowest, median and highest, by pass, from the rows
+      local ratios = {}
+      for i = 2, #rows, 2 do
+        ratios[#ratios + 1] = tonumber(rows[i]:match(",([%d.]+),tiled$"))
+      end
+      table.sort(ratios)
+      local mn, md, mx = out:match("tiled%+FT_NO_DECODE / tiled here, fwd: min ([%d.]+)x %(f32 d=16 N=%d+ causal%), "
+        .. "median ([%d.]+)x, max ([%d.]+)x %(f32 d=16 N=%d+ causal%), 2 rows")
+      assert.is_truthy(mn, out)
+      -- (the CSV's ratios have three decimals, the line's two)
+      assert.is_true(math.abs(ratios[1] - tonumber(mn)) <= 0.006, out)
+      assert.is_true(math.abs((ratios[1] + ratios[2]) / 2 - tonumber(md)) <= 0.006, out)
+      assert.is_true(math.abs(ratios[2] - tonumber(mx)) <= 0.006, out)
       -- a switch that is not one: one line, status 2, before any timing
       local bad, bad_status = lua(ROOT .. "/scripts/bench.lua", "--device cpu --impl tiled+FT_BOGUS",
         { dir = work, env = "FT_BUILD_DIR=" .. quote(BUILD) })
