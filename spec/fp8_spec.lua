@@ -534,7 +534,7 @@ describe("fp8_e4m3", function()
     -- smaller. LSE comes from f32 sums of S, whose fp8 products the tensor
     -- cores add up with fewer bits than f32 (an error of about 2e-4 here,
     -- against 1e-5 for the bf16 route's).
-    gpu_it("on CUDA with head dim 128 takes the fp8 tensor cores on Hopper: the f64 reference within e4m3's rounding of P, rows that see no key, GQA, Nq ~= Nk, strided q, more tiles than SMs (the persistent walk's rounds, the same bits as a CTA a tile) #gpu", function()
+    gpu_it("on CUDA with head dim 128 takes the fp8 tensor cores on Hopper: the f64 reference within e4m3's rounding of P, rows that see no key, GQA, Nq ~= Nk, strided q, more tiles than SMs (the persistent walk's rounds, in head order and in order of length, the same bits as a CTA a tile) #gpu", function()
       local hopper = ft.cuda.device_name(0):match("H[12]00") ~= nil
       for _, c in ipairs {
         { B = 2, Nq = 300, Nk = 300, H = 4, Hk = 2, opts = { causal = true } },
@@ -584,6 +584,12 @@ describe("fp8_e4m3", function()
         ft.set_switch("FT_NO_PERSIST", nil)
         assert.are.equal(0, ft.max_abs_diff(o3, o), label .. ": persistent or not")
         assert.are.equal(0, ft.max_abs_diff(l3, l), label .. ": persistent or not, lse")
+        -- forced persistent (a causal walk then in order of the tiles' lengths)
+        ft.set_switch("FT_PERSIST", true)
+        local o4, l4 = ft.attention(q8, k8, v8, opts)
+        ft.set_switch("FT_PERSIST", nil)
+        assert.are.equal(0, ft.max_abs_diff(o4, o), label .. ": FT_PERSIST")
+        assert.are.equal(0, ft.max_abs_diff(l4, l), label .. ": FT_PERSIST, lse")
       end
     end)
   end)
