@@ -203,12 +203,12 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
      * CTA's tiles; Q has an empty barrier too, handed back once a tile's
      * last S product is done, so the producer copies the next tile's Q
      * and first blocks while the consumers finish this tile.
-     * lengths_first (causal): t = block rank (nqb) + b H + h instead, the
-     * longest block of every head first, then the next longest: a static
-     * walk over a head's tiles of nqb lengths leaves the longest round
-     * far above the mean (a simulation of these rounds, 132 CTAs, causal:
-     * 1.53x the mean work a CTA at 16384 keys, 1.04x at 4096; in order of
-     * length 1.004x and 1.006x); concurrent tiles then come from
+     * lengths_first (causal): t = rank B H + b H + h instead (rank 0 the
+     * longest block of a head), every head's longest first, then the
+     * next: a static walk over a head's tiles of nqb lengths leaves the
+     * busiest CTA far above the mean (a model of these rounds, 132 CTAs,
+     * causal: 1.53x the mean work at 16384 keys, 1.04x at 4096; in order
+     * of length 1.004x and 1.006x); concurrent tiles then come from
      * different heads. */
     const int G = (int)gridDim.x, rounds = PERSIST ? (ntiles + G - 1) / G : 1;
     auto tile_of = [&](int r) { return r * G + ((r & 1) ? G - 1 - (int)blockIdx.x : (int)blockIdx.x); };
