@@ -4,7 +4,7 @@
  * mma.sync kernels on Hopper), FT_NO_WS (the wgmma kernels, not the
  * warp-specialised ones), FT_WS (the warp-specialised forward that is not
  * persistent, at any length), FT_PERSIST (the persistent forward at any
- * length: f16 and bf16 at head dims 65 to 128, and fp8, whose causal walk
+ * length: f16 and bf16 at head dims 65 to 128, and fp8; a causal walk
  * then takes the tiles in order of length), FT_NO_PERSIST
  * (never it), FT_NO_DECODE
  * (no decoding kernels), FT_LAZY_RESCALE and FT_NO_LAZY_RESCALE (the Hopper forward keeps a

@@ -59,6 +59,8 @@ struct FlashParams {
     int B, H, Hk, Nq, Nk, d;
     int dtype;        /* ft_dtype of every tensor above but lse and D */
     int causal;
+    int lengths_first; /* the persistent forward's walk: tiles in order of
+                        * their lengths across heads (FT_PERSIST, causal) */
     ft_attn_mod mod;  /* which keys each query sees: lib/attn_mod.h */
     const float *sink; /* [H] contiguous: each row's softmax starts from it; or null */
     const float *alibi; /* ALiBi slopes of batch 0, head 0 (f32), or null */

@@ -567,9 +567,13 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     };
     const int rounds = (ntiles + (int)gridDim.x - 1) / (int)gridDim.x;
     auto tile_at = [&](int t, int *h, int *b) {
-        *h = t / nqb % p.H;
-        *b = t / nqb / p.H;
-        return query_block<BR, BC>(p, t % nqb);
+        /* lengths_first: t = rank B H + b H + h, every head's longest
+         * block first, then the next (kernels/README, "The order of the
+         * walk", the fp8 kernel's) */
+        const int bh = p.lengths_first ? t % (p.H * p.B) : t / nqb;
+        *h = bh % p.H;
+        *b = bh / p.H;
+        return query_block<BR, BC>(p, p.lengths_first ? t / (p.H * p.B) : t % nqb);
     };
     const int chunks = (p.d + 63) / 64;
     if (tid == 0) {
@@ -740,10 +744,14 @@ static ft_status launch_fwd_ws(const FlashParams &p, FlashRtc *rtc, int min_keys
         int dev = 0; /* a dry rtc launches nothing: any count */
         const int sms = p.q.data && cudaGetDevice(&dev) == cudaSuccess ? flash_sm_count(dev) : 132;
         if (!p.q.data || (tiles > 0 && tiles < 2147483647LL)) {
+            /* forced (FT_PERSIST), a causal walk goes in order of the
+             * tiles' lengths across heads: not measured yet, so only then */
+            FlashParams pp = p;
+            pp.lengths_first = p.causal && switch_on("FT_PERSIST");
             const ft_status st = flash_launch(
                 rtc, FLASH_FILE, flash_fwd_ws_persistent_kernel<T, D, DK, BC, STAGES, TURNS, EXT>,
                 [] { return rtc_name("flash_fwd_ws_persistent_kernel", TypeOf<T>(), D, DK, BC, STAGES, TURNS, EXT); },
-                dim3((unsigned)(tiles < sms ? tiles : sms)), 3 * WG_THREADS, LP::bytes, p,
+                dim3((unsigned)(tiles < sms ? tiles : sms)), 3 * WG_THREADS, LP::bytes, pp,
                 "ft_attention_forward", maps);
             if (p.q.data || st != FT_OK)
                 return st; /* a dry rtc compiles the other one too */
