@@ -170,12 +170,12 @@ __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d
 }
 #endif
 
-/* one thread of a consumer warpgroup (ct: its thread in the consumers)
- * hands Q back */
-__device__ __forceinline__ void release_q_now(uint32_t qempty, int ct)
+/* one thread of each consumer warpgroup (ct: the thread's index among
+ * the consumers) arrives on the mbarrier at bar */
+__device__ __forceinline__ void consumer_arrive(uint32_t bar, int ct)
 {
     if (ct % WG_THREADS == 0)
-        mbar_arrive(qempty);
+        mbar_arrive(bar);
 }
 
 template <typename Sh, bool PERSIST>
@@ -191,34 +191,25 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const uint32_t full = smem_addr(sm + Sh::BARS), empty = full + 8 * STAGES;
     const uint32_t qbar = empty + 8 * STAGES, qempty = qbar + 8;
     const int tid = threadIdx.x, wg = warpgroup_of<true>(tid);
-    const int nqb = (p.Nq + F8_BR - 1) / F8_BR, ntiles = nqb * p.H * p.B, shift = p.Nk - p.Nq;
-    /* Tiles (query block, head, batch entry), t = (b H + h) nqb + block,
-     * the query blocks of a head next to each other (they share its K and
-     * V^T in L2), longest first under the causal mask. A grid of every
-     * tile takes tile blockIdx.x; a persistent grid (fewer CTAs) takes
-     * round r's tile r G + c, or r G + G - 1 - c when r is odd (snaking,
-     * so that under the causal mask the CTAs with the longest tiles of a
-     * round take the shortest of the next), as the bf16 persistent kernel
-     * does. The K/V ring's blocks and Q's phases are counted across a
-     * CTA's tiles; Q has an empty barrier too, handed back once a tile's
-     * last S product is done, so the producer copies the next tile's Q
-     * and first blocks while the consumers finish this tile.
-     * lengths_first (causal): t = rank B H + b H + h instead (rank 0 the
-     * longest block of a head), every head's longest first, then the
-     * next: a static walk over a head's tiles of nqb lengths leaves the
-     * busiest CTA far above the mean (a model of these rounds, 132 CTAs,
-     * causal: 1.53x the mean work at 16384 keys, 1.04x at 4096; in order
-     * of length 1.004x and 1.006x); concurrent tiles then come from
-     * different heads. */
-    const int G = (int)gridDim.x, rounds = PERSIST ? (ntiles + G - 1) / G : 1;
-    auto tile_of = [&](int r) { return r * G + ((r & 1) ? G - 1 - (int)blockIdx.x : (int)blockIdx.x); };
+    const int nqb = (p.Nq + F8_BR - 1) / F8_BR, shift = p.Nk - p.Nq;
+    /* The tiles and a persistent grid's walk over them: TileWalk (a grid
+     * of every tile is its one round). The K/V ring's blocks and Q's
+     * phases are counted across a CTA's tiles; Q has an empty barrier
+     * too, handed back once a tile's last S product is done, so the
+     * producer copies the next tile's Q and first blocks while the
+     * consumers finish this tile. lengths_first (causal, FT_PERSIST): a
+     * walk in head order leaves the busiest CTA far above the mean (a
+     * model of these rounds, 132 CTAs, causal: 1.53x the mean work at
+     * 16384 keys, 1.04x at 4096; in order of length 1.004x and 1.006x). */
+    const TileWalk walk(nqb, p.H, p.B, p.lengths_first);
+    const int ntiles = walk.ntiles, rounds = PERSIST ? walk.rounds() : 1;
+    auto tile_of = [&](int r) { return walk.tile(r); };
     struct Tile {
         int i0, h, b, nkb;
     };
     auto tile_at = [&](int t) {
         Tile x;
-        const int bh = p.lengths_first ? t % (p.H * p.B) : t / nqb;
-        const int qb = p.lengths_first ? t / (p.H * p.B) : t % nqb;
+        const int bh = walk.head_batch(t), qb = walk.block(t);
         x.i0 = (p.causal ? nqb - 1 - qb : qb) * F8_BR;
         x.h = bh % p.H;
         x.b = bh / p.H;
@@ -308,7 +299,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
             o[i] = 0.f;
         mbar_wait(qbar, rr & 1);
         if (nkb == 0) {
-            release_q_now(qempty, ct);
+            consumer_arrive(qempty, ct); /* Q goes back */
             turns.wait();
             turns.pass(rr == last_round);
         }
@@ -410,20 +401,15 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
         };
         /* once wgmma_wait has seen P V of stage j done, one thread a consumer
          * hands it back (K by S long before, V^T by P V) */
-        auto release = [&](int j) {
-            if (ct % WG_THREADS == 0)
-                mbar_arrive(empty + 8 * ((n0 + j) % STAGES));
-        };
-        /* once the tile's last S is done, Q goes back */
-        auto release_q = [&] { release_q_now(qempty, ct); };
-        if (nkb > 0) {
+        auto release = [&](int j) { consumer_arrive(empty + 8 * ((n0 + j) % STAGES), ct); };
+        if (nkb > 0) { /* Q goes back once the tile's last S is done */
             wgmma_fence();
             turns.wait();
             issue_s(0);
             turns.pass();
             wgmma_wait<0>();
             if (nkb == 1)
-                release_q();
+                consumer_arrive(qempty, ct);
             softmax(0);
             rescale_pack();
             for (int j = 1; j < nkb; j++) {
@@ -434,7 +420,7 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
                 turns.pass();
                 wgmma_wait<1>(); /* S_j is done; P_{j-1} V_{j-1} may still run */
                 if (j == nkb - 1)
-                    release_q();
+                    consumer_arrive(qempty, ct);
                 softmax(j);
                 wgmma_wait<0>();
                 release(j - 1);

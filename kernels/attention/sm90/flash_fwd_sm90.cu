@@ -553,27 +553,17 @@ __global__ void __launch_bounds__(3 * WG_THREADS, 1)
     const uint32_t sQ = smem_addr(smem), sK = sQ + L::K, sV = sQ + L::V, bar = sQ + L::BAR;
 
     const int tid = threadIdx.x, wg = warpgroup_of<TURNS>(tid);
-    const int nqb = (p.Nq + BR - 1) / BR, ntiles = nqb * p.H * p.B;
-    /* tile t: query block t % nqb (longest first under the causal mask) of
-     * head t / nqb % H of batch entry t / (nqb H); round r of the walk
-     * gives tile r G + c to CTA c, or r G + G - 1 - c when r is odd, so
-     * that under the causal mask the CTAs that took the longest tiles of a
-     * round take the shortest of the next (a static schedule within 3% of
-     * the mean work a CTA up to 32 query blocks a head, where a stride of G
+    /* the walk (TileWalk; snaking: a static schedule within 3% of the
+     * mean work a CTA up to 32 query blocks a head, where a stride of G
      * left 0.75 of it at 8) */
-    auto tile_of = [&](int r) {
-        return r * (int)gridDim.x +
-               ((r & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
-    };
-    const int rounds = (ntiles + (int)gridDim.x - 1) / (int)gridDim.x;
+    const TileWalk walk((p.Nq + BR - 1) / BR, p.H, p.B, p.lengths_first);
+    const int ntiles = walk.ntiles, rounds = walk.rounds();
+    auto tile_of = [&](int r) { return walk.tile(r); };
     auto tile_at = [&](int t, int *h, int *b) {
-        /* lengths_first: t = rank B H + b H + h, every head's longest
-         * block first, then the next (kernels/README, "The order of the
-         * walk", the fp8 kernel's) */
-        const int bh = p.lengths_first ? t % (p.H * p.B) : t / nqb;
+        const int bh = walk.head_batch(t);
         *h = bh % p.H;
         *b = bh / p.H;
-        return query_block<BR, BC>(p, p.lengths_first ? t / (p.H * p.B) : t % nqb);
+        return query_block<BR, BC>(p, walk.block(t));
     };
     const int chunks = (p.d + 63) / 64;
     if (tid == 0) {

@@ -292,6 +292,36 @@ template <bool ON> struct Turns {
     }
 };
 
+/* A forward's tiles (query block, head, batch entry) and a persistent
+ * grid's walk over them. Tile t is query block x = t % nqb of head-batch
+ * bh = t / nqb (= b H + h): a head's blocks next to each other, sharing
+ * its K and V in L2; with lengths_first, x = t / (B H) of bh = t % (B H):
+ * every head's x = 0 first, then x = 1 (under the causal mask x counts
+ * from the longest block, so the tiles come in order of their lengths;
+ * kernels/README, "The order of the walk"). Round r gives CTA c tile
+ * r G + c, or r G + G - 1 - c when r is odd (snaking: under the causal
+ * mask the CTAs that took the longest tiles of a round take the shortest
+ * of the next). A grid of a CTA a tile is the one round r = 0. */
+struct TileWalk {
+    int nqb, heads, ntiles; /* heads: B H */
+    bool lengths_first;
+    __device__ __forceinline__ TileWalk(int nqb_, int H, int B, bool lf)
+        : nqb(nqb_), heads(H * B), ntiles(nqb_ * H * B), lengths_first(lf)
+    {
+    }
+    __device__ __forceinline__ int rounds() const
+    {
+        return (ntiles + (int)gridDim.x - 1) / (int)gridDim.x;
+    }
+    __device__ __forceinline__ int tile(int r) const
+    {
+        const int G = (int)gridDim.x, c = (int)blockIdx.x;
+        return r * G + ((r & 1) ? G - 1 - c : c);
+    }
+    __device__ __forceinline__ int block(int t) const { return lengths_first ? t / heads : t % nqb; }
+    __device__ __forceinline__ int head_batch(int t) const { return lengths_first ? t % heads : t / nqb; }
+};
+
 /* The query block of a CTA that walks the keys (the forward, dQ): BR rows
  * from i0 (under the causal mask the longest rows first, so that the short
  * ones fill the tail), nq of them inside the sequence, and the blocks of BC
